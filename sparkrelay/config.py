@@ -1,0 +1,129 @@
+"""One frozen config tree, validated once; the command line is generated from it.
+
+Every leaf field carries its help text in `field(metadata=...)`; `add_cli_args` turns each field of every
+section into one `--flag` (SGLang's flag names where they exist), and `config_from_args` builds the tree back.
+Defaults live only here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A bad setting, with a message naming the flag."""
+
+
+def _f(default: Any, help: str, choices: tuple | None = None, ftype: type | None = None) -> Any:
+    meta = {"help": help, "choices": choices, "type": ftype}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_path: str = _f("models/tiny-qwen3", "Hugging Face folder of the target model.")
+    tokenizer_path: Optional[str] = _f(None, "Tokenizer folder (default: --model-path).", ftype=str)
+    dtype: str = _f("auto", "Weight and activation dtype (auto: float32 on cpu, bfloat16 on cuda).", DTYPES)
+    device: str = _f("cpu", "Torch device: cpu, cuda or cuda:N.")
+    context_length: Optional[int] = _f(None, "Longest prompt + output (default: the model's limit).", ftype=int)
+    served_model_name: Optional[str] = _f(None, "Model name reported by the API (default: --model-path).", ftype=str)
+    seed: int = _f(0, "Seed of the sampling generator used by requests without their own seed.")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = _f(16, "Tokens per KV cache page (block).")
+    max_total_tokens: Optional[int] = _f(None, "KV cache capacity in tokens (default: 64 full-context requests or 2^17, whichever is smaller).", ftype=int)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = _f(64, "Most requests decoding at once.")
+    chunked_prefill_size: int = _f(2048, "Token budget of one prefill step; longer prompts are prefilled in chunks.")
+    max_n: int = _f(16, "Largest `n` (parallel samples) one request may ask for.")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = _f("127.0.0.1", "Address the HTTP server binds.")
+    port: int = _f(30000, "HTTP port.")
+    log_level: str = _f("info", "Logging level.", LOG_LEVELS)
+    api_key: Optional[str] = _f(None, "Require `Authorization: Bearer KEY` on every API route.", ftype=str)
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def validate(self) -> "Config":
+        _positive("--page-size", self.cache.page_size)
+        _positive("--max-running-requests", self.scheduler.max_running_requests)
+        _positive("--chunked-prefill-size", self.scheduler.chunked_prefill_size)
+        _positive("--max-n", self.scheduler.max_n)
+        for flag, value in (("--max-total-tokens", self.cache.max_total_tokens),
+                            ("--context-length", self.model.context_length)):
+            if value is not None:
+                _positive(flag, value)
+        if not (0 < self.server.port < 65536):
+            raise ConfigError(f"--port must be in 1..65535, got {self.server.port}")
+        dev = self.model.device
+        if not (dev == "cpu" or dev == "cuda" or dev.startswith("cuda:")):
+            raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {dev!r}")
+        if not os.path.isdir(self.model.model_path):
+            raise ConfigError(f"--model-path {self.model.model_path!r} is not a folder")
+        return self
+
+    def flat(self) -> dict[str, Any]:
+        """All leaf settings as one flat dict (the shape of SGLang's /server_info)."""
+        out: dict[str, Any] = {}
+        for section in dataclasses.fields(self):
+            out.update(dataclasses.asdict(getattr(self, section.name)))
+        return out
+
+    def replace(self, **leaves: Any) -> "Config":
+        """A new Config with the named leaf fields changed (names as in `flat()`)."""
+        sections = {}
+        for section in dataclasses.fields(self):
+            sub = getattr(self, section.name)
+            names = {f.name for f in dataclasses.fields(sub)}
+            changes = {k: v for k, v in leaves.items() if k in names}
+            sections[section.name] = dataclasses.replace(sub, **changes)
+        unknown = set(leaves) - set(self.flat())
+        if unknown:
+            raise ConfigError(f"unknown settings: {sorted(unknown)}")
+        return Config(**sections)
+
+
+def _positive(flag: str, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(f"{flag} must be positive, got {value}")
+
+
+def _leaf_fields():
+    for section in dataclasses.fields(Config):
+        for leaf in dataclasses.fields(section.default_factory()):  # type: ignore[misc]
+            yield section.name, leaf
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    for _, leaf in _leaf_fields():
+        flag = "--" + leaf.name.replace("_", "-")
+        meta = leaf.metadata
+        ftype = meta.get("type") or type(leaf.default)
+        parser.add_argument(flag, dest=leaf.name, type=ftype, default=leaf.default,
+                            choices=meta.get("choices"), help=meta.get("help"))
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    leaves = {leaf.name: getattr(args, leaf.name) for _, leaf in _leaf_fields()}
+    return Config().replace(**leaves).validate()

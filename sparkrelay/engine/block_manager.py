@@ -1,0 +1,85 @@
+"""Paged KV block accounting (plain Python, no torch).
+
+A block holds `page_size` consecutive token slots of one request. Slot `s` of the pool is token
+`s % page_size` of block `s // page_size`. Verbs come in pairs: `can_allocate/allocate` and `free`;
+`check()` is the invariant that tests run after every step and the server runs when idle.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, page_size: int) -> None:
+        assert num_blocks > 0 and page_size > 0
+        self.num_blocks = num_blocks
+        self.page_size = page_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self._ref = [0] * num_blocks
+        # owner -> its block ids, in token order
+        self._tables: dict[str, list[int]] = {}
+
+    # -- queries -------------------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_needed(self, owner: str, num_tokens: int) -> int:
+        """Extra blocks `owner` needs so that its table covers `num_tokens` token slots."""
+        have = len(self._tables.get(owner, ()))
+        want = -(-num_tokens // self.page_size)
+        return max(0, want - have)
+
+    def can_allocate(self, owner: str, num_tokens: int) -> bool:
+        return self.blocks_needed(owner, num_tokens) <= len(self._free)
+
+    def table(self, owner: str) -> list[int]:
+        return self._tables.get(owner, [])
+
+    def slots(self, owner: str, start: int, end: int) -> list[int]:
+        """Pool slot index of each token position in [start, end) of `owner`."""
+        table, ps = self._tables[owner], self.page_size
+        return [table[p // ps] * ps + p % ps for p in range(start, end)]
+
+    # -- verbs ---------------------------------------------------------------------------------------------
+    def allocate(self, owner: str, num_tokens: int) -> list[int]:
+        """Grow `owner`'s table to cover `num_tokens` slots; returns the new block ids."""
+        need = self.blocks_needed(owner, num_tokens)
+        if need > len(self._free):
+            raise MemoryError(f"need {need} KV blocks, {len(self._free)} free")
+        new = [self._free.popleft() for _ in range(need)]
+        for b in new:
+            assert self._ref[b] == 0
+            self._ref[b] = 1
+        self._tables.setdefault(owner, []).extend(new)
+        return new
+
+    def free(self, owner: str) -> int:
+        """Release every block of `owner` (a no-op for an unknown owner); returns how many were freed."""
+        table = self._tables.pop(owner, [])
+        for b in table:
+            self._ref[b] -= 1
+            assert self._ref[b] >= 0, f"block {b} ref count went negative"
+            if self._ref[b] == 0:
+                self._free.append(b)
+        return len(table)
+
+    def check(self) -> None:
+        """Invariant: free + used == total, no block both free and owned, ref counts match the tables."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        counts = [0] * self.num_blocks
+        for table in self._tables.values():
+            for b in table:
+                counts[b] += 1
+        assert counts == self._ref, "ref counts disagree with the block tables"
+        assert all(c >= 0 for c in counts)
+        used = {b for b, c in enumerate(counts) if c > 0}
+        assert not (used & free), f"blocks both free and in use: {sorted(used & free)[:8]}"
+        assert len(used) + len(free) == self.num_blocks, (
+            f"free {len(free)} + used {len(used)} != total {self.num_blocks}")

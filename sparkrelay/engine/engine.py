@@ -1,0 +1,199 @@
+"""The engine step: schedule -> run -> postprocess, over continuous batches of requests.
+
+Synchronous and single-threaded; the HTTP server runs it in its own thread (server/async_engine.py) and the
+offline API (llm.py) calls it directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from sparkrelay.config import Config, ConfigError
+from sparkrelay.engine.block_manager import BlockManager
+from sparkrelay.engine.request import Request, RequestError, RequestOutput, SamplingParams, Status
+from sparkrelay.engine.scheduler import Batch, Scheduler
+from sparkrelay.engine.stop import StopChecker
+from sparkrelay.kvcache.pool import KVPool
+from sparkrelay.models.loader import read_config
+from sparkrelay.models.qwen3 import load_qwen3
+from sparkrelay.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    return DTYPES[name]
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class Engine:
+    def __init__(self, config: Config) -> None:
+        mc = config.model
+        self.config = config
+        self.device = torch.device(mc.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"--device {mc.device}: CUDA is not available on this machine")
+        self.dtype = resolve_dtype(mc.dtype, mc.device)
+        self.hf_config = read_config(mc.model_path)
+        self.model = load_qwen3(mc.model_path, dtype=self.dtype, device=mc.device)
+        self.tokenizer = load_tokenizer(mc.tokenizer_path or mc.model_path)
+        spec = self.model.spec
+        self.vocab_size = spec.vocab_size
+        self.context_length = self._context_length(spec.max_position_embeddings)
+        self.eos_token_ids = self._eos_ids(mc.model_path)
+        page = config.cache.page_size
+        total = config.cache.max_total_tokens or min(64 * self.context_length, 1 << 17)
+        self.max_total_tokens = total // page * page
+        if self.max_total_tokens < page:
+            raise ConfigError(f"--max-total-tokens {total} is smaller than one page ({page})")
+        num_blocks = self.max_total_tokens // page
+        self.blocks = BlockManager(num_blocks, page)
+        self.pool = KVPool(range(spec.num_layers), num_blocks, page, spec.num_kv_heads, spec.head_dim,
+                           self.dtype, self.device)
+        sc = config.scheduler
+        self.scheduler = Scheduler(self.blocks, sc.max_running_requests, sc.chunked_prefill_size)
+        self.runner = ModelRunner(self.model, self.pool, self.device, mc.seed)
+        self.stop = StopChecker(self.tokenizer)
+        self.requests: dict[str, Request] = {}
+        self._ready: list[RequestOutput] = []
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0}
+
+    # -- set-up helpers --------------------------------------------------------------------------------------
+    def _context_length(self, model_max: int) -> int:
+        asked = self.config.model.context_length
+        if asked is not None and asked > model_max:
+            raise ConfigError(f"--context-length {asked} exceeds the model's max_position_embeddings {model_max}")
+        return asked or model_max
+
+    def _eos_ids(self, folder: str) -> tuple[int, ...]:
+        ids: list[int] = []
+        gen_cfg = Path(folder) / "generation_config.json"
+        for source in (json.loads(gen_cfg.read_text()) if gen_cfg.is_file() else {}, self.hf_config):
+            eos = source.get("eos_token_id")
+            ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return tuple(dict.fromkeys(ids))
+
+    @property
+    def model_info(self) -> dict:
+        mc = self.config.model
+        return {
+            "model_path": os.path.abspath(mc.model_path),
+            "tokenizer_path": os.path.abspath(mc.tokenizer_path or mc.model_path),
+            "is_generation": True,
+            "architectures": self.hf_config.get("architectures", ["Qwen3ForCausalLM"]),
+            "model_type": self.hf_config.get("model_type", "qwen3"),
+        }
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError (-> HTTP 400) for a request this engine cannot serve."""
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        n = len(prompt_ids)
+        if n >= self.context_length:
+            raise RequestError(f"the prompt has {n} tokens; the context length is {self.context_length}")
+        if n + params.max_new_tokens > self.context_length:
+            raise RequestError(f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                               f"context length {self.context_length}")
+        if n + params.max_new_tokens + 1 > self.max_total_tokens:
+            raise RequestError(f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the KV "
+                               f"cache capacity {self.max_total_tokens}")
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids out of vocabulary: {list(params.stop_token_ids)[:5]}")
+
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in use")
+        self.validate(prompt_ids, params)
+        req = Request(rid, list(prompt_ids), params, self.eos_token_ids, arrival_time=time.monotonic())
+        self.requests[rid] = req
+        self.counters["prompt_tokens"] += len(prompt_ids)
+        if params.max_new_tokens == 0:
+            req.finish({"type": "length", "length": 0})
+            self._release(req)
+            return
+        self.scheduler.add(req)
+
+    def abort(self, rid: str) -> None:
+        req = self.requests.get(rid)
+        if req is None:
+            return
+        req.finish({"type": "abort", "message": "aborted"})
+        self.scheduler.remove(req)
+        self.runner.release(rid)
+        self.requests.pop(rid, None)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._ready)
+
+    # -- the step ----------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return self._take_ready()
+        result = self.runner.run(batch)
+        self._postprocess(batch, result.next_ids)
+        return self._take_ready()
+
+    def _postprocess(self, batch: Batch, next_ids: list[int]) -> None:
+        sampled = iter(next_ids)
+        now = time.monotonic()
+        for seq in batch.seqs:
+            req = seq.req
+            req.num_computed = seq.end
+            if not seq.sample:
+                continue
+            req.output_ids.append(next(sampled))
+            self.counters["generation_tokens"] += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self.stop.update(req, self.context_length)
+            self._emit(req, new_ids=req.output_ids[-1:])
+            if req.is_finished:
+                self._release(req)
+
+    def _emit(self, req: Request, new_ids: list[int]) -> None:
+        self._ready.append(RequestOutput(req.rid, new_ids, list(req.output_ids), req.is_finished, req.finish_reason,
+                                         len(req.prompt_ids), req.output_text))
+
+    def _release(self, req: Request) -> None:
+        if req.status == Status.FINISHED and not any(o.rid == req.rid and o.finished for o in self._ready):
+            self._emit(req, new_ids=[])
+        self.scheduler.remove(req)
+        self.runner.release(req.rid)
+        self.requests.pop(req.rid, None)
+        self.counters["finished"] += 1
+
+    def _take_ready(self) -> list[RequestOutput]:
+        out, self._ready = self._ready, []
+        return out
+
+    # -- introspection ---------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        used = self.blocks.num_used * self.blocks.page_size
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_used_tokens": used, "kv_total_tokens": self.max_total_tokens,
+                "kv_usage": used / self.max_total_tokens, "num_preemptions": self.scheduler.num_preemptions}
+
+    def check(self) -> None:
+        self.blocks.check()

@@ -1,0 +1,23 @@
+"""The target's paged KV pool: one K and one V tensor per owned layer, addressed by flat slot index."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """k[layer], v[layer]: [num_blocks * page_size, n_kv, head_dim]; slot s holds one token's K/V."""
+
+    def __init__(self, layers: range, num_blocks: int, page_size: int, n_kv: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        slots = num_blocks * page_size
+        self.num_blocks, self.page_size = num_blocks, page_size
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
+            i: (torch.zeros(slots, n_kv, head_dim, dtype=dtype, device=device),
+                torch.zeros(slots, n_kv, head_dim, dtype=dtype, device=device))
+            for i in layers
+        }
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, n_kv: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * n_kv * head_dim * torch.finfo(dtype).bits // 8

@@ -1,0 +1,83 @@
+"""Paged attention over a flat slot pool, for batches of sequences that feed different numbers of tokens.
+
+Memory layout (one pool per layer, see kvcache/pool.py):
+    k_pool, v_pool: [num_slots, n_kv, D]; slot s = block s // page_size, offset s % page_size.
+A batch feeds T tokens in total, `q_len[b]` of them for sequence b, whose keys occupy `kv_len[b]` slots
+(the cached context followed by the fed tokens). Queries are scattered into a padded [B, Lq] layout,
+keys gathered into a padded [B, Lk] layout, and one SDPA call with a boolean mask does the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttnMeta:
+    """Built once per forward by the runner; shared by every layer."""
+
+    positions: torch.Tensor     # [T] absolute position of each fed token
+    slot_mapping: torch.Tensor  # [T] pool slot each fed token's K/V is written to
+    q_pad_index: torch.Tensor   # [T] row of each fed token in the flattened [B * Lq] query layout
+    kv_index: torch.Tensor      # [B, Lk] pool slot of each key (padding rows point at slot 0, masked out)
+    mask: torch.Tensor          # [B, 1, Lq, Lk] True where the query may attend
+    batch: int
+    max_q: int
+
+    @classmethod
+    def build(cls, starts: list[int], ends: list[int], block_tables: list[list[int]], page_size: int,
+              device: torch.device | str) -> "AttnMeta":
+        """Sequence b feeds positions [starts[b], ends[b]); its keys are positions 0..ends[b]-1, found through
+        its block table; queries are causal."""
+        batch = len(starts)
+        start_t, end_t = torch.tensor(starts), torch.tensor(ends)
+        q_lens = end_t - start_t
+        max_q, max_k = int(q_lens.max()), int(end_t.max())
+        bt = torch.zeros(batch, -(-max_k // page_size), dtype=torch.long)
+        for b, table in enumerate(block_tables):
+            n = min(len(table), bt.shape[1])
+            bt[b, :n] = torch.tensor(table[:n], dtype=torch.long)
+        j = torch.arange(max_k)
+        kv_index = bt[:, j // page_size] * page_size + j % page_size  # [B, Lk]
+        if max_q == 1:
+            seq_of_token, positions = torch.arange(batch), start_t
+        else:
+            seq_of_token = torch.repeat_interleave(torch.arange(batch), q_lens)  # [T]
+            offsets = torch.arange(int(q_lens.sum())) - torch.repeat_interleave(q_lens.cumsum(0) - q_lens, q_lens)
+            positions = start_t[seq_of_token] + offsets
+        slot_mapping = kv_index[seq_of_token, positions]  # [T]
+        pad_index = seq_of_token * max_q + (positions - start_t[seq_of_token])
+        # query row i of sequence b sits at position min(start_b + i, end_b - 1) (padding rows repeat the last
+        # one so that no softmax row is empty; their outputs are dropped); key j is visible iff j <= that.
+        q_pos = torch.minimum(start_t[:, None] + torch.arange(max_q)[None, :], end_t[:, None] - 1)  # [B, Lq]
+        mask = j.view(1, 1, max_k) <= q_pos.unsqueeze(-1)  # [B, Lq, Lk]
+        return cls(
+            positions=positions.to(device), slot_mapping=slot_mapping.to(device),
+            q_pad_index=pad_index.to(device), kv_index=kv_index.to(device),
+            mask=mask.unsqueeze(1).to(device), batch=batch, max_q=max_q,
+        )
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    meta: AttnMeta, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, n_kv, D] of the fed tokens -> attention output [T, H, D]; writes k/v into the pools."""
+    k_pool[meta.slot_mapping] = k
+    v_pool[meta.slot_mapping] = v
+    n_heads, dim = q.shape[1], q.shape[2]
+    if meta.max_q == 1:
+        qp = q.unsqueeze(1)  # [B, 1, H, D]: decode, one token per sequence
+    else:
+        qp = q.new_zeros(meta.batch * meta.max_q, n_heads, dim)
+        qp[meta.q_pad_index] = q
+        qp = qp.view(meta.batch, meta.max_q, n_heads, dim)  # [B, Lq, H, D]
+    kp = k_pool[meta.kv_index]  # [B, Lk, n_kv, D]
+    vp = v_pool[meta.kv_index]
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+        attn_mask=meta.mask, scale=scale, enable_gqa=True,
+    )  # [B, H, Lq, D]
+    out = out.transpose(1, 2).reshape(meta.batch * meta.max_q, n_heads, dim)
+    return out if meta.max_q == 1 else out[meta.q_pad_index]

@@ -1,0 +1,168 @@
+"""Qwen3 dense decoder (Qwen3ForCausalLM), owning a layer range, with DSpark tap capture.
+
+Module names mirror the Hugging Face checkpoint keys (`model.layers.{i}...`, `lm_head`) so that weights load as
+they are. A stage owns layers [start, end): the embedding when start == 0, the final norm and LM head when
+end == num_layers. Taps: id -1 is the embedding output, id i the raw residual-stream output of layer i
+(= transformers' `hidden_states[i + 1]`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from sparkrelay.models.attention import AttnMeta, paged_attention
+from sparkrelay.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, rope_theta
+from sparkrelay.models.loader import CheckpointError, load_weights, qwen3_key_owner, read_config
+
+
+@dataclass(frozen=True)
+class Qwen3Spec:
+    """The fields of a Qwen3 config.json that the forward uses."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "Qwen3Spec":
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+        )
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, spec: Qwen3Spec) -> None:
+        super().__init__()
+        d, hd, bias = spec.hidden_size, spec.head_dim, spec.attention_bias
+        self.n_heads, self.n_kv, self.head_dim = spec.num_heads, spec.num_kv_heads, hd
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, self.n_kv * hd, bias=bias)
+        self.v_proj = nn.Linear(d, self.n_kv * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=bias)
+        self.q_norm = RMSNorm(hd, spec.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
+        self.scale = hd ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttnMeta) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(t, self.n_heads, self.head_dim))  # [T, H, D]
+        k = self.k_norm(self.k_proj(x).view(t, self.n_kv, self.head_dim))    # [T, n_kv, D]
+        v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)       # [T, H, D]
+        return self.o_proj(out.reshape(t, self.n_heads * self.head_dim))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, spec: Qwen3Spec) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(spec)
+        self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttnMeta) -> torch.Tensor:
+        """h [T, d] residual stream in -> out; the returned value is the layer's raw residual-stream output."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3Body(nn.Module):
+    """`model.*` of the checkpoint, restricted to the owned layer range."""
+
+    def __init__(self, spec: Qwen3Spec, start: int, end: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if start == 0 else None
+        self.layers = nn.ModuleDict({str(i): Qwen3DecoderLayer(spec) for i in range(start, end)})
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if end == spec.num_layers else None
+
+
+@dataclass
+class StageOutput:
+    """hidden: [T, d] residual stream after the stage's last layer; logits: [R, V] at the rows asked for (last
+    stage only); taps: {layer_id: [T, d]} for the tap ids this stage owns."""
+
+    hidden: torch.Tensor
+    logits: Optional[torch.Tensor]
+    taps: dict[int, torch.Tensor]
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, spec: Qwen3Spec, start: int = 0, end: Optional[int] = None,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        end = spec.num_layers if end is None else end
+        if not 0 <= start < end <= spec.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) is not inside [0, {spec.num_layers})")
+        self.spec, self.start, self.end = spec, start, end
+        self.model = Qwen3Body(spec, start, end)
+        self.is_last = end == spec.num_layers
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if self.is_last else None
+        max_pos = spec.max_position_embeddings
+        self.rotary = Rotary(spec.head_dim, spec.rope_theta, max_pos, torch.device(device))
+
+    def owns_tap(self, layer_id: int) -> bool:
+        return (layer_id == -1 and self.start == 0) or self.start <= layer_id < self.end
+
+    def forward(self, meta: AttnMeta, kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                input_ids: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
+                logits_index: Optional[torch.Tensor] = None, taps: tuple[int, ...] = ()) -> StageOutput:
+        """input_ids [T] (first stage) or hidden [T, d] (later stages); logits only at rows `logits_index` [R]."""
+        h = self.model.embed_tokens(input_ids) if self.start == 0 else hidden
+        captured = {-1: h} if -1 in taps and self.start == 0 else {}
+        cos, sin = self.rotary.table(meta.positions, h.dtype)
+        for i in range(self.start, self.end):
+            h = self.model.layers[str(i)](h, cos, sin, kv_caches[i], meta)
+            if i in taps:
+                captured[i] = h
+        logits = None
+        if self.is_last:
+            rows = h if logits_index is None else h[logits_index]
+            logits = self.lm_head(self.model.norm(rows))
+        return StageOutput(hidden=h, logits=logits, taps=captured)
+
+
+def load_qwen3(folder: str, start: int = 0, end: Optional[int] = None, dtype: torch.dtype = torch.float32,
+               device: str = "cpu") -> Qwen3ForCausalLM:
+    """Build the stage [start, end) of the checkpoint in `folder` and load its weights (checked complete)."""
+    hf = read_config(folder)
+    archs = hf.get("architectures") or ["Qwen3ForCausalLM"]
+    if hf.get("model_type", "qwen3") != "qwen3" or "Qwen3ForCausalLM" not in archs:
+        raise CheckpointError(f"{folder}: model_type {hf.get('model_type')!r} / architectures {archs} is not Qwen3ForCausalLM")
+    spec = Qwen3Spec.from_hf(hf)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(spec, start, end, device=device)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.max_position_embeddings, torch.device(device))
+    if spec.tie_word_embeddings and model.is_last and model.model.embed_tokens is not None:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    rename, elsewhere = qwen3_key_owner(spec.num_layers, model.start, model.end, spec.tie_word_embeddings)
+    load_weights(model, folder, rename, elsewhere, dtype)
+    return model.eval()

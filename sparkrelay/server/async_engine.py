@@ -1,0 +1,264 @@
+"""Runs the synchronous Engine in one dedicated thread and bridges its outputs to asyncio.
+
+    asyncio side (HTTP handlers)                    engine thread (owns Engine; the only caller)
+    ----------------------------                    --------------------------------------------
+    submit() --_Add(items, Future)--> inbox ------> add_request() each; Future gets None or the RequestError
+    OutputStream.close() --_Abort(rid)--> inbox --> abort()
+    OutputStream <- asyncio.Queue <- call_soon_threadsafe(_deliver, outputs) <- step()
+
+The thread drains the inbox, steps while the engine has work, and blocks on the inbox when idle
+(running `engine.check()` each time it goes idle). An exception from `step()` is logged; every
+in-flight request then gets an abort output with status 500 and the thread keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+from sparkrelay.engine.request import RequestError, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationItem:
+    """One engine request: n > 1 and batch inputs are split into several items before they get here."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Add:
+    items: list[GenerationItem]
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class _Abort:
+    rid: str
+
+
+class _Stop:
+    pass
+
+
+def _abort_output(rid: str, message: str, status_code: int) -> RequestOutput:
+    reason = {"type": "abort", "message": message, "status_code": status_code}
+    return RequestOutput(rid, [], [], True, reason, 0, "")
+
+
+class OutputStream:
+    """Async iterator over the outputs of a group of engine requests, in arrival order.
+
+    Ends when every request of the group has finished. `close()` aborts the unfinished ones;
+    always call it (try/finally) so a client that goes away frees its KV blocks.
+    """
+
+    def __init__(self, owner: "AsyncEngine", rids: list[str], outputs: asyncio.Queue):
+        self._owner = owner
+        self.rids = rids
+        self._pending = set(rids)
+        self._outputs = outputs
+        self._closed = False
+
+    def __aiter__(self) -> "OutputStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._pending:
+            self.close()
+            raise StopAsyncIteration
+        out = await self._outputs.get()
+        if out.finished:
+            self._pending.discard(out.rid)
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for rid in self._pending:
+            self._owner.abort(rid)
+        self._owner._unregister(self.rids)
+
+
+class AsyncEngine:
+    """Owns an Engine in a background thread. Start it from the event loop that will consume outputs."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._queues: dict[str, asyncio.Queue] = {}  # touched only on the event loop thread
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._live: set[str] = set()  # touched only on the engine thread
+        self.last_stats: dict = dict(engine.stats())  # snapshot replaced by the engine thread
+        self.num_step_failures = 0
+
+    # ---- lifecycle (event loop side) ----
+
+    async def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="sparkrelay-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        self._inbox.put(_Stop())
+        self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- requests (event loop side) ----
+
+    async def submit(self, items: list[GenerationItem]) -> OutputStream:
+        """Adds all items atomically (all or none); raises RequestError for a bad request."""
+        rids = [it.rid for it in items]
+        if len(set(rids)) != len(rids) or any(r in self._queues for r in rids):
+            raise RequestError(f"request id already in use: {rids}")
+        if not self.is_alive:
+            raise RuntimeError("engine thread is not running")
+        outputs: asyncio.Queue = asyncio.Queue()
+        for rid in rids:
+            self._queues[rid] = outputs
+        stream = OutputStream(self, rids, outputs)
+        cmd = _Add(items)
+        self._inbox.put(cmd)
+        try:
+            await asyncio.wrap_future(cmd.future)
+        except BaseException:
+            stream.close()  # also covers cancellation while waiting: the add may have happened
+            raise
+        return stream
+
+    async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request; aborts it in the engine if the consumer stops early or is cancelled."""
+        stream = await self.submit([GenerationItem(rid, prompt_ids, params)])
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(_Abort(rid))
+
+    def _unregister(self, rids: list[str]) -> None:
+        for rid in rids:
+            self._queues.pop(rid, None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._queues.get(out.rid)
+            if q is not None:
+                q.put_nowait(out)
+
+    # ---- engine thread ----
+
+    def _run(self) -> None:
+        was_busy = True
+        while True:
+            busy = self.engine.has_work()
+            if was_busy and not busy:
+                self._idle_check()
+            was_busy = busy
+            for cmd in self._drain(block=not busy):
+                if isinstance(cmd, _Stop):
+                    self._abort_all("server shutting down", 503)
+                    return
+                self._apply(cmd)
+            if self.engine.has_work():
+                self._step()
+
+    def _drain(self, block: bool) -> list:
+        cmds = [self._inbox.get()] if block else []
+        while True:
+            try:
+                cmds.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _apply(self, cmd) -> None:
+        if isinstance(cmd, _Abort):
+            if cmd.rid in self._live:
+                self._live.discard(cmd.rid)
+                self.engine.abort(cmd.rid)
+        else:
+            self._add(cmd)
+        self._refresh_stats()
+
+    def _add(self, cmd: _Add) -> None:
+        added: list[str] = []
+        try:
+            for it in cmd.items:
+                self.engine.add_request(it.rid, it.prompt_ids, it.params)
+                added.append(it.rid)
+        except Exception as e:  # RequestError -> 400; anything else -> 500, both reported to the caller
+            for rid in added:
+                self.engine.abort(rid)
+            cmd.future.set_exception(e)
+            return
+        self._live.update(added)
+        cmd.future.set_result(None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; aborting %d in-flight requests", len(self._live))
+            self.num_step_failures += 1
+            self._abort_all(f"internal engine error: {type(e).__name__}: {e}", 500)
+            time.sleep(0.01)  # a persistently failing engine must not spin the CPU
+            return
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.rid)
+        if outputs:
+            self._post(outputs)
+        self._refresh_stats()
+
+    def _abort_all(self, message: str, status_code: int) -> None:
+        outputs = [_abort_output(rid, message, status_code) for rid in sorted(self._live)]
+        for rid in list(self._live):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                logger.exception("abort of %s failed", rid)
+        self._live.clear()
+        self._post(outputs)
+        self._refresh_stats()
+
+    def _post(self, outputs: list[RequestOutput]) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._deliver, outputs)
+            except RuntimeError:  # loop closed between the check and the call
+                pass
+
+    def _idle_check(self) -> None:
+        try:
+            self.engine.check()
+        except Exception:
+            logger.exception("engine invariant check failed while idle")
+
+    def _refresh_stats(self) -> None:
+        try:
+            self.last_stats = dict(self.engine.stats())
+        except Exception:
+            logger.exception("engine.stats() failed")

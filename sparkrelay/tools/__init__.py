@@ -1,0 +1,1 @@
+"""Offline tools: training the bundled models."""

@@ -1,0 +1,47 @@
+"""Shared fixtures: the bundled model, and small random Qwen3 checkpoints built on the fly."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BUNDLED = ROOT / "models" / "tiny-qwen3"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def tokenizer_source() -> Path:
+    if (BUNDLED / "tokenizer.json").is_file():
+        return BUNDLED
+    return ROOT / ".cache" / "train_tiny_target" / "tokenizer"
+
+
+def make_random_qwen3(folder: Path, seed: int = 0, **overrides) -> Path:
+    """Save a random-weight Qwen3ForCausalLM (transformers) with the bundled tokenizer into `folder`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    fields = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+                  max_position_embeddings=2048, rope_theta=10000.0)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**fields)).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_source() / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory) -> Path:
+    """GQA (4 query heads over 2 KV heads), untied embeddings, 4 layers."""
+    return make_random_qwen3(tmp_path_factory.mktemp("random_qwen3"))
+
+
+@pytest.fixture(scope="session")
+def bundled_model_dir() -> Path:
+    assert (BUNDLED / "config.json").is_file(), f"the bundled model {BUNDLED} is missing"
+    return BUNDLED
