@@ -1,9 +1,9 @@
 """The workload and the reporting shared by the benchmarks (bench_offline, bench_serving, ...).
 
-Workload: prompts are fixed-length token windows of held-out Python code, the running Python's standard-library
-files that `tools/train_tiny_target.py` keeps out of training (so the bundled model is not timed on text it
-memorised). Files are taken in sorted order with a fixed stride; when the prompts outnumber the files, later
-prompts take the next window of each file. Everything is deterministic for one Python install and tokenizer.
+Workload: prompts are fixed-length token windows of held-out Python code: the running Python's standard-library
+files that `corpus.stdlib_files` keeps out of training, so the bundled model is not timed on text it memorised.
+Files are taken in sorted order with a fixed stride; when the prompts outnumber the files, later prompts take the
+next window of each file. Everything is deterministic for one Python install and tokenizer.
 
 Reporting: `markdown_table` / `write_markdown` for the table, `bar_chart` for the PNG, `write_json` for the raw
 figures, `machine_info` for the header line every result carries.
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from sparkrelay.corpus import stdlib_files
+
 DEFAULT_MODEL = "models/tiny-qwen3"
 DEFAULT_OUT_DIR = "benchmarks/results"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -41,15 +43,9 @@ class Prompt:
 
 
 def held_out_files() -> list[Path]:
-    """The stdlib files the bundled model never trained on (sorted); all eligible stdlib files if that split is
-    unavailable."""
-    try:
-        from sparkrelay.tools.train_tiny_target import stdlib_files
-
-        train, held = stdlib_files()
-        return sorted(held) or sorted(train)
-    except ImportError:  # the training tool is optional; fall back to the whole stdlib
-        return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    """The stdlib files the bundled model never trained on (sorted); the training split if none is held out."""
+    train, held = stdlib_files()
+    return sorted(held) or sorted(train)
 
 
 def load_prompts(tokenizer, num_prompts: int, prompt_len: int, stride: int = 3) -> list[Prompt]:

@@ -195,7 +195,7 @@ def header_lines(args: argparse.Namespace, machine: dict, prompts: list[bc.Promp
         f"Model `{args.model_path}`, dtype {args.dtype}, device {args.device}; {len(prompts)} prompts x "
         f"{args.prompt_len} tokens of held-out stdlib code ({len(files)} files), {args.output_len} new tokens each, "
         f"greedy, EOS ignored; median of {args.repeats} runs after {args.warmup} warm-up.",
-        f"torch {machine['torch']}, {machine['torch_threads']} torch threads, {machine['cpu_cores']} cores "
+        f"torch {machine['torch']}, torch threads: {machine['torch_threads']}, {machine['cpu_cores']} cores "
         f"({machine['cpu']}{gpu}), Python {machine['python']}, {machine['date']}.",
     ]
 
@@ -221,7 +221,9 @@ NOTES = [
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], prog="python -m sparkrelay.bench_offline")
+    parser = argparse.ArgumentParser(prog="python -m sparkrelay.bench_offline",
+                                     description="Offline tokens/s of sparkrelay vs transformers on one model and "
+                                                 "workload; writes bench_offline.md/.png/.json.")
     bc.add_workload_args(parser)
     parser.add_argument("--batch-sizes", type=bc.int_list, default=None,
                         help="Comma-separated batch sizes (default: 1,N).")
@@ -233,6 +235,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     for flag in ("num_prompts", "prompt_len", "output_len", "repeats"):
         if getattr(args, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be positive")
+    if max(args.batch_sizes) > args.num_prompts:
+        parser.error(f"--batch-sizes {args.batch_sizes}: a batch cannot exceed --num-prompts {args.num_prompts}")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
     known = {e.name for e in ENGINE_CONFIGS}

@@ -37,12 +37,18 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def test_bench_offline_writes_table_plot_and_json(tiny_model, tmp_path, capsys):
+    import torch
+
     from sparkrelay import bench_offline
 
     out_dir = tmp_path / "results"
-    result = bench_offline.main(["--model-path", str(tiny_model), "--num-prompts", "2", "--prompt-len", "8",
-                                 "--output-len", "4", "--batch-sizes", "1,2", "--warmup", "0", "--repeats", "1",
-                                 "--out-dir", str(out_dir)])
+    threads = torch.get_num_threads()
+    try:  # one thread: on a busy 2-core machine, more makes torch's kernels spin and the test crawl
+        result = bench_offline.main(["--model-path", str(tiny_model), "--num-prompts", "2", "--prompt-len", "8",
+                                     "--output-len", "4", "--batch-sizes", "1,2", "--warmup", "0", "--repeats", "1",
+                                     "--threads", "1", "--out-dir", str(out_dir)])
+    finally:
+        torch.set_num_threads(threads)
 
     md = (out_dir / "bench_offline.md").read_text()
     png = (out_dir / "bench_offline.png").read_bytes()

@@ -23,7 +23,7 @@ class AttnMeta:
     slot_mapping: torch.Tensor  # [T] pool slot each fed token's K/V is written to
     q_pad_index: torch.Tensor   # [T] row of each fed token in the flattened [B * Lq] query layout
     kv_index: torch.Tensor      # [B, Lk] pool slot of each key (padding rows point at slot 0, masked out)
-    mask: torch.Tensor          # [B, 1, Lq, Lk] True where the query may attend
+    mask: torch.Tensor | None   # [B, 1, Lq, Lk] True where the query may attend; None when every key is visible
     batch: int
     max_q: int
 
@@ -53,11 +53,13 @@ class AttnMeta:
         # query row i of sequence b sits at position min(start_b + i, end_b - 1) (padding rows repeat the last
         # one so that no softmax row is empty; their outputs are dropped); key j is visible iff j <= that.
         q_pos = torch.minimum(start_t[:, None] + torch.arange(max_q)[None, :], end_t[:, None] - 1)  # [B, Lq]
-        mask = j.view(1, 1, max_k) <= q_pos.unsqueeze(-1)  # [B, Lq, Lk]
+        mask = (j.view(1, 1, max_k) <= q_pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, Lq, Lk]
+        if max_q == 1 and bool((end_t == max_k).all()):
+            mask = None  # one query per sequence and no padding keys: every key is visible
         return cls(
             positions=positions.to(device), slot_mapping=slot_mapping.to(device),
             q_pad_index=pad_index.to(device), kv_index=kv_index.to(device),
-            mask=mask.unsqueeze(1).to(device), batch=batch, max_q=max_q,
+            mask=None if mask is None else mask.to(device), batch=batch, max_q=max_q,
         )
 
 

@@ -16,21 +16,43 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused kernel
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
+    """gate_proj / up_proj as in the checkpoint; `fuse()` merges them into one [2 * inter, dim] matmul after loading."""
+
     def __init__(self, dim: int, inter: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(dim, inter, bias=False)
         self.up_proj = nn.Linear(dim, inter, bias=False)
         self.down_proj = nn.Linear(inter, dim, bias=False)
+        self.gate_up: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [T, 2 * inter] -> 2 x [T, inter]
+        return self.down_proj(F.silu(gate) * up)
+
+
+def fuse_linears(*linears: nn.Linear) -> nn.Linear:
+    """One Linear whose output is the concatenation of the given ones' outputs (fewer kernel launches)."""
+    first = linears[0]
+    out = sum(l.out_features for l in linears)
+    has_bias = first.bias is not None
+    fused = nn.Linear(first.in_features, out, bias=has_bias, device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([l.weight for l in linears], dim=0))
+        if has_bias:
+            fused.bias.copy_(torch.cat([l.bias for l in linears], dim=0))
+    return fused
 
 
 class Rotary:
@@ -41,7 +63,10 @@ class Rotary:
         pos = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.cos = emb.cos()
+        # rotate_half(x) * sin == roll(x, D/2) * sin_signed, with the first half of sin negated
+        sin = emb.sin()
+        self.sin = torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), dim=-1)
         self.max_positions = max_positions
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,14 +74,9 @@ class Rotary:
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] rotated at each token's position."""
-    return x * cos + rotate_half(x) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated at each token's position (cos, sin_signed from `Rotary.table`)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def rope_theta(hf_config: dict) -> float:

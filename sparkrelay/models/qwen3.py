@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from sparkrelay.models.attention import AttnMeta, paged_attention
-from sparkrelay.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, rope_theta
+from sparkrelay.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, fuse_linears, rope_theta
 from sparkrelay.models.loader import CheckpointError, load_weights, qwen3_key_owner, read_config
 
 
@@ -67,14 +67,27 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(hd, spec.rms_norm_eps)
         self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
         self.scale = hd ** -0.5
+        self.qkv: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """Merge q/k/v projections into one matmul after loading (the checkpoint keeps them apart)."""
+        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, d] -> q [T, H, D], k [T, n_kv, D], v [T, n_kv, D] (before norms and RoPE)."""
+        t, hd = x.shape[0], self.head_dim
+        if self.qkv is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = self.qkv(x).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+        return q.view(t, self.n_heads, hd), k.view(t, self.n_kv, hd), v.view(t, self.n_kv, hd)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttnMeta) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.n_heads, self.head_dim))  # [T, H, D]
-        k = self.k_norm(self.k_proj(x).view(t, self.n_kv, self.head_dim))    # [T, n_kv, D]
-        v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.project(x)
+        q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
         out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)       # [T, H, D]
         return self.o_proj(out.reshape(t, self.n_heads * self.head_dim))
 
@@ -128,6 +141,12 @@ class Qwen3ForCausalLM(nn.Module):
         max_pos = spec.max_position_embeddings
         self.rotary = Rotary(spec.head_dim, spec.rope_theta, max_pos, torch.device(device))
 
+    def fuse(self) -> None:
+        """Merge each layer's q/k/v and gate/up projections (after the checkpoint's separate tensors are loaded)."""
+        for layer in self.model.layers.values():
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
     def owns_tap(self, layer_id: int) -> bool:
         return (layer_id == -1 and self.start == 0) or self.start <= layer_id < self.end
 
@@ -165,4 +184,5 @@ def load_qwen3(folder: str, start: int = 0, end: Optional[int] = None, dtype: to
         model.lm_head.weight = model.model.embed_tokens.weight
     rename, elsewhere = qwen3_key_owner(spec.num_layers, model.start, model.end, spec.tie_word_embeddings)
     load_weights(model, folder, rename, elsewhere, dtype)
+    model.fuse()
     return model.eval()

@@ -15,15 +15,15 @@ Usage: python -m sparkrelay.tools.train_tiny_target [--out models/tiny-qwen3] [-
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
-import sysconfig
 import time
 from pathlib import Path
 
 import torch
+
+from sparkrelay.corpus import read_texts, stdlib_files
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -32,32 +32,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-SKIP_DIRS = ("site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__")
-
-
-def stdlib_files() -> tuple[list[Path], list[Path]]:
-    """Return (train, held_out) lists of stdlib source files, split by a stable hash of the path."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train, held = [], []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if any(part in SKIP_DIRS for part in rel.parts[:-1]):
-            continue
-        bucket = int(hashlib.sha1(str(rel).encode()).hexdigest(), 16) % 100
-        (held if bucket >= 98 else train).append(path)
-    return train, held
-
-
-def read_texts(paths: list[Path]) -> list[str]:
-    texts = []
-    for path in paths:
-        try:
-            texts.append(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, OSError):
-            continue
-    return texts
-
-
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
