@@ -321,3 +321,13 @@ def test_launch_server_subprocess(tiny_model_dir):
     finally:
         proc.terminate()
         assert proc.wait(20) is not None
+
+
+def test_openai_routes_accept_router_bootstrap_fields(client):
+    """The SGLang router adds bootstrap_host/port/room to OpenAI bodies too; aggregated mode ignores them."""
+    extra = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 12345}
+    r = client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 4, "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                                  **extra})
+    assert r.status_code == 200, r.text

@@ -66,8 +66,8 @@ class AttnMeta:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     meta: AttnMeta, scale: float) -> torch.Tensor:
     """q [T, H, D], k/v [T, n_kv, D] of the fed tokens -> attention output [T, H, D]; writes k/v into the pools."""
-    k_pool[meta.slot_mapping] = k
-    v_pool[meta.slot_mapping] = v
+    k_pool.index_copy_(0, meta.slot_mapping, k)  # index_copy_/index_select: far cheaper than advanced indexing
+    v_pool.index_copy_(0, meta.slot_mapping, v)
     n_heads, dim = q.shape[1], q.shape[2]
     if meta.max_q == 1:
         qp = q.unsqueeze(1)  # [B, 1, H, D]: decode, one token per sequence
@@ -75,8 +75,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
         qp = q.new_zeros(meta.batch * meta.max_q, n_heads, dim)
         qp[meta.q_pad_index] = q
         qp = qp.view(meta.batch, meta.max_q, n_heads, dim)  # [B, Lq, H, D]
-    kp = k_pool[meta.kv_index]  # [B, Lk, n_kv, D]
-    vp = v_pool[meta.kv_index]
+    flat = meta.kv_index.view(-1)
+    kp = k_pool.index_select(0, flat).view(meta.batch, -1, *k_pool.shape[1:])  # [B, Lk, n_kv, D]
+    vp = v_pool.index_select(0, flat).view(meta.batch, -1, *v_pool.shape[1:])
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
         attn_mask=meta.mask, scale=scale, enable_gqa=True,

@@ -28,6 +28,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _Routed(_Strict):
+    """PD-disaggregation routing fields that the SGLang router adds to every generation body (native and
+    OpenAI); accepted and ignored by an aggregated server."""
+
+    bootstrap_host: Union[str, list[str], None] = None
+    bootstrap_port: Union[int, list[Optional[int]], None] = None
+    bootstrap_room: Union[int, list[int], None] = None
+
+
 # ---------------------------------------------------------------- SGLang native /generate
 
 class GenerateSamplingParams(_Strict):
@@ -46,17 +55,13 @@ class GenerateSamplingParams(_Strict):
     n: int = 1
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(_Routed):
     text: Union[str, list[str], None] = None
     input_ids: Union[list[int], list[list[int]], None] = None
     sampling_params: Union[GenerateSamplingParams, list[GenerateSamplingParams], None] = None
     rid: Union[str, list[str], None] = None
     stream: bool = False
     return_logprob: Union[bool, list[bool]] = False
-    # PD-disaggregation routing fields, accepted and ignored by an aggregated server.
-    bootstrap_host: Any = None
-    bootstrap_port: Any = None
-    bootstrap_room: Any = None
 
 
 # ---------------------------------------------------------------- OpenAI
@@ -65,7 +70,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _OpenAIRequest(_Strict):
+class _OpenAIRequest(_Routed):
     model: Optional[str] = None
     max_tokens: Optional[int] = None
     temperature: float = 1.0

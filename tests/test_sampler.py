@@ -1,0 +1,48 @@
+"""Sampler: the filters keep the right tokens and the draws follow the filtered distribution."""
+
+import torch
+
+from sparkrelay.runner.sampler import SamplingBatch, filter_probs, sample
+
+
+def batch(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, greedy=False, generators=None):
+    full = lambda v, dt=torch.float32: torch.full((rows,), v, dtype=dt)
+    return SamplingBatch(full(temperature), full(top_k, torch.long), full(top_p), full(min_p),
+                         full(greedy, torch.bool), generators or [None] * rows)
+
+
+LOGITS = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+
+
+def test_top_k_top_p_min_p_filters():
+    p = filter_probs(LOGITS, batch(1, top_k=2))
+    torch.testing.assert_close(p, torch.tensor([[5 / 7, 2 / 7, 0, 0, 0]]))
+    p = filter_probs(LOGITS, batch(1, top_p=0.7))  # 0.5 + 0.2 reaches 0.7
+    torch.testing.assert_close(p, torch.tensor([[5 / 7, 2 / 7, 0, 0, 0]]))
+    p = filter_probs(LOGITS, batch(1, top_p=0.1))  # the top token always stays
+    torch.testing.assert_close(p, torch.tensor([[1.0, 0, 0, 0, 0]]))
+    p = filter_probs(LOGITS, batch(1, min_p=0.3))  # keep p >= 0.3 * 0.5
+    torch.testing.assert_close(p, torch.tensor([[0.5, 0.2, 0.15, 0, 0]]) / 0.85)
+    p = filter_probs(LOGITS, batch(1, temperature=0.5))
+    torch.testing.assert_close(p, torch.softmax(LOGITS * 2, -1))
+
+
+def test_draws_follow_the_distribution():
+    n = 20000
+    logits = LOGITS.expand(n, -1)
+    ids = sample(logits, batch(n), torch.Generator().manual_seed(0))
+    freq = torch.bincount(ids, minlength=5).float() / n
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]), atol=0.015, rtol=0)
+    ids = sample(logits, batch(n, top_k=3), torch.Generator().manual_seed(0))
+    assert int(ids.max()) <= 2
+
+
+def test_greedy_rows_and_seeds():
+    logits = torch.randn(3, 50)
+    gens = [torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(7)]
+    sb = batch(3, greedy=False, generators=gens)
+    sb.greedy[1] = True
+    ids = sample(logits, sb, torch.Generator().manual_seed(1))
+    assert int(ids[1]) == int(logits[1].argmax())
+    again = sample(logits, batch(3, generators=[torch.Generator().manual_seed(7)] * 3), torch.Generator())
+    assert int(ids[0]) == int(again[0])  # the same seed gives the same draw in another batch
