@@ -1,0 +1,365 @@
+"""Qwen3 DSpark drafter (DeepSpec `Qwen3DSparkModel`); DFlash checkpoints (markov_rank 0, no confidence head) too.
+
+Semantics: shared/design/DSPARK.md §1. Module names are the checkpoint keys of §1.3, so DeepSpec checkpoints load
+as they are. Every method is a pure tensor function batched over R requests; the caller owns the draft KV cache
+(per draft layer, K/V of the context projections of committed positions, §1.7):
+
+    target taps F [N, n_taps*d] --project_context--> C [N, d] --context_kv--> per layer (k, v) [N, n_kv, hd]
+    block ids [R, B] + padded context K/V [R, Lc, n_kv, hd] --block_forward--> h [R, B, d]
+    h --base_logits--> U [R, B, V] --markov_sample--> drafts [R, B], Z [R, B, V];   (h, prev) --confidence--> [R, B]
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from sparkrelay.models.layers import RMSNorm, Rotary, apply_rope
+from sparkrelay.models.loader import CheckpointError, load_weights, read_config, safetensors_files
+from sparkrelay.models.qwen3 import Qwen3DecoderLayer, Qwen3Spec
+
+ARCHITECTURE = "Qwen3DSparkModel"
+MARKOV_HEADS = ("vanilla", "gated", "rnn")
+
+
+@dataclass(frozen=True)
+class DSparkSpec:
+    """The draft config.json (§1.2): `body` holds the layer shapes (num_layers = draft layers), the rest the DSpark fields."""
+
+    body: Qwen3Spec
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    markov_rank: int
+    markov_head_type: Optional[str]          # None when markov_rank == 0 (DFlash)
+    enable_confidence_head: bool
+    confidence_head_with_markov: bool
+    num_target_layers: int
+    num_anchors: Optional[int]               # training only
+
+    @classmethod
+    def from_hf(cls, cfg: dict, target_spec: Qwen3Spec) -> "DSparkSpec":
+        missing = [k for k in ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers") if k not in cfg]
+        if missing:
+            raise ValueError(f"draft config.json lacks the DSpark field(s) {missing}")
+        rank = int(cfg.get("markov_rank", 0))
+        conf = bool(cfg.get("enable_confidence_head", False))
+        spec = cls(
+            body=Qwen3Spec.from_hf(cfg),
+            block_size=int(cfg["block_size"]),
+            target_layer_ids=tuple(int(i) for i in cfg["target_layer_ids"]),
+            mask_token_id=int(cfg["mask_token_id"]),
+            markov_rank=rank,
+            markov_head_type=cfg.get("markov_head_type", "vanilla") if rank > 0 else None,
+            enable_confidence_head=conf,
+            confidence_head_with_markov=conf and bool(cfg.get("confidence_head_with_markov", rank > 0)),
+            num_target_layers=int(cfg["num_target_layers"]),
+            num_anchors=cfg.get("num_anchors"),
+        )
+        spec.validate(target_spec)
+        return spec
+
+    def validate(self, target: Qwen3Spec) -> None:
+        """Start-up checks against the target; each error names the field and the value(s)."""
+        n, ids = self.num_target_layers, list(self.target_layer_ids)
+        if n != target.num_layers:
+            raise ValueError(f"num_target_layers {n} != the target's num_hidden_layers {target.num_layers}")
+        bad = [i for i in ids if not (i == -1 or 0 <= i < n)]
+        if not ids or bad:
+            raise ValueError(f"target_layer_ids {ids}: id(s) {bad} outside {{-1}} ∪ [0, {n - 1}]")
+        if n - 1 in ids:
+            raise ValueError(f"target_layer_ids {ids}: {n - 1} is the target's last layer (num_target_layers {n}), "
+                             "whose Hugging Face hidden state is post-norm, never a raw tap (DSPARK.md §8.2)")
+        if any(a >= b for a, b in zip(ids, ids[1:])):
+            raise ValueError(f"target_layer_ids {ids} is not strictly increasing")
+        for field in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "rope_theta"):
+            mine, theirs = getattr(self.body, field), getattr(target, field)
+            if mine != theirs:
+                raise ValueError(f"{field} {mine} of the drafter != the target's {theirs}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size {self.block_size} must be >= 1")
+        if not 0 <= self.mask_token_id < self.body.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} outside [0, vocab_size {self.body.vocab_size})")
+        if self.markov_rank < 0:
+            raise ValueError(f"markov_rank {self.markov_rank} must be >= 0")
+        if self.markov_head_type is not None and self.markov_head_type not in MARKOV_HEADS:
+            raise ValueError(f"markov_head_type {self.markov_head_type!r} is not one of {MARKOV_HEADS}")
+        if self.confidence_head_with_markov and self.markov_rank == 0:
+            raise ValueError("confidence_head_with_markov True needs a Markov head, but markov_rank is 0")
+
+
+class MarkovHead(nn.Module):
+    """Low-rank token-transition logit bias β_k = W2 · m_k (§1.6); m_k = W1[x_{k-1}] (vanilla), gated, or RNN."""
+
+    def __init__(self, kind: str, vocab: int, rank: int, dim: int) -> None:
+        super().__init__()
+        self.kind = kind
+        self.markov_w1 = nn.Embedding(vocab, rank)
+        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+        if kind == "gated":
+            self.gate_proj = nn.Linear(dim + rank, rank)
+        elif kind == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + dim, 3 * rank)
+
+    def step(self, h: torch.Tensor, prev: torch.Tensor, state: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """h [..., d], prev [...] -> β [..., V] and the RNN state [..., r] (None for the other kinds)."""
+        e = self.markov_w1(prev)  # [..., r]
+        if self.kind == "gated":
+            e = torch.sigmoid(self.gate_proj(torch.cat([h, e.to(h.dtype)], -1))) * e
+        elif self.kind == "rnn":
+            s = torch.zeros_like(e) if state is None else state
+            gate, cand, out = self.joint_proj(torch.cat([s, e, h.to(e.dtype)], -1)).chunk(3, dim=-1)  # 3 x [..., r]
+            g = torch.sigmoid(gate)
+            state, e = g * s + (1 - g) * torch.tanh(cand), torch.tanh(out)
+        return self.markov_w2(e), state
+
+    def teacher_forced(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """h [R, B, d], prev [R, B] (slot k's previous token) -> β [R, B, V]; the RNN state runs left to right."""
+        if self.kind != "rnn":
+            return self.step(h, prev, None)[0]
+        state, out = None, []
+        for k in range(h.shape[1]):
+            beta, state = self.step(h[:, k], prev[:, k], state)
+            out.append(beta)
+        return torch.stack(out, dim=1)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, 1)
+
+
+class DraftLayer(Qwen3DecoderLayer):
+    """A Qwen3 layer whose B block queries attend, without a causal mask, over [context K/V ; block K/V] (§1.5)."""
+
+    def block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+              mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """x [R, B, d]; cos/sin [R*B, 1, hd]; ctx_k/ctx_v [R, Lc, n_kv, hd]; mask [R, 1, 1, Lc+B] or None."""
+        r, b, d = x.shape
+        attn = self.self_attn
+        q, k, v = attn.project(self.input_layernorm(x).reshape(r * b, d))  # [R*B, H | n_kv, hd]
+        q = apply_rope(attn.q_norm(q), cos, sin).view(r, b, attn.n_heads, attn.head_dim)
+        k = apply_rope(attn.k_norm(k), cos, sin).view(r, b, attn.n_kv, attn.head_dim)
+        k = torch.cat([ctx_k, k], dim=1)  # [R, Lc+B, n_kv, hd]: context keys first, then the block's
+        v = torch.cat([ctx_v, v.view(r, b, attn.n_kv, attn.head_dim)], dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                             scale=attn.scale, enable_gqa=True)  # [R, H, B, hd]
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(r, b, attn.n_heads * attn.head_dim))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def context_kv(self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """C [N, d] -> k [N, n_kv, hd] (k_norm, RoPE), v [N, n_kv, hd]; C bypasses input_layernorm (§1.4)."""
+        attn, n = self.self_attn, c.shape[0]
+        if attn.qkv is None:
+            k, v = attn.k_proj(c), attn.v_proj(c)
+        else:  # fused after loading: use the k/v rows only
+            rows = slice(attn.n_heads * attn.head_dim, None)
+            bias = None if attn.qkv.bias is None else attn.qkv.bias[rows]
+            k, v = F.linear(c, attn.qkv.weight[rows], bias).chunk(2, dim=-1)
+        k = apply_rope(attn.k_norm(k.view(n, attn.n_kv, attn.head_dim)), cos, sin)
+        return k, v.view(n, attn.n_kv, attn.head_dim)
+
+
+class Qwen3DSparkModel(nn.Module):
+    def __init__(self, spec: DSparkSpec, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        s = spec.body
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(DraftLayer(s) for _ in range(s.num_layers))
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.fc = nn.Linear(len(spec.target_layer_ids) * s.hidden_size, s.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        r = spec.markov_rank
+        self.markov_head = MarkovHead(spec.markov_head_type, s.vocab_size, r, s.hidden_size) if r > 0 else None
+        conf_dim = s.hidden_size + (r if spec.confidence_head_with_markov else 0)
+        self.confidence_head = ConfidenceHead(conf_dim) if spec.enable_confidence_head else None
+        self.rotary = Rotary(s.head_dim, s.rope_theta, s.max_position_embeddings, torch.device(device))
+
+    def fuse(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """features [N, n_taps*d] (taps concatenated in target_layer_ids order) -> C [N, d]."""
+        return self.hidden_norm(self.fc(features))
+
+    def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """C [N, d] at absolute positions [N] -> per draft layer (k [N, n_kv, hd] post k_norm + RoPE, v [N, n_kv, hd])."""
+        cos, sin = self.rotary.table(positions, c.dtype)
+        return [layer.context_kv(c, cos, sin) for layer in self.layers]
+
+    def block_forward(self, block_ids: torch.Tensor, block_positions: torch.Tensor, ctx_k: list[torch.Tensor],
+                      ctx_v: list[torch.Tensor], ctx_len: torch.Tensor) -> torch.Tensor:
+        """block_ids, block_positions [R, B]; ctx_k/ctx_v per layer [R, Lc, n_kv, hd], rows >= ctx_len [R] are padding
+        (masked) -> h [R, B, d] after the final norm. Block queries see the valid context and the whole block."""
+        r, b = block_ids.shape
+        x = self.embed_tokens(block_ids)  # [R, B, d]
+        cos, sin = self.rotary.table(block_positions.reshape(-1), x.dtype)  # [R*B, 1, hd]
+        lc = ctx_k[0].shape[1] if ctx_k else 0
+        mask = None
+        if bool((ctx_len < lc).any()):
+            ctx_ok = torch.arange(lc, device=x.device)[None, :] < ctx_len[:, None]  # [R, Lc]
+            mask = torch.cat([ctx_ok, ctx_ok.new_ones(r, b)], dim=1)[:, None, None, :]  # [R, 1, 1, Lc+B]
+        for layer, k, v in zip(self.layers, ctx_k, ctx_v):
+            x = layer.block(x, cos, sin, k, v, mask)
+        return self.norm(x)
+
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [R, B, d] -> U [R, B, V]."""
+        return self.lm_head(h)
+
+    def markov_bias(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced bias (training): h [R, B, d], prev [R, B] -> β [R, B, V] (zeros without a Markov head)."""
+        if self.markov_head is None:
+            return h.new_zeros(*prev.shape, self.spec.body.vocab_size)
+        return self.markov_head.teacher_forced(h, prev)
+
+    def markov_sample(self, u: torch.Tensor, anchors: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
+                      generator: Optional[torch.Generator] = None, h: Optional[torch.Tensor] = None,
+                      generators: Optional[list[Optional[torch.Generator]]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequential sampling over the B slots (§2.2 step 4): Z_k = U_k + β(prev); prev_0 = anchor, prev_k = draft k-1.
+
+        u [R, B, V]; anchors [R]; temperature [R] (ignored where greedy [R] is True); h [R, B, d] (needed by the gated
+        and RNN heads); noise from `generators[row]` when given, else `generator`.
+        -> drafts [R, B] (long), Z [R, B, V] float32 (the draft distribution is softmax(Z_k / T)).
+        """
+        if self.markov_head is not None and self.markov_head.kind != "vanilla" and h is None:
+            raise ValueError(f"markov_head_type {self.markov_head.kind!r} needs the hidden states h")
+        temp = torch.where(greedy, torch.ones_like(temperature), temperature).clamp_min(1e-5)[:, None].float()
+        prev, state, drafts, zs = anchors, None, [], []
+        for k in range(u.shape[1]):
+            z = u[:, k].float()  # [R, V]
+            if self.markov_head is not None:
+                beta, state = self.markov_head.step(None if h is None else h[:, k], prev, state)
+                z = z + beta.float()
+            prev = z.argmax(-1)
+            if not bool(greedy.all()):
+                noise = torch.empty_like(z).exponential_(generator=generator)
+                for row, gen in enumerate(generators or []):
+                    if gen is not None:
+                        noise[row].exponential_(generator=gen)
+                drawn = (torch.softmax(z / temp, dim=-1) / noise).argmax(-1)  # exponential race: a draw from softmax
+                prev = torch.where(greedy, prev, drawn)
+            drafts.append(prev)
+            zs.append(z)
+        return torch.stack(drafts, dim=1), torch.stack(zs, dim=1)
+
+    def confidence(self, h: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """h [R, B, d], prev_tokens [R, B] (anchor, then drafts 0..B-2) -> logits [R, B]; sigmoid = P(accept | prefix)."""
+        if self.confidence_head is None:
+            raise ValueError("this drafter has no confidence head (enable_confidence_head is false)")
+        x = h
+        if self.spec.confidence_head_with_markov:
+            x = torch.cat([h, self.markov_head.markov_w1(prev_tokens).to(h.dtype)], dim=-1)  # [R, B, d + r]
+        return self.confidence_head.proj(x).squeeze(-1)
+
+
+def _share(module: nn.Module, tensor: Optional[torch.Tensor]) -> bool:
+    """Replace module.weight by `tensor` when they are identical (dtype, device, shape, values); True if shared."""
+    own = module.weight
+    if tensor is None or tensor.dtype != own.dtype or tensor.device != own.device or tensor.shape != own.shape:
+        return False
+    if not torch.equal(tensor, own):
+        return False
+    module.weight = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
+    return True
+
+
+def load_dspark(folder: str | Path, target_spec: Qwen3Spec, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                share_embedding_from: Optional[torch.Tensor] = None, share_lm_head_from: Optional[torch.Tensor] = None,
+                fuse: bool = True) -> Qwen3DSparkModel:
+    """Build the drafter in `folder` for `target_spec` and load it (checked complete). The embedding / LM head are
+    replaced by the target's tensors when those are identical, so the drafter holds no second copy
+    (`model.shared_with_target` names the ones shared)."""
+    hf = read_config(folder)
+    archs = hf.get("architectures")
+    if archs != [ARCHITECTURE]:
+        raise CheckpointError(f"{folder}: architectures {archs!r} is not [{ARCHITECTURE!r}] (not a Qwen3 DSpark/DFlash drafter)")
+    spec = DSparkSpec.from_hf(hf, target_spec)
+    with torch.device("meta"):
+        model = Qwen3DSparkModel(spec, device="cpu")
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary = Rotary(spec.body.head_dim, spec.body.rope_theta, spec.body.max_position_embeddings, torch.device(device))
+    load_weights(model, folder, dtype=dtype)
+    if fuse:
+        model.fuse()
+    model.eval().requires_grad_(False)  # before sharing: never touch the target's own flags
+    shared = [name for name, t in (("embed_tokens", share_embedding_from), ("lm_head", share_lm_head_from))
+              if _share(getattr(model, name), t)]
+    model.shared_with_target = tuple(shared)
+    return model
+
+
+def draft_config(target_cfg: dict, **fields) -> dict:
+    """config.json of a drafter for this target (§1.2, §7): a copy of the target's plus the DSpark fields."""
+    n_t = target_cfg["num_hidden_layers"]
+    taps = min(4, max(1, n_t - 2))
+    ids = [1 + round(i * (n_t - 3) / (taps - 1)) for i in range(taps)] if taps > 1 else [max(0, n_t - 2)]
+    dspark = dict(num_hidden_layers=2, block_size=7, target_layer_ids=ids, mask_token_id=target_cfg["vocab_size"] - 1,
+                  markov_rank=32, markov_head_type="vanilla", enable_confidence_head=True,
+                  confidence_head_with_markov=True, num_target_layers=n_t, num_anchors=64)
+    dspark.update(fields)
+    if dspark["markov_rank"] == 0:
+        dspark.pop("markov_head_type")
+    if not dspark["enable_confidence_head"]:
+        dspark.pop("confidence_head_with_markov")
+    cfg = copy.deepcopy(target_cfg)
+    cfg.pop("torch_dtype", None)
+    cfg.update(dspark, architectures=[ARCHITECTURE], tie_word_embeddings=False, dtype="bfloat16",
+               layer_types=["full_attention"] * dspark["num_hidden_layers"])
+    return cfg
+
+
+def target_head_weights(target_folder: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target checkpoint's (embedding [V, d], LM head [V, d]); a tied target's LM head is its embedding."""
+    found = {}
+    for path in safetensors_files(target_folder):
+        with safe_open(str(path), framework="pt") as f:
+            for key in ("model.embed_tokens.weight", "lm_head.weight"):
+                if key in f.keys():
+                    found[key] = f.get_tensor(key)
+    embed = found["model.embed_tokens.weight"]
+    return embed, found.get("lm_head.weight", embed)
+
+
+def save_checkpoint(model: Qwen3DSparkModel, cfg: dict, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write config.json + model.safetensors in the DeepSpec layout (top-level §1.3 keys, frozen copies included)."""
+    assert all(layer.self_attn.qkv is None for layer in model.layers), "save an unfused drafter"
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in model.state_dict().items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = dict(cfg, dtype=str(dtype).removeprefix("torch."))
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return folder
+
+
+def write_random_checkpoint(folder: str | Path, target_folder: str | Path, seed: int = 0,
+                            weight_dtype: torch.dtype = torch.bfloat16, **overrides) -> Path:
+    """A random-weight drafter for the target in `target_folder` (embedding / LM head copied from it);
+    `overrides` are config fields, e.g. markov_head_type="rnn", or markov_rank=0, enable_confidence_head=False (DFlash)."""
+    target_cfg = read_config(target_folder)
+    cfg = draft_config(target_cfg, **overrides)
+    spec = DSparkSpec.from_hf(cfg, Qwen3Spec.from_hf(target_cfg))
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = Qwen3DSparkModel(spec)
+    torch.random.set_rng_state(gen_state)
+    embed, lm_head = target_head_weights(target_folder)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(embed)
+        model.lm_head.weight.copy_(lm_head)
+    return save_checkpoint(model, cfg, folder, weight_dtype)

@@ -1,0 +1,1 @@
+"""Speculative decoding: the DSpark proposer, verification (a pure function), acceptance statistics."""
