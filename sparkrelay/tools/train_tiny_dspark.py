@@ -4,8 +4,8 @@ The DeepSpec recipe (shared/design/DSPARK.md §4), shrunk to a 2-core CPU and a 
 
 * Data. DeepSpec trains on the target's own regenerated answers; here there are no prompts to regenerate, so a
   training sequence (512 tokens) is, with probability `--gen-frac` (0.5), a 256-token window of the stdlib train
-  split followed by the target's 256-token greedy continuation (a pool of `--gen-seqs` of them, generated once and
-  cached: ~2 minutes), and otherwise a plain 512-token window of the corpus (sparkrelay/corpus.py train split, the
+  split followed by the target's 256-token greedy continuation (a pool of `--gen-seqs` = 256 of them, generated
+  once and cached: 2-4 minutes of KV-cached decoding on 2 cores, which is what bounds the pool), and otherwise a plain 512-token window of the corpus (sparkrelay/corpus.py train split, the
   same token stream as the target's). The generated half is what the drafter meets at inference (greedy decoding
   of this target quickly settles into its own idioms and loops); the corpus half keeps the contexts varied.
   Anchors may sit anywhere in a sequence (the corpus prefix is real text too, so no loss mask).
@@ -89,7 +89,7 @@ def corpus_ids(work: Path, target_folder: str) -> tuple[torch.Tensor, torch.Tens
 
 
 @torch.no_grad()
-def greedy_continue(target, prompts: torch.Tensor, new: int, batch: int = 32) -> torch.Tensor:
+def greedy_continue(target, prompts: torch.Tensor, new: int, batch: int = 64) -> torch.Tensor:
     """prompts [n, P] -> [n, P + new]: the target's greedy continuation (transformers' KV cache)."""
     out = []
     for chunk in prompts.split(batch):
@@ -328,7 +328,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--lr", type=float, default=1.5e-3)
-    p.add_argument("--gen-seqs", type=int, default=512, help="target greedy continuations in the data pool")
+    p.add_argument("--gen-seqs", type=int, default=256, help="target greedy continuations in the data pool")
     p.add_argument("--gen-frac", type=float, default=0.5)
     p.add_argument("--eval-prompts", type=int, default=48)
     p.add_argument("--eval-prompt-len", type=int, default=128)
