@@ -50,6 +50,20 @@ class SchedulerConfig:
     max_n: int = _f(16, "Largest `n` (parallel samples) one request may ask for.")
 
 
+SPEC_ALGORITHMS = ("DSPARK",)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    speculative_algorithm: Optional[str] = _f(None, "Speculative decoding algorithm (DSPARK).", SPEC_ALGORITHMS, str)
+    speculative_draft_model_path: Optional[str] = _f(None, "DeepSpec-format DSpark (or DFlash) drafter folder.",
+                                                     ftype=str)
+    speculative_num_draft_tokens: Optional[int] = _f(
+        None, "Most draft tokens proposed per round (default: the drafter's block_size).", ftype=int)
+    speculative_dspark_confidence_threshold: float = _f(
+        0.0, "Truncate a block at the first slot whose confidence is below this (0 = full blocks).")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = _f("127.0.0.1", "Address the HTTP server binds.")
@@ -63,6 +77,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def validate(self) -> "Config":
@@ -76,12 +91,29 @@ class Config:
                 _positive(flag, value)
         if not (0 < self.server.port < 65536):
             raise ConfigError(f"--port must be in 1..65535, got {self.server.port}")
+        self._validate_spec()
         dev = self.model.device
         if not (dev == "cpu" or dev == "cuda" or dev.startswith("cuda:")):
             raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {dev!r}")
         if not os.path.isdir(self.model.model_path):
             raise ConfigError(f"--model-path {self.model.model_path!r} is not a folder")
         return self
+
+    def _validate_spec(self) -> None:
+        sp = self.spec
+        if sp.speculative_algorithm is None:
+            if sp.speculative_draft_model_path is not None:
+                raise ConfigError("--speculative-draft-model-path needs --speculative-algorithm DSPARK")
+            return
+        if sp.speculative_draft_model_path is None:
+            raise ConfigError(f"--speculative-algorithm {sp.speculative_algorithm} needs --speculative-draft-model-path")
+        if not os.path.isdir(sp.speculative_draft_model_path):
+            raise ConfigError(f"--speculative-draft-model-path {sp.speculative_draft_model_path!r} is not a folder")
+        if sp.speculative_num_draft_tokens is not None and sp.speculative_num_draft_tokens < 1:
+            raise ConfigError(f"--speculative-num-draft-tokens must be >= 1, got {sp.speculative_num_draft_tokens}")
+        if not 0.0 <= sp.speculative_dspark_confidence_threshold < 1.0:
+            raise ConfigError("--speculative-dspark-confidence-threshold must be in [0, 1), got "
+                              f"{sp.speculative_dspark_confidence_threshold}")
 
     def flat(self) -> dict[str, Any]:
         """All leaf settings as one flat dict (the shape of SGLang's /server_info)."""

@@ -10,9 +10,19 @@ from tqdm.auto import tqdm
 
 from sparkrelay.config import Config
 from sparkrelay.engine.engine import Engine
-from sparkrelay.engine.request import SamplingParams
+from sparkrelay.engine.request import RequestOutput, SamplingParams
 
 Prompt = Union[str, list[int]]
+
+
+def meta_info(out: RequestOutput, e2e_latency: float) -> dict:
+    """SGLang's meta_info of a finished request (spec_* only when speculative decoding ran)."""
+    meta = {"id": out.rid, "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.output_ids),
+            "finish_reason": out.finish_reason, "e2e_latency": e2e_latency}
+    if out.spec_accept_length is not None:
+        meta["spec_verify_ct"] = out.spec_verify_ct
+        meta["spec_accept_length"] = out.spec_accept_length
+    return meta
 
 
 class LLM:
@@ -58,8 +68,7 @@ class LLM:
                 if o.finished and o.rid in pending:
                     pending.discard(o.rid)
                     bar.update(1)
-                    results[o.rid] = {"text": o.text, "output_ids": o.output_ids, "meta_info": {
-                        "id": o.rid, "prompt_tokens": o.prompt_tokens, "completion_tokens": len(o.output_ids),
-                        "finish_reason": o.finish_reason, "e2e_latency": time.monotonic() - start}}
+                    results[o.rid] = {"text": o.text, "output_ids": o.output_ids,
+                                      "meta_info": meta_info(o, time.monotonic() - start)}
         bar.close()
         return results

@@ -13,22 +13,25 @@ RANKS = {
     "sparkrelay.corpus": 0,
     "sparkrelay.engine.request": 0,
     "sparkrelay.engine.block_manager": 0,
+    "sparkrelay.spec.stats": 0,
     "sparkrelay.engine.scheduler": 1,
     "sparkrelay.engine.stop": 1,
     "sparkrelay.models": 1,
     "sparkrelay.kvcache": 1,
-    "sparkrelay.runner": 2,
-    "sparkrelay.engine.engine": 3,
-    "sparkrelay.llm": 4,
-    "sparkrelay.server": 4,
-    "sparkrelay.launch_server": 5,
-    "sparkrelay.bench_common": 5,
-    "sparkrelay.bench_offline": 6,
-    "sparkrelay.demo": 6,
-    "sparkrelay.tools": 6,
+    "sparkrelay.spec.verify": 1,
+    "sparkrelay.spec": 2,
+    "sparkrelay.runner": 3,
+    "sparkrelay.engine.engine": 4,
+    "sparkrelay.llm": 5,
+    "sparkrelay.server": 5,
+    "sparkrelay.launch_server": 6,
+    "sparkrelay.bench_common": 6,
+    "sparkrelay.bench_offline": 7,
+    "sparkrelay.demo": 7,
+    "sparkrelay.tools": 7,
 }
 TORCH_FREE = ("sparkrelay.engine.request", "sparkrelay.engine.block_manager", "sparkrelay.engine.scheduler",
-              "sparkrelay.config")
+              "sparkrelay.config", "sparkrelay.spec.stats")
 
 
 def rank(module: str) -> tuple[int, str]:

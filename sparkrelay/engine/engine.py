@@ -21,8 +21,12 @@ from sparkrelay.engine.scheduler import Batch, Scheduler
 from sparkrelay.engine.stop import StopChecker
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.loader import read_config
+from sparkrelay.models.dspark import load_dspark
 from sparkrelay.models.qwen3 import load_qwen3
-from sparkrelay.runner.model_runner import ModelRunner
+from sparkrelay.runner.model_runner import ModelRunner, RunResult
+from sparkrelay.runner.spec_runner import SpecRunner
+from sparkrelay.spec.proposer import DSparkProposer
+from sparkrelay.spec.stats import SpecStats
 
 logger = logging.getLogger(__name__)
 
@@ -66,14 +70,33 @@ class Engine:
         self.pool = KVPool(range(spec.num_layers), num_blocks, page, spec.num_kv_heads, spec.head_dim,
                            self.dtype, self.device)
         sc = config.scheduler
-        self.scheduler = Scheduler(self.blocks, sc.max_running_requests, sc.chunked_prefill_size)
-        self.runner = ModelRunner(self.model, self.pool, self.device, mc.seed)
+        self.proposer = self._build_proposer(num_blocks, page) if config.spec.speculative_algorithm else None
+        lookahead = 1 if self.proposer is None else self.proposer.max_drafts + 1
+        self.scheduler = Scheduler(self.blocks, sc.max_running_requests, sc.chunked_prefill_size, lookahead)
+        if self.proposer is None:
+            self.runner = ModelRunner(self.model, self.pool, self.device, mc.seed)
+            self.spec_stats = None
+        else:
+            self.runner = SpecRunner(self.model, self.pool, self.device, mc.seed, proposer=self.proposer,
+                                     context_length=self.context_length)
+            self.spec_stats = SpecStats(self.proposer.max_drafts)
         self.stop = StopChecker(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._ready: list[RequestOutput] = []
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0}
 
     # -- set-up helpers --------------------------------------------------------------------------------------
+    def _build_proposer(self, num_blocks: int, page: int) -> DSparkProposer:
+        sp = self.config.spec
+        head = self.model.lm_head.weight
+        try:
+            drafter = load_dspark(sp.speculative_draft_model_path, self.model.spec, self.dtype, self.config.model.device,
+                                  share_embedding_from=self.model.model.embed_tokens.weight, share_lm_head_from=head)
+        except ValueError as e:
+            raise ConfigError(f"--speculative-draft-model-path {sp.speculative_draft_model_path}: {e}") from e
+        cap = sp.speculative_num_draft_tokens or drafter.spec.block_size
+        return DSparkProposer(drafter, num_blocks, page, self.device, cap, sp.speculative_dspark_confidence_threshold)
+
     def _context_length(self, model_max: int) -> int:
         asked = self.config.model.context_length
         if asked is not None and asked > model_max:
@@ -115,7 +138,7 @@ class Engine:
         if n + params.max_new_tokens > self.context_length:
             raise RequestError(f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                                f"context length {self.context_length}")
-        if n + params.max_new_tokens + 1 > self.max_total_tokens:
+        if n + params.max_new_tokens + self.scheduler.decode_lookahead > self.max_total_tokens:
             raise RequestError(f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the KV "
                                f"cache capacity {self.max_total_tokens}")
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
@@ -151,30 +174,46 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return self._take_ready()
-        result = self.runner.run(batch)
-        self._postprocess(batch, result.next_ids)
+        self._postprocess(batch, self.runner.run(batch))
         return self._take_ready()
 
-    def _postprocess(self, batch: Batch, next_ids: list[int]) -> None:
-        sampled = iter(next_ids)
+    def _postprocess(self, batch: Batch, result: RunResult) -> None:
         now = time.monotonic()
-        for seq in batch.seqs:
+        rounds = result.rounds or [None] * len(batch.seqs)
+        for seq, tokens, computed, rnd in zip(batch.seqs, result.tokens, result.computed, rounds):
             req = seq.req
-            req.num_computed = seq.end
-            if not seq.sample:
+            req.num_computed = computed
+            if not tokens:
                 continue
-            req.output_ids.append(next(sampled))
-            self.counters["generation_tokens"] += 1
             if req.first_token_time is None:
                 req.first_token_time = now
-            self.stop.update(req, self.context_length)
-            self._emit(req, new_ids=req.output_ids[-1:])
+            committed = self._append(req, tokens)
+            if rnd is not None:
+                self._record_round(req, rnd, committed)
+            self._emit(req, new_ids=req.output_ids[len(req.output_ids) - committed :])
             if req.is_finished:
                 self._release(req)
 
+    def _append(self, req: Request, tokens: list[int]) -> int:
+        """Append tokens one at a time until a stop condition holds; returns how many were appended."""
+        for i, tok in enumerate(tokens):
+            req.output_ids.append(tok)
+            self.counters["generation_tokens"] += 1
+            self.stop.update(req, self.context_length)
+            if req.is_finished:
+                return i + 1
+        return len(tokens)
+
+    def _record_round(self, req: Request, rnd: tuple[int, int], committed: int) -> None:
+        proposed, accepted = rnd
+        req.spec_verify_ct += 1
+        req.spec_committed += committed
+        self.spec_stats.record(proposed, committed, min(accepted, committed))
+
     def _emit(self, req: Request, new_ids: list[int]) -> None:
+        tau = req.spec_committed / req.spec_verify_ct if req.spec_verify_ct else None
         self._ready.append(RequestOutput(req.rid, new_ids, list(req.output_ids), req.is_finished, req.finish_reason,
-                                         len(req.prompt_ids), req.output_text))
+                                         len(req.prompt_ids), req.output_text, req.spec_verify_ct, tau))
 
     def _release(self, req: Request) -> None:
         if req.status == Status.FINISHED and not any(o.rid == req.rid and o.finished for o in self._ready):
@@ -193,7 +232,8 @@ class Engine:
         used = self.blocks.num_used * self.blocks.page_size
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "kv_used_tokens": used, "kv_total_tokens": self.max_total_tokens,
-                "kv_usage": used / self.max_total_tokens, "num_preemptions": self.scheduler.num_preemptions}
+                "kv_usage": used / self.max_total_tokens, "num_preemptions": self.scheduler.num_preemptions,
+                **(self.spec_stats.summary() if self.spec_stats else {})}
 
     def check(self) -> None:
         self.blocks.check()

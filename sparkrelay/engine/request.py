@@ -78,6 +78,9 @@ class Request:
     # Text detokenized so far (engine-side stop-string checks) and how many output ids it covers.
     output_text: str = ""
     num_preemptions: int = 0
+    # speculative decoding: verify rounds and the tokens they committed (the prefill token not counted)
+    spec_verify_ct: int = 0
+    spec_committed: int = 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -112,3 +115,5 @@ class RequestOutput:
     finish_reason: Optional[dict]
     prompt_tokens: int
     text: str = ""
+    spec_verify_ct: int = 0
+    spec_accept_length: Optional[float] = None  # committed tokens per verify round (tau), when speculative

@@ -15,6 +15,16 @@ import torch
 import torch.nn.functional as F
 
 
+def slot_index(block_tables: list[list[int]], length: int, page_size: int) -> torch.Tensor:
+    """[B, length] pool slot of positions 0..length-1 of each sequence (positions past a table point at block 0)."""
+    bt = torch.zeros(len(block_tables), max(1, -(-length // page_size)), dtype=torch.long)
+    for b, table in enumerate(block_tables):
+        n = min(len(table), bt.shape[1])
+        bt[b, :n] = torch.tensor(table[:n], dtype=torch.long)
+    j = torch.arange(length)
+    return bt[:, j // page_size] * page_size + j % page_size
+
+
 @dataclass
 class AttnMeta:
     """Built once per forward by the runner; shared by every layer."""
@@ -36,12 +46,8 @@ class AttnMeta:
         start_t, end_t = torch.tensor(starts), torch.tensor(ends)
         q_lens = end_t - start_t
         max_q, max_k = int(q_lens.max()), int(end_t.max())
-        bt = torch.zeros(batch, -(-max_k // page_size), dtype=torch.long)
-        for b, table in enumerate(block_tables):
-            n = min(len(table), bt.shape[1])
-            bt[b, :n] = torch.tensor(table[:n], dtype=torch.long)
+        kv_index = slot_index(block_tables, max_k, page_size)  # [B, Lk]
         j = torch.arange(max_k)
-        kv_index = bt[:, j // page_size] * page_size + j % page_size  # [B, Lk]
         if max_q == 1:
             seq_of_token, positions = torch.arange(batch), start_t
         else:

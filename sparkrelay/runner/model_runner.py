@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -11,15 +11,18 @@ from sparkrelay.engine.request import Request
 from sparkrelay.engine.scheduler import Batch
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import AttnMeta
-from sparkrelay.models.qwen3 import Qwen3ForCausalLM
+from sparkrelay.models.qwen3 import Qwen3ForCausalLM, StageOutput
 from sparkrelay.runner.sampler import SamplingBatch, sample
 
 
 @dataclass
 class RunResult:
-    """next_ids[i] is the token sampled for the i-th sampling sequence of the batch (in batch order)."""
+    """Per scheduled sequence, in batch order: the tokens to append (empty when it does not sample), the number
+    of its tokens whose KV is now cached, and for a speculative round (drafts proposed, drafts accepted)."""
 
-    next_ids: list[int]
+    tokens: list[list[int]]
+    computed: list[int]
+    rounds: list[Optional[tuple[int, int]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -27,6 +30,7 @@ class ModelRunner:
         self.model, self.pool, self.device = model, pool, device
         self.shared_gen = torch.Generator(device=device).manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.taps: tuple[int, ...] = ()
 
     def release(self, rid: str) -> None:
         self._generators.pop(rid, None)
@@ -34,24 +38,38 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch) -> RunResult:
         seqs = batch.seqs
+        meta = self.attn_meta([s.start for s in seqs], [s.end for s in seqs], [s.req.block_ids for s in seqs])
         ids = [t for s in seqs for t in s.req.all_ids[s.start : s.end]]
-        meta = AttnMeta.build([s.start for s in seqs], [s.end for s in seqs], [s.req.block_ids for s in seqs],
-                              self.pool.page_size, self.device)
         ends = torch.tensor([s.end - s.start for s in seqs]).cumsum(0) - 1  # [B] last fed row of each sequence
         rows = [i for i, s in enumerate(seqs) if s.sample]
-        if not rows:
-            self.model(meta, self.pool.layers, input_ids=torch.tensor(ids, device=self.device), logits_index=ends[:0])
-            return RunResult([])
-        out = self.model(meta, self.pool.layers, input_ids=torch.tensor(ids, device=self.device),
-                         logits_index=ends[rows].to(self.device))
-        reqs = [seqs[i].req for i in rows]
-        if all(r.params.greedy for r in reqs):
-            return RunResult(out.logits.argmax(-1).tolist())
-        next_ids = sample(out.logits, self._sampling_batch(reqs), self.shared_gen)  # [R]
-        return RunResult(next_ids.tolist())
+        out = self.forward(meta, ids, ends[rows])
+        self.after_forward(meta, out)
+        next_ids = self.sample([seqs[i].req for i in rows], out.logits) if rows else []
+        tokens: list[list[int]] = [[] for _ in seqs]
+        for i, t in zip(rows, next_ids):
+            tokens[i] = [t]
+        return RunResult(tokens, [s.end for s in seqs])
 
-    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
-        ps = [r.params for r in reqs]
+    def attn_meta(self, starts: list[int], ends: list[int], tables: list[list[int]]) -> AttnMeta:
+        return AttnMeta.build(starts, ends, tables, self.pool.page_size, self.device)
+
+    def forward(self, meta: AttnMeta, ids: list[int], logits_rows: torch.Tensor) -> StageOutput:
+        return self.model(meta, self.pool.layers, input_ids=torch.tensor(ids, device=self.device),
+                          logits_index=logits_rows.to(self.device), taps=self.taps)
+
+    def after_forward(self, meta: AttnMeta, out: StageOutput) -> None:
+        """Hook for work on every fed row (the speculative runner writes the drafter's context here)."""
+
+    def sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
+        """logits [R, V] -> one token per request."""
+        if all(r.params.greedy for r in reqs):
+            return logits.argmax(-1).tolist()
+        return sample(logits, self.sampling_batch(reqs), self.shared_gen).tolist()
+
+    def sampling_batch(self, reqs: list[Request], repeats: Optional[list[int]] = None) -> SamplingBatch:
+        """Per-row sampling parameters; with `repeats`, request i fills repeats[i] consecutive rows."""
+        reps = repeats or [1] * len(reqs)
+        ps = [r.params for r, n in zip(reqs, reps) for _ in range(n)]
         dev = self.device
         return SamplingBatch(
             temperature=torch.tensor([p.temperature for p in ps], device=dev),
@@ -59,10 +77,10 @@ class ModelRunner:
             top_p=torch.tensor([p.top_p for p in ps], device=dev),
             min_p=torch.tensor([p.min_p for p in ps], device=dev),
             greedy=torch.tensor([p.greedy for p in ps], device=dev),
-            generators=[self._generator(r) for r in reqs],
+            generators=[self.generator(r) for r, n in zip(reqs, reps) for _ in range(n)],
         )
 
-    def _generator(self, req: Request) -> Optional[torch.Generator]:
+    def generator(self, req: Request) -> Optional[torch.Generator]:
         if req.params.seed is None:
             return None
         if req.rid not in self._generators:

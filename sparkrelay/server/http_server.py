@@ -196,6 +196,9 @@ class _Server:
 def _generate_result(out: RequestOutput, start: float, index: Optional[int]) -> dict:
     meta = {"id": out.rid, "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.output_ids),
             "finish_reason": out.finish_reason, "e2e_latency": time.perf_counter() - start}
+    if out.spec_accept_length is not None:
+        meta["spec_verify_ct"] = out.spec_verify_ct
+        meta["spec_accept_length"] = out.spec_accept_length
     res = {"text": out.text, "output_ids": list(out.output_ids), "meta_info": meta}
     if index is not None:
         res["index"] = index
@@ -327,7 +330,10 @@ def _install_info_routes(app: FastAPI, s: _Server) -> None:
         flat = s.config.flat()
         if flat.get("api_key"):
             flat["api_key"] = "<redacted>"
-        return flat | {"version": sparkrelay.__version__}
+        state = dict(s.engine.last_stats)
+        if "spec_accept_length" in state:
+            state["avg_spec_accept_length"] = state["spec_accept_length"]  # SGLang's name
+        return flat | {"version": sparkrelay.__version__, "internal_states": [state]}
 
     def model_info():
         return dict(s.engine.engine.model_info)

@@ -37,6 +37,13 @@ class Metrics:
         self.kv_usage = Gauge(p + "token_usage", "Fraction of KV cache tokens in use.", registry=r)
         self.kv_used = Gauge(p + "kv_used_tokens", "KV cache tokens in use.", registry=r)
         self.kv_total = Gauge(p + "kv_total_tokens", "KV cache capacity in tokens.", registry=r)
+        self.spec_accept_length = Gauge(p + "spec_accept_length", "Committed tokens per speculative verify round "
+                                        "(tau), server-wide.", registry=r)
+        self.spec_verify_rate = Gauge(p + "spec_verify_rate", "Committed tokens / tokens sent to the target "
+                                      "in verify rounds.", registry=r)
+        self.spec_rounds = Gauge(p + "spec_verify_rounds", "Speculative verify rounds so far.", registry=r)
+        self.spec_accept_rate = Gauge(p + "spec_accept_rate", "Per draft position: rounds whose accepted prefix "
+                                      "reached it / rounds that proposed it.", ["position"], registry=r)
 
     def render(self, stats: dict) -> bytes:
         self.num_running.set(stats.get("num_running", 0))
@@ -44,6 +51,12 @@ class Metrics:
         self.kv_usage.set(stats.get("kv_usage", 0.0))
         self.kv_used.set(stats.get("kv_used_tokens", 0))
         self.kv_total.set(stats.get("kv_total_tokens", 0))
+        if "spec_rounds" in stats:
+            self.spec_rounds.set(stats["spec_rounds"])
+            self.spec_accept_length.set(stats["spec_accept_length"])
+            self.spec_verify_rate.set(stats["spec_verify_rate"])
+            for k, rate in enumerate(stats["spec_accept_rate_per_position"]):
+                self.spec_accept_rate.labels(position=str(k)).set(rate)
         return generate_latest(self.registry)
 
     def tracker(self) -> "RequestTracker":

@@ -1,0 +1,86 @@
+"""DSpark decoding: every forward writes the drafter's context; a decode step is one propose/verify round.
+
+One round for R running requests (row r: anchor = its last token, at position p_r):
+  propose  -> drafts d_1..d_n (n_r after caps and confidence truncation) from the drafter
+  verify   -> one target forward over [anchor, d_1..d_n] at positions p_r..p_r+n_r, taps captured
+  accept   -> spec/verify.py: a_r drafts accepted, next token (correction or bonus)
+  commit   -> target KV now valid for p_r..p_r+a_r; the drafter's context is written for those rows
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparkrelay.engine.scheduler import Batch
+from sparkrelay.models.attention import AttnMeta
+from sparkrelay.models.qwen3 import StageOutput
+from sparkrelay.runner.model_runner import ModelRunner, RunResult
+from sparkrelay.runner.sampler import filter_probs
+from sparkrelay.spec.proposer import DSparkProposer
+from sparkrelay.spec.verify import verify
+
+
+class SpecRunner(ModelRunner):
+    def __init__(self, *args, proposer: DSparkProposer, context_length: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.proposer = proposer
+        self.taps = proposer.taps
+        self.context_length = context_length
+
+    def after_forward(self, meta: AttnMeta, out: StageOutput) -> None:
+        # every fed row of a prefill is a committed prompt position: its features become draft context
+        rows = torch.arange(meta.positions.shape[0], device=self.device)
+        self.proposer.write_context(out.taps, rows, meta.positions, meta.slot_mapping)
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> RunResult:
+        if batch.kind != "decode":
+            return super().run(batch)
+        seqs = batch.seqs
+        reqs = [s.req for s in seqs]
+        starts = [s.start for s in seqs]
+        tables = [r.block_ids for r in reqs]
+        sb = self.sampling_batch(reqs)
+        prop = self.proposer.propose([r.all_ids[-1] for r in reqs], starts, tables, self._caps(reqs, starts),
+                                     sb.temperature, sb.greedy, sb.generators, self.shared_gen)
+        n = prop.num_drafts.tolist()
+        meta = self.attn_meta(starts, [p + 1 + k for p, k in zip(starts, n)], tables)
+        drafts = prop.drafts.tolist()
+        ids = [t for r, d, k in zip(reqs, drafts, n) for t in [r.all_ids[-1]] + d[:k]]
+        out = self.forward(meta, ids, torch.arange(len(ids)))  # logits at every row: [T, V]
+        res = verify(prop.drafts, prop.num_drafts, prop.draft_probs, self._target_probs(reqs, n, out.logits),
+                     sb.greedy, sb.generators, self.shared_gen)
+        accepted, nxt = res.accepted.tolist(), res.next_ids.tolist()
+        self._commit_context(meta, out, n, accepted)
+        tokens = [d[:a] + [t] for d, a, t in zip(drafts, accepted, nxt)]
+        computed = [p + a + 1 for p, a in zip(starts, accepted)]
+        return RunResult(tokens, computed, list(zip(n, accepted)))
+
+    def _caps(self, reqs, starts: list[int]) -> list[int]:
+        """Drafts worth proposing: no more than the tokens the request may still emit, inside the context."""
+        return [max(0, min(r.params.max_new_tokens - len(r.output_ids), self.context_length - p) - 1)
+                for r, p in zip(reqs, starts)]
+
+    def _target_probs(self, reqs, n: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """logits [T, V] of the verify rows -> p [R, N + 1, V], filtered as each request samples (padded rows 0)."""
+        reps = [k + 1 for k in n]
+        if all(r.params.greedy for r in reqs):
+            probs = logits.float()  # greedy verification only compares argmaxes
+        else:
+            probs = filter_probs(logits, self.sampling_batch(reqs, reps))
+        out = probs.new_zeros(len(reqs), self.proposer.block_size + 1, probs.shape[1])
+        row = 0
+        for r, k in enumerate(reps):
+            out[r, :k] = probs[row : row + k]
+            row += k
+        return out
+
+    def _commit_context(self, meta: AttnMeta, out: StageOutput, n: list[int], accepted: list[int]) -> None:
+        """The anchor and the accepted drafts of each row are committed: their features become draft context."""
+        rows, offset = [], 0
+        for k, a in zip(n, accepted):
+            rows.extend(range(offset, offset + a + 1))
+            offset += k + 1
+        rows_t = torch.tensor(rows, device=self.device)
+        self.proposer.write_context(out.taps, rows_t, meta.positions.index_select(0, rows_t),
+                                    meta.slot_mapping.index_select(0, rows_t))

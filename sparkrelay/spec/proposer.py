@@ -1,0 +1,88 @@
+"""The DSpark proposer: owns the drafter and its paged draft KV cache; writes context, proposes blocks.
+
+Draft KV layout: the same slots as the target's KV (one pool per draft layer, addressed through the request's
+block table), so position p of a request has its target K/V and its draft context K/V at the same slot. Only
+committed positions are written (prompt rows at prefill, the anchor and accepted drafts after a verify); block
+rows are never cached (DSPARK.md §1.7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from sparkrelay.kvcache.pool import KVPool
+from sparkrelay.models.attention import slot_index
+from sparkrelay.models.dspark import Qwen3DSparkModel
+
+
+@dataclass
+class Proposal:
+    drafts: torch.Tensor      # [R, B] draft tokens d_1..d_B (only the first num_drafts[r] are proposed)
+    draft_probs: torch.Tensor  # [R, B, V] q: the distribution each draft was drawn from (float32)
+    num_drafts: torch.Tensor  # [R] n: drafts proposed per row (confidence truncation and caps applied)
+
+
+class DSparkProposer:
+    def __init__(self, drafter: Qwen3DSparkModel, num_blocks: int, page_size: int, device: torch.device,
+                 max_drafts: int, confidence_threshold: float) -> None:
+        body = drafter.spec.body
+        self.drafter, self.device, self.page_size = drafter, device, page_size
+        self.taps = drafter.spec.target_layer_ids
+        self.block_size = drafter.spec.block_size
+        self.max_drafts = min(max_drafts, self.block_size)
+        self.threshold = confidence_threshold if drafter.confidence_head is not None else 0.0
+        dtype = drafter.fc.weight.dtype
+        self.pool = KVPool(range(body.num_layers), num_blocks, page_size, body.num_kv_heads, body.head_dim, dtype, device)
+        self.max_position = body.max_position_embeddings - 1
+
+    @torch.inference_mode()
+    def write_context(self, taps: dict[int, torch.Tensor], rows: torch.Tensor, positions: torch.Tensor,
+                      slots: torch.Tensor) -> None:
+        """Project the target features of committed rows [N] (row indices into the forward's tokens) and write each
+        draft layer's context K/V at their absolute `positions` [N] into `slots` [N]."""
+        if rows.numel() == 0:
+            return
+        features = torch.cat([taps[i].index_select(0, rows) for i in self.taps], dim=-1)  # [N, n_taps * d]
+        c = self.drafter.project_context(features.to(self.drafter.fc.weight.dtype))  # [N, d]
+        for layer, (k, v) in enumerate(self.drafter.context_kv(c, positions)):
+            k_pool, v_pool = self.pool.layers[layer]
+            k_pool.index_copy_(0, slots, k)
+            v_pool.index_copy_(0, slots, v)
+
+    @torch.inference_mode()
+    def propose(self, anchors: list[int], starts: list[int], block_tables: list[list[int]], caps: list[int],
+                temperature: torch.Tensor, greedy: torch.Tensor, generators: list[Optional[torch.Generator]],
+                shared: torch.Generator) -> Proposal:
+        """Row r: anchor token at position starts[r], context = positions < starts[r]; at most caps[r] drafts."""
+        rows, b, dev = len(anchors), self.block_size, self.device
+        ctx_len = torch.tensor(starts, device=dev)
+        index = slot_index(block_tables, max(starts), self.page_size).to(dev)  # [R, Lc]
+        flat = index.view(-1)
+        ctx_k, ctx_v = [], []
+        for k_pool, v_pool in self.pool.layers.values():
+            ctx_k.append(k_pool.index_select(0, flat).view(rows, -1, *k_pool.shape[1:]))  # [R, Lc, n_kv, hd]
+            ctx_v.append(v_pool.index_select(0, flat).view(rows, -1, *v_pool.shape[1:]))
+        anchor_t = torch.tensor(anchors, device=dev)
+        block_ids = torch.full((rows, b), self.drafter.spec.mask_token_id, device=dev)
+        block_ids[:, 0] = anchor_t  # [R, B]: anchor then mask tokens
+        positions = (ctx_len[:, None] + torch.arange(b, device=dev)[None, :]).clamp(max=self.max_position)
+        h = self.drafter.block_forward(block_ids, positions, ctx_k, ctx_v, ctx_len)  # [R, B, d]
+        u = self.drafter.base_logits(h)  # [R, B, V]
+        drafts, z = self.drafter.markov_sample(u, anchor_t, temperature, greedy, shared, h=h, generators=generators)
+        temp = torch.where(greedy, torch.ones_like(temperature), temperature).clamp_min(1e-5).float()
+        q = torch.softmax(z / temp[:, None, None], dim=-1)  # [R, B, V]
+        n = torch.tensor([min(c, self.max_drafts) for c in caps], device=dev)
+        if self.threshold > 0:
+            n = torch.minimum(n, self._confident_prefix(h, anchor_t, drafts))
+        return Proposal(drafts, q, n)
+
+    def _confident_prefix(self, h: torch.Tensor, anchors: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """[R] index of the first slot whose per-step confidence is below the threshold (B when none is)."""
+        prev = torch.cat([anchors[:, None], drafts[:, :-1]], dim=1)  # [R, B]: the token before each slot
+        low = torch.sigmoid(self.drafter.confidence(h, prev).float()) < self.threshold  # [R, B]
+        b = drafts.shape[1]
+        first = torch.where(low, torch.arange(b, device=h.device)[None, :], b)
+        return first.min(dim=1).values
