@@ -67,8 +67,25 @@ class SparkrelayRunner:
         del self.llm
 
 
+    def spec_stats(self) -> Optional[dict]:
+        """Acceptance figures since the last call (None without speculative decoding)."""
+        engine = self.llm.engine
+        if engine.spec_stats is None:
+            return None
+        summary = engine.spec_stats.summary()
+        engine.spec_stats = type(engine.spec_stats)(engine.spec_stats.max_drafts)  # start a fresh count
+        return summary
+
+
 def load_sparkrelay(args: argparse.Namespace) -> Runner:
     return SparkrelayRunner(args)
+
+
+def load_dspark(args: argparse.Namespace) -> Runner:
+    if not Path(args.draft_model_path).is_dir():
+        raise SystemExit(f"--draft-model-path {args.draft_model_path!r} is not a folder")
+    return SparkrelayRunner(args, speculative_algorithm="DSPARK", speculative_draft_model_path=args.draft_model_path,
+                            speculative_dspark_confidence_threshold=args.confidence_threshold)
 
 
 # -- transformers --------------------------------------------------------------------------------------------------
@@ -117,8 +134,10 @@ def load_transformers(args: argparse.Namespace) -> Runner:
     return TransformersRunner(args)
 
 
+PLAIN, DSPARK = "sparkrelay", "sparkrelay+dspark"
 ENGINE_CONFIGS: list[EngineConfig] = [
-    EngineConfig("sparkrelay", load_sparkrelay),
+    EngineConfig(PLAIN, load_sparkrelay),
+    EngineConfig(DSPARK, load_dspark),
     EngineConfig(REFERENCE, load_transformers),
 ]
 
@@ -141,9 +160,12 @@ def measure(runner: Runner, prompts: list[list[int]], batch: int, args: argparse
     for _ in range(args.warmup):
         runner.generate(groups[0], out_len)
         bar and bar.update(1)
-    t_out, t_one, outputs = [], [], None
+    t_out, t_one, outputs, spec = [], [], None, None
+    stats = getattr(runner, "spec_stats", lambda: None)
     for _ in range(args.repeats):
+        stats()
         seconds, outputs = bc.timed(lambda: run_workload(runner, groups, out_len), args.device)
+        spec = stats()  # the acceptance of this full-length run (every repeat is the same greedy work)
         t_out.append(seconds)
         t_one.append(bc.timed(lambda: run_workload(runner, groups, 1), args.device)[0])
         bar and bar.update(1)
@@ -152,7 +174,7 @@ def measure(runner: Runner, prompts: list[list[int]], batch: int, args: argparse
     decode = bc.rate(n * (out_len - 1), t_out_med - t_one_med) if out_len > 1 and t_out_med > t_one_med else None
     return {"batch": batch, "groups": len(groups), "t_out_s": t_out, "t_1_s": t_one, "t_out_median_s": t_out_med,
             "t_1_median_s": t_one_med, "e2e_tok_s": bc.rate(n * out_len, t_out_med), "decode_tok_s": decode,
-            "outputs": outputs}
+            "outputs": outputs, "spec": spec}
 
 
 def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
@@ -174,6 +196,8 @@ def add_comparisons(rows: list[dict]) -> None:
         own1 = min((x for x in rows if x["engine"] == r["engine"]), key=lambda x: x["batch"])
         r["vs_reference"] = _ratio(r["decode_tok_s"], ref and ref["decode_tok_s"])
         r["vs_own_b1"] = _ratio(r["decode_tok_s"], own1["decode_tok_s"])
+        plain = by_key.get((PLAIN, r["batch"]))
+        r["vs_plain"] = _ratio(r["decode_tok_s"], plain and plain["decode_tok_s"])
         if ref_out is not None:
             div = [first_divergence(a, b) for a, b in zip(r["outputs"], ref_out)]
             r["first_divergence"] = div
@@ -201,10 +225,24 @@ def header_lines(args: argparse.Namespace, machine: dict, prompts: list[bc.Promp
 
 
 def table(rows: list[dict], num_prompts: int) -> str:
-    headers = ["engine", "batch", "e2e tok/s", "decode tok/s", f"vs {REFERENCE}", "vs own b1",
-               f"= {REFERENCE} b1"]
+    headers = ["engine", "batch", "e2e tok/s", "decode tok/s", f"vs {REFERENCE}", "vs own b1", f"vs {PLAIN}",
+               "accept len", f"= {REFERENCE} b1"]
     body = [[r["engine"], r["batch"], r["e2e_tok_s"], r["decode_tok_s"], _x(r["vs_reference"]), _x(r["vs_own_b1"]),
+             _x(r["vs_plain"]), "-" if not r.get("spec") else f"{r['spec']['spec_accept_length']:.2f}",
              "-" if r["match"] is None else f"{r['match']}/{num_prompts}"] for r in rows]
+    return bc.markdown_table(headers, body)
+
+
+def accept_table(rows: list[dict]) -> str:
+    """Per-position accept rates of the speculative rows (DSPARK.md §2.6 accept_rate@k)."""
+    spec_rows = [r for r in rows if r.get("spec")]
+    if not spec_rows:
+        return ""
+    width = max(len(r["spec"]["spec_accept_rate_per_position"]) for r in spec_rows)
+    headers = ["engine", "batch", "rounds", "accept len", "verify rate"] + [f"@{k}" for k in range(width)]
+    body = [[r["engine"], r["batch"], r["spec"]["spec_rounds"], f"{r['spec']['spec_accept_length']:.2f}",
+             f"{r['spec']['spec_verify_rate']:.2f}"] + [f"{a:.2f}" for a in r["spec"]["spec_accept_rate_per_position"]]
+            for r in spec_rows]
     return bc.markdown_table(headers, body)
 
 
@@ -229,6 +267,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="Comma-separated batch sizes (default: 1,N).")
     parser.add_argument("--engines", default=",".join(e.name for e in ENGINE_CONFIGS),
                         help="Comma-separated engine configurations to run.")
+    parser.add_argument("--draft-model-path", default="models/tiny-qwen3-dspark",
+                        help=f"DSpark drafter of the {DSPARK} rows.")
+    parser.add_argument("--confidence-threshold", type=float, default=0.0,
+                        help=f"--speculative-dspark-confidence-threshold of the {DSPARK} rows.")
     args = parser.parse_args(argv)
     if args.batch_sizes is None:
         args.batch_sizes = sorted({1, args.num_prompts})
@@ -279,6 +321,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     out_dir = Path(args.out_dir)
     head = header_lines(args, machine, prompts)
     text = table(rows, len(prompts))
+    accepts = accept_table(rows)
+    if accepts:
+        text += "\n\nPer-position accept rates (rounds whose accepted prefix reached draft slot k / rounds that " \
+                "proposed it):\n\n" + accepts
     md = bc.write_markdown(out_dir / f"{NAME}.md", "Offline throughput (sparkrelay vs transformers)", head, text,
                            NOTES)
     groups = [f"batch {b}" for b in args.batch_sizes]

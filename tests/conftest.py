@@ -45,3 +45,19 @@ def random_model_dir(tmp_path_factory) -> Path:
 def bundled_model_dir() -> Path:
     assert (BUNDLED / "config.json").is_file(), f"the bundled model {BUNDLED} is missing"
     return BUNDLED
+
+
+BUNDLED_DRAFTER = ROOT / "models" / "tiny-qwen3-dspark"
+
+
+@pytest.fixture(scope="session")
+def bundled_drafter_dir() -> Path:
+    assert (BUNDLED_DRAFTER / "config.json").is_file(), f"the bundled drafter {BUNDLED_DRAFTER} is missing"
+    return BUNDLED_DRAFTER
+
+
+def code_prompts(tokenizer, n: int, seed_text: str) -> list[list[int]]:
+    """n varied-length prompts (3 to 62 tokens) cut from a text."""
+    ids = tokenizer.encode(seed_text)
+    step = max(1, (len(ids) - 64) // n)
+    return [ids[step * i : step * i + 3 + (i * 11) % 60] for i in range(n)]

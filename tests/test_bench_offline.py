@@ -41,12 +41,15 @@ def test_bench_offline_writes_table_plot_and_json(tiny_model, tmp_path, capsys):
 
     from sparkrelay import bench_offline
 
+    from sparkrelay.models.dspark import write_random_checkpoint
+
     out_dir = tmp_path / "results"
+    draft = write_random_checkpoint(tmp_path / "draft", tiny_model, target_layer_ids=[-1, 0])
     threads = torch.get_num_threads()
     try:  # one thread: on a busy 2-core machine, more makes torch's kernels spin and the test crawl
         result = bench_offline.main(["--model-path", str(tiny_model), "--num-prompts", "2", "--prompt-len", "8",
                                      "--output-len", "4", "--batch-sizes", "1,2", "--warmup", "0", "--repeats", "1",
-                                     "--threads", "1", "--out-dir", str(out_dir)])
+                                     "--threads", "1", "--out-dir", str(out_dir), "--draft-model-path", str(draft)])
     finally:
         torch.set_num_threads(threads)
 
@@ -55,17 +58,20 @@ def test_bench_offline_writes_table_plot_and_json(tiny_model, tmp_path, capsys):
     raw = json.loads((out_dir / "bench_offline.json").read_text())
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
     assert "float32" in md and "8 tokens" in md and "4 new tokens" in md and "torch threads" in md
-    rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| engine")]
+    main_table = md.split("Per-position")[0]
+    rows = [line for line in main_table.splitlines() if line.startswith("| ") and not line.startswith("| engine")]
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in rows]
-    assert [(c[0], c[1]) for c in cells] == [("sparkrelay", "1"), ("sparkrelay", "2"),
-                                             ("transformers", "1"), ("transformers", "2")]
+    assert [(c[0], c[1]) for c in cells] == [("sparkrelay", "1"), ("sparkrelay", "2"), ("sparkrelay+dspark", "1"),
+                                             ("sparkrelay+dspark", "2"), ("transformers", "1"), ("transformers", "2")]
     for c in cells:
         assert float(c[2].replace(",", "")) > 0  # e2e tok/s
-        assert c[6].endswith("/2")               # greedy agreement column
-    assert cells[2][4] == "1.00x" and cells[2][5] == "1.00x"  # the reference vs itself
-    assert cells[2][6] == "2/2"
+        assert c[8].endswith("/2")               # greedy agreement column
+    assert cells[4][4] == "1.00x" and cells[4][5] == "1.00x"  # the reference vs itself
+    assert cells[4][8] == "2/2" and cells[2][8] == "2/2"     # DSpark greedy equals the reference
+    assert float(cells[2][7]) >= 1.0                          # acceptance length of the DSpark rows
+    assert "Per-position accept rates" in md
 
-    assert len(raw["rows"]) == 4 and len(raw["prompts"]) == 2
+    assert len(raw["rows"]) == 6 and len(raw["prompts"]) == 2
     for row in raw["rows"]:
         assert len(row["outputs"]) == 2 and all(len(o) == 4 for o in row["outputs"])
         assert len(row["t_out_s"]) == 1 and row["e2e_tok_s"] > 0
