@@ -114,6 +114,22 @@ def rate(tokens: float, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else float("nan")
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation (numpy's default); nan for no values."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+
+
+def mean(values: Sequence[float]) -> float:
+    """The mean; nan for no values."""
+    return float(statistics.fmean(values)) if values else float("nan")
+
+
 # -- machine and arguments -----------------------------------------------------------------------------------------
 
 def machine_info() -> dict:

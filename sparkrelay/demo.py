@@ -15,10 +15,12 @@ import time
 
 import httpx
 
+# Prompts end at a token boundary the tokenizer would produce: a trailing "\n" on its own is rare in training
+# (byte-level BPE merges it with the next line's indentation), and the tiny model answers it badly.
 PROMPTS = [
-    "import os\n\n\ndef list_python_files(root):\n",
-    "class Stack:\n    def __init__(self):\n",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import os\n\n\ndef list_python_files(root):",
+    "class Stack:\n    def __init__(self):",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
 ]
 
 

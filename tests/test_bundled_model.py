@@ -48,7 +48,7 @@ def test_held_out_loss_matches_the_report(bundled_model_dir):
 
 def test_continues_python_with_python(bundled_model_dir):
     llm = LLM(str(bundled_model_dir))
-    prompt = "import os\n\n\nclass Walker:\n    def __init__(self, root):\n"
+    prompt = "import os\n\n\nclass Walker:\n    def __init__(self, root):"
     text = llm.generate(prompt, SamplingParams(max_new_tokens=64, temperature=0))["text"]
     print(text)
     markers = ["self.", "def ", "return", " = ", "if ", "(", ":\n"]

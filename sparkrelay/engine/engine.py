@@ -95,7 +95,8 @@ class Engine:
         except ValueError as e:
             raise ConfigError(f"--speculative-draft-model-path {sp.speculative_draft_model_path}: {e}") from e
         cap = sp.speculative_num_draft_tokens or drafter.spec.block_size
-        return DSparkProposer(drafter, num_blocks, page, self.device, cap, sp.speculative_dspark_confidence_threshold)
+        return DSparkProposer(drafter, num_blocks, page, self.device, cap, sp.speculative_dspark_confidence_threshold,
+                              head_t=self.model.head_t)
 
     def _context_length(self, model_max: int) -> int:
         asked = self.config.model.context_length

@@ -65,15 +65,16 @@ class SpecRunner(ModelRunner):
         """logits [T, V] of the verify rows -> p [R, N + 1, V], filtered as each request samples (padded rows 0)."""
         reps = [k + 1 for k in n]
         if all(r.params.greedy for r in reqs):
-            probs = logits.float()  # greedy verification only compares argmaxes
+            probs = logits  # greedy verification only compares argmaxes
         else:
             probs = filter_probs(logits, self.sampling_batch(reqs, reps))
-        out = probs.new_zeros(len(reqs), self.proposer.block_size + 1, probs.shape[1])
-        row = 0
-        for r, k in enumerate(reps):
-            out[r, :k] = probs[row : row + k]
-            row += k
-        return out
+        # [T, V] -> [R, B + 1, V]: row r's k + 1 verify rows first, zeros after
+        width = self.proposer.block_size + 1
+        starts = torch.tensor([0] + reps[:-1]).cumsum(0)
+        index = (starts[:, None] + torch.arange(width)[None, :]).clamp(max=probs.shape[0] - 1)  # [R, B + 1]
+        valid = torch.arange(width)[None, :] < torch.tensor(reps)[:, None]
+        out = probs.index_select(0, index.view(-1).to(probs.device)).view(len(reqs), width, -1)
+        return out * valid.to(probs.device)[:, :, None]
 
     def _commit_context(self, meta: AttnMeta, out: StageOutput, n: list[int], accepted: list[int]) -> None:
         """The anchor and the accepted drafts of each row are committed: their features become draft context."""

@@ -21,14 +21,17 @@ from sparkrelay.models.dspark import Qwen3DSparkModel
 @dataclass
 class Proposal:
     drafts: torch.Tensor      # [R, B] draft tokens d_1..d_B (only the first num_drafts[r] are proposed)
-    draft_probs: torch.Tensor  # [R, B, V] q: the distribution each draft was drawn from (float32)
+    draft_probs: torch.Tensor  # [R, B, V] q: the distribution each draft was drawn from (float32; for an
+                               # all-greedy batch the raw corrected logits, which greedy verification never reads)
     num_drafts: torch.Tensor  # [R] n: drafts proposed per row (confidence truncation and caps applied)
 
 
 class DSparkProposer:
     def __init__(self, drafter: Qwen3DSparkModel, num_blocks: int, page_size: int, device: torch.device,
-                 max_drafts: int, confidence_threshold: float) -> None:
+                 max_drafts: int, confidence_threshold: float, head_t: Optional[torch.Tensor] = None) -> None:
+        """head_t: the target's transposed LM head [d, V] (a CPU speed copy), used when the drafter shares the head."""
         body = drafter.spec.body
+        self.head_t = head_t if "lm_head" in getattr(drafter, "shared_with_target", ()) else None
         self.drafter, self.device, self.page_size = drafter, device, page_size
         self.taps = drafter.spec.target_layer_ids
         self.block_size = drafter.spec.block_size
@@ -70,10 +73,13 @@ class DSparkProposer:
         block_ids[:, 0] = anchor_t  # [R, B]: anchor then mask tokens
         positions = (ctx_len[:, None] + torch.arange(b, device=dev)[None, :]).clamp(max=self.max_position)
         h = self.drafter.block_forward(block_ids, positions, ctx_k, ctx_v, ctx_len)  # [R, B, d]
-        u = self.drafter.base_logits(h)  # [R, B, V]
+        u = self.drafter.base_logits(h) if self.head_t is None else h @ self.head_t  # [R, B, V]
         drafts, z = self.drafter.markov_sample(u, anchor_t, temperature, greedy, shared, h=h, generators=generators)
-        temp = torch.where(greedy, torch.ones_like(temperature), temperature).clamp_min(1e-5).float()
-        q = torch.softmax(z / temp[:, None, None], dim=-1)  # [R, B, V]
+        if bool(greedy.all()):
+            q = z  # greedy verification never reads the draft distribution
+        else:
+            temp = torch.where(greedy, torch.ones_like(temperature), temperature).clamp_min(1e-5).float()
+            q = torch.softmax(z / temp[:, None, None], dim=-1)  # [R, B, V]
         n = torch.tensor([min(c, self.max_drafts) for c in caps], device=dev)
         if self.threshold > 0:
             n = torch.minimum(n, self._confident_prefix(h, anchor_t, drafts))

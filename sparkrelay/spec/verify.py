@@ -43,6 +43,10 @@ def verify(draft_ids: torch.Tensor, num_drafts: torch.Tensor, draft_probs: torch
     dev = draft_ids.device
     slot = torch.arange(n_max, device=dev).unsqueeze(0)  # [1, N]
     valid = slot < num_drafts.unsqueeze(1)  # [R, N]
+    if bool(greedy.all()):  # no randomness: compare with the target's argmax (draft_probs are not read)
+        target_ids = target_probs.argmax(-1)  # [R, N + 1]
+        accepted = ((draft_ids == target_ids[:, :n_max]) & valid).int().cumprod(dim=1).sum(dim=1)
+        return VerifyResult(accepted, target_ids.gather(1, accepted.unsqueeze(1)).squeeze(1))
     p_d = target_probs[:, :n_max].gather(2, draft_ids.unsqueeze(2)).squeeze(2)  # [R, N] p_i(d_{i+1})
     q_d = draft_probs.gather(2, draft_ids.unsqueeze(2)).squeeze(2)  # [R, N] q_i(d_{i+1})
     u = _row_noise((n_max,), "uniform", generators, shared, dev)
