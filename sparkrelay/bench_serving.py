@@ -342,14 +342,16 @@ def spec_counters(client: httpx.Client, url: str) -> Optional[dict]:
 
 
 def accept_length(records: list[Record], before: Optional[dict], after: Optional[dict]) -> Optional[float]:
-    rounds = [(r.spec_verify_ct, r.spec_accept_length) for r in records if r.success and r.spec_verify_ct]
-    if rounds:  # per request (sglang meta_info), weighted by verify rounds
+    rounds = [(r.spec_verify_ct, r.output_tokens / r.spec_verify_ct if r.spec_accept_length is None
+               else r.spec_accept_length) for r in records if r.success and r.spec_verify_ct]
+    if rounds:  # per request (sglang meta_info; SGLang itself reports only spec_verify_ct), weighted by rounds
         return sum(ct * tau for ct, tau in rounds) / sum(ct for ct, _ in rounds)
     if after is None:
         return None
     if before and before["rounds"] is not None and after["rounds"] is not None:
         d = after["rounds"] - before["rounds"]  # server-wide average over this run only
-        return (after["rounds"] * after["accept_length"] - before["rounds"] * before["accept_length"]) / d if d else None
+        committed = after["rounds"] * after["accept_length"] - before["rounds"] * before["accept_length"]
+        return committed / d if d else None
     return after["accept_length"]
 
 
@@ -374,7 +376,8 @@ def summarize(records: list[Record], duration: float, accept: Optional[float]) -
             "request_throughput": bc.rate(len(ok), duration), "input_throughput": bc.rate(n_in, duration),
             "output_throughput": bc.rate(n_out, duration), "total_throughput": bc.rate(n_in + n_out, duration),
             "concurrency": bc.rate(sum(r.e2e for r in ok), duration), "accept_length": accept,
-            **stats_ms("e2e_latency", [r.e2e for r in ok]), **stats_ms("ttft", [r.ttft for r in ok if r.ttft is not None]),
+            **stats_ms("e2e_latency", [r.e2e for r in ok]),
+            **stats_ms("ttft", [r.ttft for r in ok if r.ttft is not None]),
             **stats_ms("tpot", tpots), **stats_ms("itl", [g for r in ok for g in r.itl])}
 
 
@@ -476,7 +479,7 @@ def benchmark(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     with httpx.Client(headers=headers, timeout=min(args.request_timeout, 30.0)) as client:
         facts = server_facts(client, url, args)
-        needs = bool(args.apply_chat_template and args.dataset_path) or (args.dataset == "code" and not args.dataset_path)
+        needs = bool(args.apply_chat_template) if args.dataset_path else args.dataset == "code"
         tokenizer = None if args.dataset_path and not needs else load_tokenizer(args, facts["model_info"], needs)
         items = build_workload(args, tokenizer, rng)
         before = spec_counters(client, url) if args.backend != "sglang" else None

@@ -99,6 +99,7 @@ def test_multi_token_chunks_and_accept_length():
     other = bs.Record(1, success=True, spec_verify_ct=1, spec_accept_length=4.0)
     rec.success = True  # 3 rounds at 2.5, 1 round at 4.0
     assert bs.accept_length([rec, other], None, None) == pytest.approx((3 * 2.5 + 4.0) / 4)
+    assert bs.accept_length([bs.Record(2, success=True, output_tokens=9, spec_verify_ct=3)], None, None) == 3.0
     before, after = {"rounds": 10, "accept_length": 2.0}, {"rounds": 20, "accept_length": 2.5}
     assert bs.accept_length([], before, after) == pytest.approx(3.0)  # this run's rounds only
     with pytest.raises(RuntimeError, match="boom"):

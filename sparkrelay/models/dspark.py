@@ -147,9 +147,9 @@ class DraftLayer(Qwen3DecoderLayer):
         """x [R, B, d]; cos/sin [R*B, 1, hd]; ctx_k/ctx_v [R, Lc, n_kv, hd]; mask [R, 1, 1, Lc+B] or None."""
         r, b, d = x.shape
         attn = self.self_attn
-        q, k, v = attn.project(self.input_layernorm(x).reshape(r * b, d))  # [R*B, H | n_kv, hd]
-        q = apply_rope(attn.q_norm(q), cos, sin).view(r, b, attn.n_heads, attn.head_dim)
-        k = apply_rope(attn.k_norm(k), cos, sin).view(r, b, attn.n_kv, attn.head_dim)
+        q, k, v = attn.qk_rope(self.input_layernorm(x).reshape(r * b, d), cos, sin)  # normed + rotated, [R*B, H | n_kv, hd]
+        q = q.reshape(r, b, attn.n_heads, attn.head_dim)
+        k = k.reshape(r, b, attn.n_kv, attn.head_dim)
         k = torch.cat([ctx_k, k], dim=1)  # [R, Lc+B, n_kv, hd]: context keys first, then the block's
         v = torch.cat([ctx_v, v.view(r, b, attn.n_kv, attn.head_dim)], dim=1)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
@@ -162,10 +162,12 @@ class DraftLayer(Qwen3DecoderLayer):
         attn, n = self.self_attn, c.shape[0]
         if attn.qkv is None:
             k, v = attn.k_proj(c), attn.v_proj(c)
-        else:  # fused after loading: use the k/v rows only
-            rows = slice(attn.n_heads * attn.head_dim, None)
-            bias = None if attn.qkv.bias is None else attn.qkv.bias[rows]
-            k, v = F.linear(c, attn.qkv.weight[rows], bias).chunk(2, dim=-1)
+        else:  # fused after loading: only the k/v columns of the transposed [d, q + k + v] weight
+            cols = slice(attn.n_heads * attn.head_dim, None)
+            kv = c @ attn.qkv.weight_t[:, cols]  # a column slice: a strided operand BLAS takes without a copy
+            if attn.qkv.bias is not None:
+                kv = kv + attn.qkv.bias[cols]
+            k, v = kv.chunk(2, dim=-1)
         k = apply_rope(attn.k_norm(k.view(n, attn.n_kv, attn.head_dim)), cos, sin)
         return k, v.view(n, attn.n_kv, attn.head_dim)
 
