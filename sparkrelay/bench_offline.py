@@ -81,11 +81,20 @@ def load_sparkrelay(args: argparse.Namespace) -> Runner:
     return SparkrelayRunner(args)
 
 
-def load_dspark(args: argparse.Namespace) -> Runner:
+def load_dspark(args: argparse.Namespace, **settings) -> Runner:
     if not Path(args.draft_model_path).is_dir():
         raise SystemExit(f"--draft-model-path {args.draft_model_path!r} is not a folder")
     return SparkrelayRunner(args, speculative_algorithm="DSPARK", speculative_draft_model_path=args.draft_model_path,
-                            speculative_dspark_confidence_threshold=args.confidence_threshold)
+                            speculative_dspark_confidence_threshold=args.confidence_threshold,
+                            speculative_num_draft_tokens=args.num_draft_tokens, **settings)
+
+
+def load_compiled(args: argparse.Namespace) -> Runner:
+    return SparkrelayRunner(args, enable_torch_compile=True)
+
+
+def load_dspark_compiled(args: argparse.Namespace) -> Runner:
+    return load_dspark(args, enable_torch_compile=True)
 
 
 # -- transformers --------------------------------------------------------------------------------------------------
@@ -135,11 +144,20 @@ def load_transformers(args: argparse.Namespace) -> Runner:
 
 
 PLAIN, DSPARK = "sparkrelay", "sparkrelay+dspark"
+COMPILED, DSPARK_COMPILED = "sparkrelay+compile", "sparkrelay+dspark+compile"
 ENGINE_CONFIGS: list[EngineConfig] = [
     EngineConfig(PLAIN, load_sparkrelay),
     EngineConfig(DSPARK, load_dspark),
+    EngineConfig(COMPILED, load_compiled),
+    EngineConfig(DSPARK_COMPILED, load_dspark_compiled),
     EngineConfig(REFERENCE, load_transformers),
 ]
+DEFAULT_ENGINES = (PLAIN, DSPARK, REFERENCE)
+
+
+def plain_of(engine: str) -> str:
+    """The non-speculative row a speculative row is compared with (same compile setting)."""
+    return engine.replace("+dspark", "")
 
 
 # -- measurement ---------------------------------------------------------------------------------------------------
@@ -196,7 +214,7 @@ def add_comparisons(rows: list[dict]) -> None:
         own1 = min((x for x in rows if x["engine"] == r["engine"]), key=lambda x: x["batch"])
         r["vs_reference"] = _ratio(r["decode_tok_s"], ref and ref["decode_tok_s"])
         r["vs_own_b1"] = _ratio(r["decode_tok_s"], own1["decode_tok_s"])
-        plain = by_key.get((PLAIN, r["batch"]))
+        plain = by_key.get((plain_of(r["engine"]), r["batch"]))
         r["vs_plain"] = _ratio(r["decode_tok_s"], plain and plain["decode_tok_s"])
         if ref_out is not None:
             div = [first_divergence(a, b) for a, b in zip(r["outputs"], ref_out)]
@@ -225,7 +243,7 @@ def header_lines(args: argparse.Namespace, machine: dict, prompts: list[bc.Promp
 
 
 def table(rows: list[dict], num_prompts: int) -> str:
-    headers = ["engine", "batch", "e2e tok/s", "decode tok/s", f"vs {REFERENCE}", "vs own b1", f"vs {PLAIN}",
+    headers = ["engine", "batch", "e2e tok/s", "decode tok/s", f"vs {REFERENCE}", "vs own b1", "vs plain",
                "accept len", f"= {REFERENCE} b1"]
     body = [[r["engine"], r["batch"], r["e2e_tok_s"], r["decode_tok_s"], _x(r["vs_reference"]), _x(r["vs_own_b1"]),
              _x(r["vs_plain"]), "-" if not r.get("spec") else f"{r['spec']['spec_accept_length']:.2f}",
@@ -253,7 +271,9 @@ def _x(v: Optional[float]) -> str:
 NOTES = [
     "e2e tok/s = N x out / t(out tokens); decode tok/s = N x (out - 1) / (t(out tokens) - t(1 token)), i.e. with "
     "prefill and the first token taken out. Batch B: the N prompts go in N/B consecutive generate calls of B "
-    "prompts. Ratios are of decode tok/s. The last column counts prompts whose greedy output equals "
+    "prompts. Ratios are of decode tok/s; `vs plain` compares a +dspark row with the same engine without DSpark "
+    "(same compile setting). `+compile` rows run with --enable-torch-compile (compiled during the warm-up). "
+    "The last column counts prompts whose greedy output equals "
     f"{REFERENCE}'s at batch 1, token for token.",
 ]
 
@@ -265,12 +285,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     bc.add_workload_args(parser)
     parser.add_argument("--batch-sizes", type=bc.int_list, default=None,
                         help="Comma-separated batch sizes (default: 1,N).")
-    parser.add_argument("--engines", default=",".join(e.name for e in ENGINE_CONFIGS),
-                        help="Comma-separated engine configurations to run.")
+    parser.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                        help="Comma-separated engine configurations to run, of: "
+                             + ", ".join(e.name for e in ENGINE_CONFIGS) + " (+compile: --enable-torch-compile).")
     parser.add_argument("--draft-model-path", default="models/tiny-qwen3-dspark",
                         help=f"DSpark drafter of the {DSPARK} rows.")
     parser.add_argument("--confidence-threshold", type=float, default=0.0,
                         help=f"--speculative-dspark-confidence-threshold of the {DSPARK} rows.")
+    parser.add_argument("--num-draft-tokens", type=int, default=None,
+                        help=f"--speculative-num-draft-tokens of the {DSPARK} rows (default: the block size).")
     args = parser.parse_args(argv)
     if args.batch_sizes is None:
         args.batch_sizes = sorted({1, args.num_prompts})

@@ -35,6 +35,8 @@ class ModelConfig:
     context_length: Optional[int] = _f(None, "Longest prompt + output (default: the model's limit).", ftype=int)
     served_model_name: Optional[str] = _f(None, "Model name reported by the API (default: --model-path).", ftype=str)
     seed: int = _f(0, "Seed of the sampling generator used by requests without their own seed.")
+    enable_torch_compile: bool = _f(False, "Compile the target forward (and the drafter's block forward) with "
+                                           "torch.compile (needs a C++ compiler on CPU; the first steps are slow).")
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     for _, leaf in _leaf_fields():
         flag = "--" + leaf.name.replace("_", "-")
         meta = leaf.metadata
+        if leaf.default is False:  # a switch, as in SGLang (`--enable-torch-compile`)
+            parser.add_argument(flag, dest=leaf.name, action="store_true", help=meta.get("help"))
+            continue
         ftype = meta.get("type") or type(leaf.default)
         parser.add_argument(flag, dest=leaf.name, type=ftype, default=leaf.default,
                             choices=meta.get("choices"), help=meta.get("help"))

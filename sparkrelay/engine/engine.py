@@ -80,6 +80,8 @@ class Engine:
             self.runner = SpecRunner(self.model, self.pool, self.device, mc.seed, proposer=self.proposer,
                                      context_length=self.context_length)
             self.spec_stats = SpecStats(self.proposer.max_drafts)
+        if mc.enable_torch_compile:
+            self._compile()
         self.stop = StopChecker(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._ready: list[RequestOutput] = []
@@ -113,6 +115,17 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             ids.append(self.tokenizer.eos_token_id)
         return tuple(dict.fromkeys(ids))
+
+    def _compile(self) -> None:
+        """torch.compile the forwards, shapes dynamic (token counts and context lengths change every step).
+        Prefill, one-sequence decode and batched decode trace different graphs; the cache limit leaves room."""
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+        self.model.body = torch.compile(self.model.body, dynamic=True)
+        if self.proposer is not None:
+            drafter = self.proposer.drafter
+            drafter.block_forward = torch.compile(drafter.block_forward, dynamic=True)
 
     @property
     def model_info(self) -> dict:

@@ -36,6 +36,7 @@ class AttnMeta:
     mask: torch.Tensor | None   # [B, 1, Lq, Lk] True where the query may attend; None when every key is visible
     batch: int
     max_q: int
+    kv_range: tuple[int, int] | None = None  # one sequence whose key slots are consecutive: read a view, no gather
 
     @classmethod
     def build(cls, starts: list[int], ends: list[int], block_tables: list[list[int]], page_size: int,
@@ -62,10 +63,13 @@ class AttnMeta:
         mask = (j.view(1, 1, max_k) <= q_pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, Lq, Lk]
         if max_q == 1 and bool((end_t == max_k).all()):
             mask = None  # one query per sequence and no padding keys: every key is visible
+        kv_range = None
+        if batch == 1 and bool((kv_index[0, 1:] - kv_index[0, :-1] == 1).all()):
+            kv_range = (int(kv_index[0, 0]), int(kv_index[0, 0]) + max_k)  # blocks allocated back to back
         return cls(
             positions=positions.to(device), slot_mapping=slot_mapping.to(device),
             q_pad_index=pad_index.to(device), kv_index=kv_index.to(device),
-            mask=None if mask is None else mask.to(device), batch=batch, max_q=max_q,
+            mask=None if mask is None else mask.to(device), batch=batch, max_q=max_q, kv_range=kv_range,
         )
 
 
@@ -81,9 +85,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
         qp = q.new_zeros(meta.batch * meta.max_q, n_heads, dim)
         qp[meta.q_pad_index] = q
         qp = qp.view(meta.batch, meta.max_q, n_heads, dim)  # [B, Lq, H, D]
-    flat = meta.kv_index.view(-1)
-    kp = k_pool.index_select(0, flat).view(meta.batch, -1, *k_pool.shape[1:])  # [B, Lk, n_kv, D]
-    vp = v_pool.index_select(0, flat).view(meta.batch, -1, *v_pool.shape[1:])
+    if meta.kv_range is not None:
+        lo, hi = meta.kv_range
+        kp, vp = k_pool[lo:hi].unsqueeze(0), v_pool[lo:hi].unsqueeze(0)  # [1, Lk, n_kv, D] views
+    else:
+        flat = meta.kv_index.view(-1)
+        kp = k_pool.index_select(0, flat).view(meta.batch, -1, *k_pool.shape[1:])  # [B, Lk, n_kv, D]
+        vp = v_pool.index_select(0, flat).view(meta.batch, -1, *v_pool.shape[1:])
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
         attn_mask=meta.mask, scale=scale, enable_gqa=True,

@@ -180,17 +180,25 @@ class Qwen3ForCausalLM(nn.Module):
                 logits_index: Optional[torch.Tensor] = None, taps: tuple[int, ...] = ()) -> StageOutput:
         """input_ids [T] (first stage) or hidden [T, d] (later stages); logits only at rows `logits_index` [R]."""
         h = self.model.embed_tokens(input_ids) if self.start == 0 else hidden
-        captured = {-1: h} if -1 in taps and self.start == 0 else {}
+        owned = tuple(i for i in taps if self.owns_tap(i))
+        h, tapped = self.body(h, meta, kv_caches, owned)
+        logits = None
+        if self.is_last:
+            rows = self.model.norm(h if logits_index is None else h[logits_index])
+            logits = self.lm_head(rows) if self.head_t is None else rows @ self.head_t
+        return StageOutput(hidden=h, logits=logits, taps=dict(zip(owned, tapped)))
+
+    def body(self, h: torch.Tensor, meta: AttnMeta, kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]],
+             taps: tuple[int, ...]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The owned layers: h [T, d] -> (h [T, d], the residual stream at each of `taps`, in that order).
+        Plain tensors in and out, so that it compiles cleanly (`--enable-torch-compile`)."""
+        captured = {-1: h}
         cos, sin = self.rotary.table(meta.positions, h.dtype)
         for i in range(self.start, self.end):
             h = self.model.layers[str(i)].forward(h, cos, sin, kv_caches[i], meta)
             if i in taps:
                 captured[i] = h
-        logits = None
-        if self.is_last:
-            rows = self.model.norm(h if logits_index is None else h[logits_index])
-            logits = self.lm_head(rows) if self.head_t is None else rows @ self.head_t
-        return StageOutput(hidden=h, logits=logits, taps=captured)
+        return h, tuple(captured[i] for i in taps)
 
 
 def load_qwen3(folder: str, start: int = 0, end: Optional[int] = None, dtype: torch.dtype = torch.float32,
