@@ -1,6 +1,7 @@
-"""Demo: start the HTTP server on the bundled model, ask it a few things through the OpenAI client, print.
+"""Demo: start the HTTP server on the bundled model, ask it a few things through the OpenAI client, print;
+then the same greedy prompts on a DSpark server (the bundled drafter): same text, fewer target steps.
 
-python -m sparkrelay.demo [--model-path models/tiny-qwen3] [--port 0 (a free port)]
+python -m sparkrelay.demo [--model-path models/tiny-qwen3] [--draft-model-path models/tiny-qwen3-dspark]
 """
 
 from __future__ import annotations
@@ -69,26 +70,55 @@ def run_client(url: str, model: str) -> None:
     print("--- /metrics ---\n" + "\n".join(lines))
 
 
+def dspark_client(url: str, plain_url: str) -> None:
+    """Greedy prompts through SGLang's native /generate on both servers: outputs, acceptance length, latency."""
+    print("--- DSpark speculative decoding (greedy, 96 tokens each) ---")
+    for prompt in PROMPTS:
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": 96, "temperature": 0, "ignore_eos": True}}
+        plain = httpx.post(f"{plain_url}/generate", json=body, timeout=120).json()
+        spec = httpx.post(f"{url}/generate", json=body, timeout=120).json()
+        meta = spec["meta_info"]
+        same = "same tokens" if spec["output_ids"] == plain["output_ids"] else "DIFFERENT tokens"
+        print(f"{prompt.splitlines()[-1][:40]!r}: {same}; accept length {meta['spec_accept_length']:.2f} over "
+              f"{meta['spec_verify_ct']} verify rounds; {plain['meta_info']['e2e_latency'] * 1000:.0f} ms plain, "
+              f"{meta['e2e_latency'] * 1000:.0f} ms DSpark")
+
+
+def start(args_list: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "sparkrelay.launch_server", *args_list, "--port", str(port), "--log-level", "warning"]
+    print("$ " + " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc)
+    return proc, url
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default="models/tiny-qwen3")
-    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--draft-model-path", default="models/tiny-qwen3-dspark")
     args = p.parse_args()
-    port = args.port or free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "sparkrelay.launch_server", "--model-path", args.model_path, "--port", str(port),
-           "--log-level", "warning"]
-    print("$ " + " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, env={**os.environ})
+    procs = []
     try:
-        wait_healthy(url, proc)
+        proc, url = start(["--model-path", args.model_path])
+        procs.append(proc)
         run_client(url, args.model_path)
+        spec_proc, spec_url = start(["--model-path", args.model_path, "--speculative-algorithm", "DSPARK",
+                                     "--speculative-draft-model-path", args.draft_model_path])
+        procs.append(spec_proc)
+        dspark_client(spec_url, url)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for proc in procs:
+            stop(proc)
 
 
 if __name__ == "__main__":
