@@ -55,11 +55,17 @@ def test_bundled_drafter_is_lossless(reference, bundled_drafter_dir, batch, thre
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
 
 
-@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
-def test_random_drafters_of_every_head_type_are_lossless(reference, tmp_path_factory, request, kind):
+@pytest.fixture(scope="module", params=["vanilla", "gated", "rnn"])
+def random_drafter(request, tmp_path_factory):
+    return drafter_dir(request.param, tmp_path_factory, request)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_random_drafters_of_every_head_type_are_lossless(reference, random_drafter, batch, threshold):
     prompts, expected = reference
-    llm = spec_llm(drafter_dir(kind, tmp_path_factory, request), threshold=0.5 if kind == "vanilla" else 0.0)
-    assert generate_in_batches(llm, prompts[:16], 8) == expected[:16]
+    llm = spec_llm(random_drafter, threshold=threshold)
+    assert generate_in_batches(llm, prompts, batch) == expected
 
 
 def test_meta_info_and_stop_inside_accepted_drafts(reference, bundled_drafter_dir):
