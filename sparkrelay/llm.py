@@ -4,25 +4,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 from tqdm.auto import tqdm
 
 from sparkrelay.config import Config
 from sparkrelay.engine.engine import Engine
-from sparkrelay.engine.request import RequestOutput, SamplingParams
+from sparkrelay.engine.request import SamplingParams
 
 Prompt = Union[str, list[int]]
-
-
-def meta_info(out: RequestOutput, e2e_latency: float) -> dict:
-    """SGLang's meta_info of a finished request (spec_* only when speculative decoding ran)."""
-    meta = {"id": out.rid, "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.output_ids),
-            "finish_reason": out.finish_reason, "e2e_latency": e2e_latency}
-    if out.spec_accept_length is not None:
-        meta["spec_verify_ct"] = out.spec_verify_ct
-        meta["spec_accept_length"] = out.spec_accept_length
-    return meta
 
 
 class LLM:
@@ -69,6 +59,6 @@ class LLM:
                     pending.discard(o.rid)
                     bar.update(1)
                     results[o.rid] = {"text": o.text, "output_ids": o.output_ids,
-                                      "meta_info": meta_info(o, time.monotonic() - start)}
+                                      "meta_info": o.meta_info(time.monotonic() - start)}
         bar.close()
         return results

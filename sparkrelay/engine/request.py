@@ -117,3 +117,12 @@ class RequestOutput:
     text: str = ""
     spec_verify_ct: int = 0
     spec_accept_length: Optional[float] = None  # committed tokens per verify round (tau), when speculative
+
+    def meta_info(self, e2e_latency: float) -> dict:
+        """SGLang's meta_info (spec_* only when speculative decoding ran)."""
+        meta = {"id": self.rid, "prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.output_ids),
+                "finish_reason": self.finish_reason, "e2e_latency": e2e_latency}
+        if self.spec_accept_length is not None:
+            meta["spec_verify_ct"] = self.spec_verify_ct
+            meta["spec_accept_length"] = self.spec_accept_length
+        return meta

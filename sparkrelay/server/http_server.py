@@ -18,11 +18,11 @@ import re
 import secrets
 import time
 import uuid
-from typing import AsyncIterator, Callable, Optional
+from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -30,32 +30,13 @@ import sparkrelay
 from sparkrelay.config import Config
 from sparkrelay.engine.request import RequestError, RequestOutput, SamplingParams
 from sparkrelay.server import protocol as P
-from sparkrelay.server.async_engine import AsyncEngine, GenerationItem, OutputStream
-from sparkrelay.server.metrics import Metrics
+from sparkrelay.server.async_engine import AsyncEngine, GenerationItem
+from sparkrelay.server.common import ServerError, ServerState, error_response
+from sparkrelay.server.openai_api import openai_response
 
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/metrics")
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowedError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-
-class ServerError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-def error_body(status: int, message: str) -> dict:
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "code": status}}
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse(error_body(status, message), status_code=status)
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 class _ApiKeyMiddleware:
@@ -94,118 +75,17 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
-class _Stable:
-    """Text deltas for OpenAI streams: holds back a trailing partial stop string or partial UTF-8 char."""
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops = stops
-        self.sent = 0
-
-    def delta(self, out: RequestOutput) -> str:
-        text = out.text if out.finished else self._stable(out.text)
-        d = text[self.sent:]
-        self.sent = max(self.sent, len(text))
-        return d
-
-    def _stable(self, text: str) -> str:
-        text = text.rstrip("\ufffd")
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(text)), hold, -1):
-                if text.endswith(s[:k]):
-                    hold = k
-                    break
-        return text[:len(text) - hold]
-
-
-def _finish(out: RequestOutput) -> Optional[str]:
-    if not out.finished:
-        return None
-    kind = (out.finish_reason or {}).get("type")
-    return kind if kind in ("stop", "length") else (kind or "stop")
-
-
-def _failure(out: RequestOutput) -> Optional[str]:
-    """The message of an abnormal finish (engine error or shutdown), else None."""
-    r = out.finish_reason or {}
-    return r.get("message", "request aborted") if out.finished and r.get("type") == "abort" else None
-
-
-class _Server:
-    def __init__(self, engine: AsyncEngine, config: Config):
-        self.engine = engine
-        self.config = config
-        self.metrics = Metrics()
-        e = engine.engine
-        self.tokenizer = e.tokenizer
-        self.limits = P.Limits(context_length=e.context_length, max_n=config.scheduler.max_n)
-        self.model_name = config.model.served_model_name or config.model.model_path
-
-    async def outputs(self, stream: OutputStream) -> AsyncIterator[RequestOutput]:
-        """The stream's outputs, metered; closes (aborts what is unfinished) however the consumer leaves."""
-        trackers = {rid: self.metrics.tracker() for rid in stream.rids}
-        try:
-            async for out in stream:
-                trackers[out.rid].observe(out)
-                yield out
-        finally:
-            stream.close()
-
-    async def collect(self, stream: OutputStream, request: Request) -> dict[str, RequestOutput]:
-        """Final output of every request in the stream; gives up (aborting them) if the client disconnects."""
-        finals: dict[str, RequestOutput] = {}
-
-        async def drain():
-            async for out in self.outputs(stream):
-                if out.finished:
-                    finals[out.rid] = out
-
-        task = asyncio.ensure_future(drain())
-        try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=0.25)
-                if not task.done() and await request.is_disconnected():
-                    raise ServerError(499, "client disconnected")
-            task.result()
-        finally:
-            task.cancel()
-            stream.close()
-        for out in finals.values():
-            if _failure(out):
-                raise ServerError((out.finish_reason or {}).get("status_code", 500), _failure(out))
-        return finals
-
-    def streaming(self, stream: OutputStream, chunks: Callable[[RequestOutput], list], tail: Callable[[], list]):
-        async def body():
-            async with contextlib.aclosing(self.outputs(stream)) as outs:
-                async for out in outs:
-                    if _failure(out):
-                        yield _sse(error_body(500, _failure(out)))
-                        break
-                    for c in chunks(out):
-                        yield _sse(c)
-                for c in tail():
-                    yield _sse(c)
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(body(), media_type="text/event-stream")
-
-
 # ---------------------------------------------------------------- /generate
 
 def _generate_result(out: RequestOutput, start: float, index: Optional[int]) -> dict:
-    meta = {"id": out.rid, "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.output_ids),
-            "finish_reason": out.finish_reason, "e2e_latency": time.perf_counter() - start}
-    if out.spec_accept_length is not None:
-        meta["spec_verify_ct"] = out.spec_verify_ct
-        meta["spec_accept_length"] = out.spec_accept_length
-    res = {"text": out.text, "output_ids": list(out.output_ids), "meta_info": meta}
+    res = {"text": out.text, "output_ids": list(out.output_ids),
+           "meta_info": out.meta_info(time.perf_counter() - start)}
     if index is not None:
         res["index"] = index
     return res
 
 
-async def _generate(s: _Server, req: P.GenerateRequest, request: Request):
+async def _generate(s: ServerState, req: P.GenerateRequest, request: Request):
     start = time.perf_counter()
     items, batch = P.generate_items(req, s.tokenizer, s.limits, lambda: uuid.uuid4().hex)
     stream = await s.engine.submit(items)
@@ -218,75 +98,9 @@ async def _generate(s: _Server, req: P.GenerateRequest, request: Request):
     return results if batch else results[0]
 
 
-# ---------------------------------------------------------------- OpenAI
-
-def _usage(finals: list[RequestOutput], n: int) -> dict:
-    prompt = sum(o.prompt_tokens for i, o in enumerate(finals) if i % n == 0)  # once per prompt, not per sample
-    completion = sum(len(o.output_ids) for o in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _openai_head(kind: str, oid: str, s: _Server) -> dict:
-    return {"id": oid, "object": kind, "created": int(time.time()), "model": s.model_name}
-
-
-def _choice(chat: bool, index: int, text: str, finish: Optional[str], stream: bool, first: bool = False) -> dict:
-    c: dict = {"index": index, "logprobs": None, "finish_reason": finish}
-    if not chat:
-        c["text"] = text
-    elif not stream:
-        c["message"] = {"role": "assistant", "content": text}
-    else:
-        c["delta"] = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
-    return c
-
-
-async def _openai(s: _Server, req, request: Request, chat: bool):
-    oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    items = (P.chat_items if chat else P.completion_items)(req, s.tokenizer, s.limits, oid)
-    stream = await s.engine.submit(items)
-    index = {it.rid: i for i, it in enumerate(items)}
-    if req.stream:
-        return _openai_stream(s, req, stream, items, index, oid, chat)
-    finals = await s.collect(stream, request)
-    outs = [finals[it.rid] for it in items]
-    resp = _openai_head("chat.completion" if chat else "text_completion", oid, s)
-    resp["choices"] = [_choice(chat, i, o.text, _finish(o), False) for i, o in enumerate(outs)]
-    resp["usage"] = _usage(outs, req.n)
-    return resp
-
-
-def _openai_stream(s: _Server, req, stream: OutputStream, items: list[GenerationItem], index: dict,
-                   oid: str, chat: bool) -> StreamingResponse:
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    usage = bool(req.stream_options and req.stream_options.include_usage)
-    deltas = {it.rid: _Stable(it.params.stop) for it in items}
-    started: set[str] = set()
-    finals: dict[str, RequestOutput] = {}
-
-    def chunk(choices: list, with_usage=None) -> dict:
-        c = _openai_head(kind, oid, s) | {"choices": choices}
-        return c | {"usage": with_usage} if usage else c
-
-    def chunks(out: RequestOutput) -> list:
-        text, finish, first = deltas[out.rid].delta(out), _finish(out), out.rid not in started
-        started.add(out.rid)
-        if out.finished:
-            finals[out.rid] = out
-        if not (text or finish or (chat and first)):
-            return []
-        return [chunk([_choice(chat, index[out.rid], text, finish, True, first)])]
-
-    def tail() -> list:
-        outs = [finals[it.rid] for it in items if it.rid in finals]
-        return [chunk([], _usage(outs, req.n))] if usage and len(outs) == len(items) else []
-
-    return s.streaming(stream, chunks, tail)
-
-
 # ---------------------------------------------------------------- app
 
-def _install_error_handlers(app: FastAPI, s: _Server) -> None:
+def _install_error_handlers(app: FastAPI, s: ServerState) -> None:
     @app.exception_handler(RequestValidationError)
     async def _on_validation(_req, exc: RequestValidationError):
         s.metrics.num_bad_requests.inc()
@@ -311,7 +125,7 @@ def _install_error_handlers(app: FastAPI, s: _Server) -> None:
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
-def _install_info_routes(app: FastAPI, s: _Server) -> None:
+def _install_info_routes(app: FastAPI, s: ServerState) -> None:
     @app.get("/health")
     async def health():
         return Response(status_code=200 if s.engine.is_alive else 503)
@@ -365,23 +179,23 @@ async def _parse(model: type[BaseModel], request: Request):
         raise RequestValidationError(e.errors()) from e
 
 
-def _install_generation_routes(app: FastAPI, s: _Server) -> None:
+def _install_generation_routes(app: FastAPI, s: ServerState) -> None:
     @app.post("/generate")
     async def generate(request: Request):
         return await _generate(s, await _parse(P.GenerateRequest, request), request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _openai(s, await _parse(P.CompletionRequest, request), request, chat=False)
+        return await openai_response(s, await _parse(P.CompletionRequest, request), request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _openai(s, await _parse(P.ChatCompletionRequest, request), request, chat=True)
+        return await openai_response(s, await _parse(P.ChatCompletionRequest, request), request, chat=True)
 
 
 def build_app(async_engine: AsyncEngine, config: Config) -> FastAPI:
     """The HTTP app; its lifespan starts the engine thread on the serving loop and stops it at shutdown."""
-    s = _Server(async_engine, config)
+    s = ServerState(async_engine, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -1,0 +1,105 @@
+"""What every HTTP route shares: the error format, SSE framing, and the server state that meters outputs,
+collects final answers (aborting on client disconnect) and streams chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import AsyncIterator, Callable, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from sparkrelay.config import Config
+from sparkrelay.engine.request import RequestOutput
+from sparkrelay.server import protocol as P
+from sparkrelay.server.async_engine import AsyncEngine, OutputStream
+from sparkrelay.server.metrics import Metrics
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                405: "MethodNotAllowedError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class ServerError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def error_body(status: int, message: str) -> dict:
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "code": status}}
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    return JSONResponse(error_body(status, message), status_code=status)
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def failure(out: RequestOutput) -> Optional[str]:
+    """The message of an abnormal finish (engine error or shutdown), else None."""
+    r = out.finish_reason or {}
+    return r.get("message", "request aborted") if out.finished and r.get("type") == "abort" else None
+
+
+class ServerState:
+    def __init__(self, engine: AsyncEngine, config: Config):
+        self.engine = engine
+        self.config = config
+        self.metrics = Metrics()
+        e = engine.engine
+        self.tokenizer = e.tokenizer
+        self.limits = P.Limits(context_length=e.context_length, max_n=config.scheduler.max_n)
+        self.model_name = config.model.served_model_name or config.model.model_path
+
+    async def outputs(self, stream: OutputStream) -> AsyncIterator[RequestOutput]:
+        """The stream's outputs, metered; closes (aborts what is unfinished) however the consumer leaves."""
+        trackers = {rid: self.metrics.tracker() for rid in stream.rids}
+        try:
+            async for out in stream:
+                trackers[out.rid].observe(out)
+                yield out
+        finally:
+            stream.close()
+
+    async def collect(self, stream: OutputStream, request: Request) -> dict[str, RequestOutput]:
+        """Final output of every request in the stream; gives up (aborting them) if the client disconnects."""
+        finals: dict[str, RequestOutput] = {}
+
+        async def drain():
+            async for out in self.outputs(stream):
+                if out.finished:
+                    finals[out.rid] = out
+
+        task = asyncio.ensure_future(drain())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.25)
+                if not task.done() and await request.is_disconnected():
+                    raise ServerError(499, "client disconnected")
+            task.result()
+        finally:
+            task.cancel()
+            stream.close()
+        for out in finals.values():
+            if failure(out):
+                raise ServerError((out.finish_reason or {}).get("status_code", 500), failure(out))
+        return finals
+
+    def streaming(self, stream: OutputStream, chunks: Callable[[RequestOutput], list], tail: Callable[[], list]):
+        async def body():
+            async with contextlib.aclosing(self.outputs(stream)) as outs:
+                async for out in outs:
+                    if failure(out):
+                        yield sse(error_body(500, failure(out)))
+                        break
+                    for c in chunks(out):
+                        yield sse(c)
+                for c in tail():
+                    yield sse(c)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")

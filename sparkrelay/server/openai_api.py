@@ -1,0 +1,110 @@
+"""OpenAI-compatible /v1/completions and /v1/chat/completions: responses and stream chunks in OpenAI's schema."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Optional
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from sparkrelay.engine.request import RequestOutput
+from sparkrelay.server import protocol as P
+from sparkrelay.server.async_engine import GenerationItem, OutputStream
+from sparkrelay.server.common import ServerState
+
+
+class _Stable:
+    """Text deltas for OpenAI streams: holds back a trailing partial stop string or partial UTF-8 char."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.sent = 0
+
+    def delta(self, out: RequestOutput) -> str:
+        text = out.text if out.finished else self._stable(out.text)
+        d = text[self.sent:]
+        self.sent = max(self.sent, len(text))
+        return d
+
+    def _stable(self, text: str) -> str:
+        text = text.rstrip("\ufffd")
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
+                    hold = k
+                    break
+        return text[:len(text) - hold]
+
+
+def _finish(out: RequestOutput) -> Optional[str]:
+    if not out.finished:
+        return None
+    kind = (out.finish_reason or {}).get("type")
+    return kind if kind in ("stop", "length") else (kind or "stop")
+
+
+def _usage(finals: list[RequestOutput], n: int) -> dict:
+    prompt = sum(o.prompt_tokens for i, o in enumerate(finals) if i % n == 0)  # once per prompt, not per sample
+    completion = sum(len(o.output_ids) for o in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _openai_head(kind: str, oid: str, s: ServerState) -> dict:
+    return {"id": oid, "object": kind, "created": int(time.time()), "model": s.model_name}
+
+
+def _choice(chat: bool, index: int, text: str, finish: Optional[str], stream: bool, first: bool = False) -> dict:
+    c: dict = {"index": index, "logprobs": None, "finish_reason": finish}
+    if not chat:
+        c["text"] = text
+    elif not stream:
+        c["message"] = {"role": "assistant", "content": text}
+    else:
+        c["delta"] = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
+    return c
+
+
+async def openai_response(s: ServerState, req, request: Request, chat: bool):
+    oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    items = (P.chat_items if chat else P.completion_items)(req, s.tokenizer, s.limits, oid)
+    stream = await s.engine.submit(items)
+    index = {it.rid: i for i, it in enumerate(items)}
+    if req.stream:
+        return _openai_stream(s, req, stream, items, index, oid, chat)
+    finals = await s.collect(stream, request)
+    outs = [finals[it.rid] for it in items]
+    resp = _openai_head("chat.completion" if chat else "text_completion", oid, s)
+    resp["choices"] = [_choice(chat, i, o.text, _finish(o), False) for i, o in enumerate(outs)]
+    resp["usage"] = _usage(outs, req.n)
+    return resp
+
+
+def _openai_stream(s: ServerState, req, stream: OutputStream, items: list[GenerationItem], index: dict,
+                   oid: str, chat: bool) -> StreamingResponse:
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    usage = bool(req.stream_options and req.stream_options.include_usage)
+    deltas = {it.rid: _Stable(it.params.stop) for it in items}
+    started: set[str] = set()
+    finals: dict[str, RequestOutput] = {}
+
+    def chunk(choices: list, with_usage=None) -> dict:
+        c = _openai_head(kind, oid, s) | {"choices": choices}
+        return c | {"usage": with_usage} if usage else c
+
+    def chunks(out: RequestOutput) -> list:
+        text, finish, first = deltas[out.rid].delta(out), _finish(out), out.rid not in started
+        started.add(out.rid)
+        if out.finished:
+            finals[out.rid] = out
+        if not (text or finish or (chat and first)):
+            return []
+        return [chunk([_choice(chat, index[out.rid], text, finish, True, first)])]
+
+    def tail() -> list:
+        outs = [finals[it.rid] for it in items if it.rid in finals]
+        return [chunk([], _usage(outs, req.n))] if usage and len(outs) == len(items) else []
+
+    return s.streaming(stream, chunks, tail)
