@@ -41,7 +41,7 @@ def test_bench_offline_writes_table_plot_and_json(tiny_model, tmp_path, capsys):
 
     from sparkrelay import bench_offline
 
-    from sparkrelay.models.dspark import write_random_checkpoint
+    from sparkrelay.models.dspark_checkpoint import write_random_checkpoint
 
     out_dir = tmp_path / "results"
     draft = write_random_checkpoint(tmp_path / "draft", tiny_model, target_layer_ids=[-1, 0])

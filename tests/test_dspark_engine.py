@@ -8,7 +8,7 @@ import torch
 
 from conftest import BUNDLED, code_prompts
 from sparkrelay import LLM, SamplingParams
-from sparkrelay.models.dspark import write_random_checkpoint
+from sparkrelay.models.dspark_checkpoint import write_random_checkpoint
 
 NUM_PROMPTS, NEW_TOKENS = 50, 32
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)

@@ -10,7 +10,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import make_random_qwen3
-from sparkrelay.models.dspark import DSparkSpec, draft_config, load_dspark, write_random_checkpoint
+from sparkrelay.models.dspark import DSparkSpec, load_dspark
+from sparkrelay.models.dspark_checkpoint import draft_config, write_random_checkpoint
 from sparkrelay.models.loader import CheckpointError, read_config
 from sparkrelay.models.qwen3 import Qwen3Spec, load_qwen3
 

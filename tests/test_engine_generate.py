@@ -1,7 +1,6 @@
 """Greedy generation through the engine equals transformers token for token (batched, chunked, preempted)."""
 
 import pytest
-import torch
 
 from hf_reference import hf_greedy, load_hf
 from sparkrelay import LLM, SamplingParams

@@ -5,7 +5,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from http_fixtures import make_app, tiny_model_dir  # noqa: F401  (a fixture)
-from sparkrelay.models.dspark import write_random_checkpoint
+from sparkrelay.models.dspark_checkpoint import write_random_checkpoint
 
 
 @pytest.fixture(scope="module")

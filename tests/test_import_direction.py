@@ -27,6 +27,7 @@ RANKS = {
     "sparkrelay.launch_server": 6,
     "sparkrelay.bench_common": 6,
     "sparkrelay.bench_offline": 7,
+    "sparkrelay.bench_serving": 7,
     "sparkrelay.demo": 7,
     "sparkrelay.tools": 7,
 }
@@ -52,7 +53,10 @@ def imports(path: Path):
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module
+            if node.module == "sparkrelay":  # `from sparkrelay import bench_common` names a submodule
+                yield from (f"sparkrelay.{a.name}" for a in node.names)
+            else:
+                yield node.module
 
 
 def test_imports_flow_down():

@@ -11,20 +11,16 @@ as they are. Every method is a pure tensor function batched over R requests; the
 
 from __future__ import annotations
 
-import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from sparkrelay.models.layers import RMSNorm, Rotary, apply_rope
-from sparkrelay.models.loader import CheckpointError, load_weights, read_config, safetensors_files
+from sparkrelay.models.loader import CheckpointError, load_weights, read_config
 from sparkrelay.models.qwen3 import Qwen3DecoderLayer, Qwen3Spec
 
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -303,65 +299,3 @@ def load_dspark(folder: str | Path, target_spec: Qwen3Spec, dtype: torch.dtype =
               if _share(getattr(model, name), t)]
     model.shared_with_target = tuple(shared)
     return model
-
-
-def draft_config(target_cfg: dict, **fields) -> dict:
-    """config.json of a drafter for this target (§1.2, §7): a copy of the target's plus the DSpark fields."""
-    n_t = target_cfg["num_hidden_layers"]
-    taps = min(4, max(1, n_t - 2))
-    ids = [1 + round(i * (n_t - 3) / (taps - 1)) for i in range(taps)] if taps > 1 else [max(0, n_t - 2)]
-    dspark = dict(num_hidden_layers=2, block_size=7, target_layer_ids=ids, mask_token_id=target_cfg["vocab_size"] - 1,
-                  markov_rank=32, markov_head_type="vanilla", enable_confidence_head=True,
-                  confidence_head_with_markov=True, num_target_layers=n_t, num_anchors=64)
-    dspark.update(fields)
-    if dspark["markov_rank"] == 0:
-        dspark.pop("markov_head_type")
-    if not dspark["enable_confidence_head"]:
-        dspark.pop("confidence_head_with_markov")
-    cfg = copy.deepcopy(target_cfg)
-    cfg.pop("torch_dtype", None)
-    cfg.update(dspark, architectures=[ARCHITECTURE], tie_word_embeddings=False, dtype="bfloat16",
-               layer_types=["full_attention"] * dspark["num_hidden_layers"])
-    return cfg
-
-
-def target_head_weights(target_folder: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target checkpoint's (embedding [V, d], LM head [V, d]); a tied target's LM head is its embedding."""
-    found = {}
-    for path in safetensors_files(target_folder):
-        with safe_open(str(path), framework="pt") as f:
-            for key in ("model.embed_tokens.weight", "lm_head.weight"):
-                if key in f.keys():
-                    found[key] = f.get_tensor(key)
-    embed = found["model.embed_tokens.weight"]
-    return embed, found.get("lm_head.weight", embed)
-
-
-def save_checkpoint(model: Qwen3DSparkModel, cfg: dict, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write config.json + model.safetensors in the DeepSpec layout (top-level §1.3 keys, frozen copies included)."""
-    assert all(layer.self_attn.qkv is None for layer in model.layers), "save an unfused drafter"
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in model.state_dict().items()}
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    cfg = dict(cfg, dtype=str(dtype).removeprefix("torch."))
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return folder
-
-
-def write_random_checkpoint(folder: str | Path, target_folder: str | Path, seed: int = 0,
-                            weight_dtype: torch.dtype = torch.bfloat16, **overrides) -> Path:
-    """A random-weight drafter for the target in `target_folder` (embedding / LM head copied from it);
-    `overrides` are config fields, e.g. markov_head_type="rnn", or markov_rank=0, enable_confidence_head=False (DFlash)."""
-    target_cfg = read_config(target_folder)
-    cfg = draft_config(target_cfg, **overrides)
-    spec = DSparkSpec.from_hf(cfg, Qwen3Spec.from_hf(target_cfg))
-    gen_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    model = Qwen3DSparkModel(spec)
-    torch.random.set_rng_state(gen_state)
-    embed, lm_head = target_head_weights(target_folder)
-    with torch.no_grad():
-        model.embed_tokens.weight.copy_(embed)
-        model.lm_head.weight.copy_(lm_head)
-    return save_checkpoint(model, cfg, folder, weight_dtype)

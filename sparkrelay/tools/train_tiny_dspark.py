@@ -52,8 +52,8 @@ import torch
 import torch.nn.functional as F
 
 from sparkrelay.corpus import read_texts, stdlib_files
-from sparkrelay.models.dspark import (DSparkSpec, Qwen3DSparkModel, draft_config, load_dspark, save_checkpoint,
-                                      target_head_weights)
+from sparkrelay.models.dspark import DSparkSpec, Qwen3DSparkModel, load_dspark
+from sparkrelay.models.dspark_checkpoint import draft_config, save_checkpoint, target_head_weights
 from sparkrelay.models.loader import read_config
 from sparkrelay.models.qwen3 import Qwen3Spec
 from sparkrelay.tools.train_tiny_target import encode_corpus
