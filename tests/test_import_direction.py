@@ -28,6 +28,7 @@ RANKS = {
     "sparkrelay.bench_common": 6,
     "sparkrelay.bench_offline": 7,
     "sparkrelay.bench_serving": 7,
+    "sparkrelay.bench_serving_report": 6,
     "sparkrelay.demo": 7,
     "sparkrelay.tools": 7,
 }
