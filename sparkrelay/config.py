@@ -67,6 +67,33 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    pp_size: int = _f(1, "Pipeline-parallel stages, one process each (gloo on CPU, NCCL on CUDA); each owns a "
+                         "contiguous layer range (pipeline/partition.py).")
+    dist_init_port: Optional[int] = _f(None, "TCP port of the stages' torch.distributed rendezvous on 127.0.0.1 "
+                                             "(default: a free port).", ftype=int)
+
+
+DISAGG_MODES = ("null", "prefill", "decode")
+HANDOFF_MODES = ("tail", "hidden", "draft-kv")
+TRANSFER_BACKENDS = ("zmq",)
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    disaggregation_mode: str = _f("null", "PD role: null (aggregated), prefill or decode.", DISAGG_MODES)
+    disaggregation_bootstrap_port: int = _f(8998, "Prefill: port of the bootstrap HTTP server. Decode: the port used "
+                                                  "when a request's bootstrap_port is null.")
+    disaggregation_bootstrap_host: str = _f("127.0.0.1", "Prefill: address the bootstrap server and the transfer "
+                                                         "sockets bind (reachable at the prefill URL's host).")
+    disaggregation_transfer_backend: str = _f("zmq", "KV / handoff transfer backend (zmq: ZMQ over TCP).",
+                                              TRANSFER_BACKENDS)
+    dspark_pd_handoff: str = _f("hidden", "What carries the DSpark drafter's context from prefill to decode: tail "
+                                          "(last rows in the metadata row), hidden (every prompt row), draft-kv (the "
+                                          "drafter's context K/V, projected on prefill).", HANDOFF_MODES)
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = _f("127.0.0.1", "Address the HTTP server binds.")
     port: int = _f(30000, "HTTP port.")
@@ -80,6 +107,8 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def validate(self) -> "Config":
@@ -94,6 +123,7 @@ class Config:
         if not (0 < self.server.port < 65536):
             raise ConfigError(f"--port must be in 1..65535, got {self.server.port}")
         self._validate_spec()
+        self._validate_parallel()
         dev = self.model.device
         if not (dev == "cpu" or dev == "cuda" or dev.startswith("cuda:")):
             raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {dev!r}")
@@ -104,9 +134,16 @@ class Config:
     def _validate_spec(self) -> None:
         sp = self.spec
         if sp.speculative_algorithm is None:
-            if sp.speculative_draft_model_path is not None:
+            prefill = self.disagg.disaggregation_mode == "prefill"  # reads only the drafter's config / context weights
+            if sp.speculative_draft_model_path is not None and not prefill:
                 raise ConfigError("--speculative-draft-model-path needs --speculative-algorithm DSPARK")
+            if prefill and sp.speculative_draft_model_path is not None and not os.path.isdir(sp.speculative_draft_model_path):
+                raise ConfigError(f"--speculative-draft-model-path {sp.speculative_draft_model_path!r} is not a folder")
             return
+        if self.disagg.disaggregation_mode == "prefill":
+            raise ConfigError("--speculative-algorithm: a prefill server runs no drafter (it samples one token); give "
+                              "the drafter to the decode server, and to the prefill only --speculative-draft-model-path "
+                              "for --dspark-pd-handoff draft-kv")
         if sp.speculative_draft_model_path is None:
             raise ConfigError(f"--speculative-algorithm {sp.speculative_algorithm} needs --speculative-draft-model-path")
         if not os.path.isdir(sp.speculative_draft_model_path):
@@ -116,6 +153,21 @@ class Config:
         if not 0.0 <= sp.speculative_dspark_confidence_threshold < 1.0:
             raise ConfigError("--speculative-dspark-confidence-threshold must be in [0, 1), got "
                               f"{sp.speculative_dspark_confidence_threshold}")
+
+    def _validate_parallel(self) -> None:
+        pp = self.parallel.pp_size
+        _positive("--pp-size", pp)
+        if pp > 1 and self.spec.speculative_algorithm is not None:
+            raise ConfigError(f"--pp-size {pp} with --speculative-algorithm {self.spec.speculative_algorithm}: DSpark "
+                              "runs on a single stage (the drafter needs the target's embedding and LM head, which "
+                              "sit on different stages, and the taps of every stage at each verify); run the "
+                              "pipeline on the prefill server (--disaggregation-mode prefill) and DSpark on a "
+                              "--pp-size 1 decode server")
+        if pp > 1 and self.disagg.disaggregation_mode == "decode":
+            raise ConfigError(f"--pp-size {pp} with --disaggregation-mode decode: the decode server runs --pp-size 1")
+        port = self.disagg.disaggregation_bootstrap_port
+        if not 0 < port < 65536:
+            raise ConfigError(f"--disaggregation-bootstrap-port must be in 1..65535, got {port}")
 
     def flat(self) -> dict[str, Any]:
         """All leaf settings as one flat dict (the shape of SGLang's /server_info)."""

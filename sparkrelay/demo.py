@@ -1,23 +1,21 @@
-"""Demo: start the HTTP server on the bundled model, ask it a few things through the OpenAI client, print;
-then the same greedy prompts on a DSpark server (the bundled drafter): same text, fewer target steps.
+"""Demo: DSpark under PD disaggregation on the bundled pair, next to the aggregated DSpark server.
 
-python -m sparkrelay.demo [--model-path models/tiny-qwen3] [--draft-model-path models/tiny-qwen3-dspark]
+For each handoff mode (hidden, draft-kv, tail) it starts router + prefill (--pp-size 2, no drafter) + decode
+(DSpark), asks through the OpenAI client, and prints the outputs, then the acceptance length, TTFT and handoff
+bytes per request next to the aggregated server's (same greedy tokens expected everywhere).
+
+python -m sparkrelay.demo [--pp-size 2] [--modes hidden,draft-kv,tail] [--max-tokens 64]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
+import tempfile
 
-import httpx
+from sparkrelay.cluster import PDSettings, free_port, handoff_bytes, server_argv, start, start_pd, stream_generate
 
-# Prompts end at a token boundary the tokenizer would produce: a trailing "\n" on its own is rare in training
-# (byte-level BPE merges it with the next line's indentation), and the tiny model answers it badly.
+MODEL, DRAFTER = "models/tiny-qwen3", "models/tiny-qwen3-dspark"
+# Prompts end at a token boundary the tokenizer would produce (a trailing "\n" alone is rare in training).
 PROMPTS = [
     "import os\n\n\ndef list_python_files(root):",
     "class Stack:\n    def __init__(self):",
@@ -25,100 +23,70 @@ PROMPTS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"the server at {url} was not healthy after {timeout:.0f}s")
-
-
-def run_client(url: str, model: str) -> None:
+def openai_outputs(url: str, max_tokens: int, show: bool) -> list[str]:
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{url}/v1", api_key="none")
+    client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=5)
+    texts = []
     for prompt in PROMPTS:
-        t0 = time.monotonic()
-        out = client.completions.create(model=model, prompt=prompt, max_tokens=48, temperature=0)
-        dt = time.monotonic() - t0
-        print(f"--- prompt ({dt * 1000:.0f} ms, {out.usage.completion_tokens} tokens) ---")
-        print(prompt + out.choices[0].text)
-    print("--- streamed, temperature 0.8 ---")
-    stream = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=48, temperature=0.8, seed=1,
-                                       stream=True)
-    for chunk in stream:
-        print(chunk.choices[0].text, end="", flush=True)
-    print()
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "def add(a, b):"}],
-                                          max_tokens=24, temperature=0)
-    print("--- chat ---\n" + (chat.choices[0].message.content or ""))
-    info = httpx.get(f"{url}/metrics").text
-    lines = [ln for ln in info.splitlines() if ln.startswith(("sparkrelay:generation_tokens_total",
-                                                              "sparkrelay:num_requests_total"))]
-    print("--- /metrics ---\n" + "\n".join(lines))
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        texts.append(out.choices[0].text)
+        if show:
+            print(f"--- {prompt.splitlines()[-1]!r} ---\n{prompt}{out.choices[0].text}")
+    if show:
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "def add(a, b):"}],
+                                              max_tokens=24, temperature=0)
+        print("--- chat ---\n" + (chat.choices[0].message.content or ""))
+        print("--- streamed ---")
+        for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=32, temperature=0,
+                                               stream=True):
+            print(chunk.choices[0].text, end="", flush=True)
+        print()
+    return texts
 
 
-def dspark_client(url: str, plain_url: str) -> None:
-    """Greedy prompts through SGLang's native /generate on both servers: outputs, acceptance length, latency."""
-    print("--- DSpark speculative decoding (greedy, 96 tokens each) ---")
-    for prompt in PROMPTS:
-        body = {"text": prompt, "sampling_params": {"max_new_tokens": 96, "temperature": 0, "ignore_eos": True}}
-        plain = httpx.post(f"{plain_url}/generate", json=body, timeout=120).json()
-        spec = httpx.post(f"{url}/generate", json=body, timeout=120).json()
-        meta = spec["meta_info"]
-        same = "same tokens" if spec["output_ids"] == plain["output_ids"] else "DIFFERENT tokens"
-        print(f"{prompt.splitlines()[-1][:40]!r}: {same}; accept length {meta['spec_accept_length']:.2f} over "
-              f"{meta['spec_verify_ct']} verify rounds; {plain['meta_info']['e2e_latency'] * 1000:.0f} ms plain, "
-              f"{meta['e2e_latency'] * 1000:.0f} ms DSpark")
-
-
-def start(args_list: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "sparkrelay.launch_server", *args_list, "--port", str(port), "--log-level", "warning"]
-    print("$ " + " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, env={**os.environ})
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc)
-    return proc, url
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+def measure(url: str, decode_url: str | None, ids: list[list[int]], max_tokens: int) -> dict:
+    before = handoff_bytes(decode_url) if decode_url else 0
+    runs = [stream_generate(url, p, max_tokens) for p in ids]
+    after = handoff_bytes(decode_url) if decode_url else 0
+    n = len(runs)
+    return {"accept": sum(r["accept_length"] for r in runs) / n, "ttft_ms": 1000 * sum(r["ttft_s"] for r in runs) / n,
+            "kib": (after - before) / n / 1024}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default="models/tiny-qwen3")
-    p.add_argument("--draft-model-path", default="models/tiny-qwen3-dspark")
+    p.add_argument("--pp-size", type=int, default=2)
+    p.add_argument("--modes", default="hidden,draft-kv,tail")
+    p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args()
-    procs = []
-    try:
-        proc, url = start(["--model-path", args.model_path])
-        procs.append(proc)
-        run_client(url, args.model_path)
-        spec_proc, spec_url = start(["--model-path", args.model_path, "--speculative-algorithm", "DSPARK",
-                                     "--speculative-draft-model-path", args.draft_model_path])
-        procs.append(spec_proc)
-        dspark_client(spec_url, url)
-    finally:
-        for proc in procs:
-            stop(proc)
+    from transformers import AutoTokenizer
+
+    ids = [AutoTokenizer.from_pretrained(MODEL).encode(t) for t in PROMPTS]
+    rows = []
+    with tempfile.TemporaryDirectory() as logs:
+        port = free_port()
+        print("starting the aggregated DSpark server ...", flush=True)
+        agg = start("aggregated", server_argv(MODEL, port, ["--speculative-algorithm", "DSPARK",
+                                                           "--speculative-draft-model-path", DRAFTER]), port, logs)
+        try:
+            reference = openai_outputs(agg.url, args.max_tokens, show=False)
+            rows.append(("aggregated", "-", measure(agg.url, None, ids, args.max_tokens)))
+        finally:
+            agg.stop()
+        for i, mode in enumerate(args.modes.split(",")):
+            print(f"\n=== PD, handoff {mode}: router + prefill (--pp-size {args.pp_size}, no drafter) + decode "
+                  "(DSpark) ===", flush=True)
+            cluster = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=args.pp_size, handoff=mode), logs)
+            try:
+                texts = openai_outputs(cluster.url, args.max_tokens, show=i == 0)
+                same = "yes" if texts == reference else "NO"
+                rows.append((f"PD {mode}", same, measure(cluster.url, cluster.decode.url, ids, args.max_tokens)))
+            finally:
+                cluster.stop()
+    print(f"\n{'deployment':<14} {'same text':>9} {'accept len':>10} {'TTFT ms':>8} {'handoff KiB/req':>16}")
+    for name, same, m in rows:
+        print(f"{name:<14} {same:>9} {m['accept']:>10.2f} {m['ttft_ms']:>8.0f} {m['kib']:>16,.0f}")
 
 
 if __name__ == "__main__":

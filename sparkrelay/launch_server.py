@@ -27,13 +27,16 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
 def serve(config: Config) -> None:
     import uvicorn
 
-    from sparkrelay.engine.engine import Engine
+    from sparkrelay.engine.disagg_engine import build_engine
     from sparkrelay.server.async_engine import AsyncEngine
     from sparkrelay.server.http_server import build_app
 
-    engine = Engine(config)
-    app = build_app(AsyncEngine(engine), config)
-    uvicorn.run(app, host=config.server.host, port=config.server.port, log_level=config.server.log_level)
+    engine = build_engine(config)
+    try:
+        app = build_app(AsyncEngine(engine), config)
+        uvicorn.run(app, host=config.server.host, port=config.server.port, log_level=config.server.log_level)
+    finally:
+        engine.close()  # pipeline stages, bootstrap server, transfer agents
 
 
 def main(argv: Optional[list[str]] = None) -> int:

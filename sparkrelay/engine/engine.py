@@ -11,18 +11,20 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from sparkrelay.config import Config, ConfigError
 from sparkrelay.engine.block_manager import BlockManager
-from sparkrelay.engine.request import Request, RequestError, RequestOutput, SamplingParams, Status
+from sparkrelay.engine.request import Bootstrap, Request, RequestError, RequestOutput, SamplingParams, Status
 from sparkrelay.engine.scheduler import Batch, Scheduler
 from sparkrelay.engine.stop import StopChecker
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.loader import read_config
 from sparkrelay.models.dspark import load_dspark
 from sparkrelay.models.qwen3 import load_qwen3
+from sparkrelay.pipeline.partition import pp_partition
 from sparkrelay.runner.model_runner import ModelRunner, RunResult
 from sparkrelay.runner.spec_runner import SpecRunner
 from sparkrelay.spec.proposer import DSparkProposer
@@ -54,7 +56,7 @@ class Engine:
             raise ConfigError(f"--device {mc.device}: CUDA is not available on this machine")
         self.dtype = resolve_dtype(mc.dtype, mc.device)
         self.hf_config = read_config(mc.model_path)
-        self.model = load_qwen3(mc.model_path, dtype=self.dtype, device=mc.device)
+        self.model = load_qwen3(mc.model_path, 0, self._stage0_end(), dtype=self.dtype, device=mc.device)
         self.tokenizer = load_tokenizer(mc.tokenizer_path or mc.model_path)
         spec = self.model.spec
         self.vocab_size = spec.vocab_size
@@ -67,13 +69,20 @@ class Engine:
             raise ConfigError(f"--max-total-tokens {total} is smaller than one page ({page})")
         num_blocks = self.max_total_tokens // page
         self.blocks = BlockManager(num_blocks, page)
-        self.pool = KVPool(range(spec.num_layers), num_blocks, page, spec.num_kv_heads, spec.head_dim,
+        self.pool = KVPool(range(self.model.start, self.model.end), num_blocks, page, spec.num_kv_heads, spec.head_dim,
                            self.dtype, self.device)
         sc = config.scheduler
         self.proposer = self._build_proposer(num_blocks, page) if config.spec.speculative_algorithm else None
         lookahead = 1 if self.proposer is None else self.proposer.max_drafts + 1
         self.scheduler = Scheduler(self.blocks, sc.max_running_requests, sc.chunked_prefill_size, lookahead)
-        if self.proposer is None:
+        if self.proposer is None and (config.parallel.pp_size > 1 or config.disagg.disaggregation_mode == "prefill"):
+            from sparkrelay.pipeline.runner import PipelineRunner  # stage processes only when a pipeline is asked for
+
+            # a prefill engine binds its stages' status socket before this (PrefillEngine.status_address)
+            self.runner = PipelineRunner(config, self.model, self.pool,
+                                         status_address=getattr(self, "status_address", ""))
+            self.spec_stats = None
+        elif self.proposer is None:
             self.runner = ModelRunner(self.model, self.pool, self.device, mc.seed)
             self.spec_stats = None
         else:
@@ -99,6 +108,14 @@ class Engine:
         cap = sp.speculative_num_draft_tokens or drafter.spec.block_size
         return DSparkProposer(drafter, num_blocks, page, self.device, cap, sp.speculative_dspark_confidence_threshold,
                               head_t=self.model.head_t)
+
+    def _stage0_end(self) -> int:
+        """With --pp-size N this process is stage 0: it loads (and caches KV for) only the first stage's layers."""
+        layers = int(self.hf_config["num_hidden_layers"])
+        try:
+            return pp_partition(layers, self.config.parallel.pp_size)[0][1]
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def _context_length(self, model_max: int) -> int:
         asked = self.config.model.context_length
@@ -158,7 +175,9 @@ class Engine:
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise RequestError(f"stop_token_ids out of vocabulary: {list(params.stop_token_ids)[:5]}")
 
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                    bootstrap: Optional[Bootstrap] = None) -> None:
+        """`bootstrap` (the router's PD fields) is ignored by an aggregated engine."""
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
         self.validate(prompt_ids, params)
@@ -251,3 +270,9 @@ class Engine:
 
     def check(self) -> None:
         self.blocks.check()
+
+    def close(self) -> None:
+        """Shut the pipeline stages down (their processes exit); a no-op without a pipeline. Idempotent."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()

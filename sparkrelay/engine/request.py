@@ -53,6 +53,16 @@ class SamplingParams:
         return self.temperature < 1e-5 or self.top_k == 1
 
 
+@dataclass(frozen=True)
+class Bootstrap:
+    """The PD routing fields the router adds to a request (PD_PROTOCOL.md §1.4): where the prefill's bootstrap
+    server is (port None: the decode server's --disaggregation-bootstrap-port) and the transfer's room."""
+
+    host: str
+    port: Optional[int]
+    room: int
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -81,6 +91,10 @@ class Request:
     # speculative decoding: verify rounds and the tokens they committed (the prefill token not counted)
     spec_verify_ct: int = 0
     spec_committed: int = 0
+    # PD disaggregation: the transfer's room (0: none); the first position the drafter's context starts at (a
+    # `tail` handoff leaves earlier prompt positions without draft context)
+    bootstrap_room: int = 0
+    draft_ctx_start: int = 0
 
     @property
     def all_ids(self) -> list[int]:

@@ -26,15 +26,19 @@ class SpecRunner(ModelRunner):
         self.proposer = proposer
         self.taps = proposer.taps
         self.context_length = context_length
+        self._fed: list = []
 
     def after_forward(self, meta: AttnMeta, out: StageOutput) -> None:
         # every fed row of a prefill is a committed prompt position: its features become draft context
+        for req in self._fed:
+            req.draft_ctx_start = 0  # a (re)computed prompt writes the drafter's whole context
         rows = torch.arange(meta.positions.shape[0], device=self.device)
         self.proposer.write_context(out.taps, rows, meta.positions, meta.slot_mapping)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> RunResult:
         if batch.kind != "decode":
+            self._fed = [s.req for s in batch.seqs if s.start == 0]
             return super().run(batch)
         seqs = batch.seqs
         reqs = [s.req for s in seqs]
@@ -42,7 +46,8 @@ class SpecRunner(ModelRunner):
         tables = [r.block_ids for r in reqs]
         sb = self.sampling_batch(reqs)
         prop = self.proposer.propose([r.all_ids[-1] for r in reqs], starts, tables, self._caps(reqs, starts),
-                                     sb.temperature, sb.greedy, sb.generators, self.shared_gen)
+                                     sb.temperature, sb.greedy, sb.generators, self.shared_gen,
+                                     [r.draft_ctx_start for r in reqs])
         n = prop.num_drafts.tolist()
         meta = self.attn_meta(starts, [p + 1 + k for p, k in zip(starts, n)], tables)
         drafts = prop.drafts.tolist()

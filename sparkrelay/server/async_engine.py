@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
-from sparkrelay.engine.request import RequestError, RequestOutput, SamplingParams
+from sparkrelay.engine.request import Bootstrap, RequestError, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ class GenerationItem:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    bootstrap: Optional[Bootstrap] = None  # the PD router's fields, one room per item
 
 
 @dataclass
@@ -206,7 +207,7 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for it in cmd.items:
-                self.engine.add_request(it.rid, it.prompt_ids, it.params)
+                self.engine.add_request(it.rid, it.prompt_ids, it.params, it.bootstrap)
                 added.append(it.rid)
         except Exception as e:  # RequestError -> 400; anything else -> 500, both reported to the caller
             for rid in added:

@@ -88,6 +88,7 @@ def _generate_result(out: RequestOutput, start: float, index: Optional[int]) -> 
 async def _generate(s: ServerState, req: P.GenerateRequest, request: Request):
     start = time.perf_counter()
     items, batch = P.generate_items(req, s.tokenizer, s.limits, lambda: uuid.uuid4().hex)
+    items = P.with_bootstrap(req, items)
     stream = await s.engine.submit(items)
     index = {it.rid: i for i, it in enumerate(items)}
     if req.stream:

@@ -69,7 +69,7 @@ def _choice(chat: bool, index: int, text: str, finish: Optional[str], stream: bo
 
 async def openai_response(s: ServerState, req, request: Request, chat: bool):
     oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    items = (P.chat_items if chat else P.completion_items)(req, s.tokenizer, s.limits, oid)
+    items = P.with_bootstrap(req, (P.chat_items if chat else P.completion_items)(req, s.tokenizer, s.limits, oid))
     stream = await s.engine.submit(items)
     index = {it.rid: i for i, it in enumerate(items)}
     if req.stream:

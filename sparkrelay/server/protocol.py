@@ -1,18 +1,20 @@
 """HTTP request models (SGLang-native and OpenAI) and their translation into engine requests.
 
 Every translation error is a RequestError whose message names the offending field (HTTP 400).
-Unknown fields are rejected (extra="forbid") rather than silently ignored; the only fields accepted
-and ignored are SGLang's PD bootstrap fields and OpenAI's `user`.
+Unknown fields are rejected (extra="forbid") rather than silently ignored; the only fields accepted and ignored
+are OpenAI's `user` and the defaults sglang-router adds to /generate bodies. The PD bootstrap fields are
+accepted everywhere and attached to each engine item (`with_bootstrap`); an aggregated engine ignores them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sparkrelay.engine.request import RequestError, SamplingParams
+from sparkrelay.engine.request import Bootstrap, RequestError, SamplingParams
 from sparkrelay.server.async_engine import GenerationItem
 
 
@@ -56,6 +58,15 @@ class GenerateSamplingParams(_Strict):
 
 
 class GenerateRequest(_Routed):
+    # defaults sglang-router adds to every /generate body it forwards (accepted, not used)
+    return_text_in_logprobs: bool = False
+    log_metrics: bool = True
+    return_hidden_states: bool = False
+    background: bool = False
+    no_logs: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
+    model: Optional[str] = None
     text: Union[str, list[str], None] = None
     input_ids: Union[list[int], list[list[int]], None] = None
     sampling_params: Union[GenerateSamplingParams, list[GenerateSamplingParams], None] = None
@@ -277,3 +288,29 @@ def chat_items(req: ChatCompletionRequest, tokenizer, limits: Limits, base_id: s
     # Without a limit, generate up to the context; a prompt that fills it is rejected by the engine.
     max_tokens = given if given is not None else max(limits.context_length - len(ids), 1)
     return _expand([ids], [max_tokens], common, req.n, req.seed, base_id)
+
+
+# ---------------------------------------------------------------- PD bootstrap fields
+
+def _per_item(value, n: int, name: str) -> list:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise RequestError(f"`{name}` has {len(value)} entries; the request has {n} sequences")
+        return value
+    if n > 1 and name == "bootstrap_room" and value is not None:
+        raise RequestError(f"a batch of {n} sequences needs `bootstrap_room` as a list with one room per sequence")
+    return [value] * n
+
+
+def with_bootstrap(req: _Routed, items: list[GenerationItem]) -> list[GenerationItem]:
+    """Attach the router's bootstrap fields to each item (arrays: one element per item, in order)."""
+    if req.bootstrap_room is None and req.bootstrap_host is None:
+        return items
+    n = len(items)
+    hosts = _per_item(req.bootstrap_host, n, "bootstrap_host")
+    ports = _per_item(req.bootstrap_port, n, "bootstrap_port")
+    rooms = _per_item(req.bootstrap_room, n, "bootstrap_room")
+    if len(set(r for r in rooms if r is not None)) != len([r for r in rooms if r is not None]):
+        raise RequestError("`bootstrap_room` repeats a room; every sequence needs its own")
+    return [dataclasses.replace(it, bootstrap=Bootstrap(h or "", p, r)) if r is not None else it
+            for it, h, p, r in zip(items, hosts, ports, rooms)]

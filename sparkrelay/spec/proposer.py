@@ -49,6 +49,12 @@ class DSparkProposer:
         if rows.numel() == 0:
             return
         features = torch.cat([taps[i].index_select(0, rows) for i in self.taps], dim=-1)  # [N, n_taps * d]
+        self.write_features(features, positions, slots)
+
+    @torch.inference_mode()
+    def write_features(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """features [N, n_taps * d] (the aux rows, taps in target_layer_ids order) at absolute `positions` [N] ->
+        each draft layer's context K/V written into `slots` [N] (also the decode side of a PD handoff)."""
         c = self.drafter.project_context(features.to(self.drafter.fc.weight.dtype))  # [N, d]
         for layer, (k, v) in enumerate(self.drafter.context_kv(c, positions)):
             k_pool, v_pool = self.pool.layers[layer]
@@ -58,12 +64,20 @@ class DSparkProposer:
     @torch.inference_mode()
     def propose(self, anchors: list[int], starts: list[int], block_tables: list[list[int]], caps: list[int],
                 temperature: torch.Tensor, greedy: torch.Tensor, generators: list[Optional[torch.Generator]],
-                shared: torch.Generator) -> Proposal:
-        """Row r: anchor token at position starts[r], context = positions < starts[r]; at most caps[r] drafts."""
+                shared: torch.Generator, ctx_starts: Optional[list[int]] = None) -> Proposal:
+        """Row r: anchor token at position starts[r], context = positions ctx_starts[r] (default 0) .. starts[r]-1
+        (a PD `tail` handoff gives the drafter only the prompt's last rows); at most caps[r] drafts."""
         rows, b, dev = len(anchors), self.block_size, self.device
-        ctx_len = torch.tensor(starts, device=dev)
-        index = slot_index(block_tables, max(starts), self.page_size).to(dev)  # [R, Lc]
-        flat = index.view(-1)
+        index = slot_index(block_tables, max(starts), self.page_size).to(dev)  # [R, Lc]: positions 0..Lc-1
+        if ctx_starts is not None and any(ctx_starts):
+            first = torch.tensor(ctx_starts, device=dev)
+            width = max(p - c for p, c in zip(starts, ctx_starts))
+            shift = (first[:, None] + torch.arange(width, device=dev)[None, :]).clamp(max=index.shape[1] - 1)
+            index = index.gather(1, shift)  # [R, width]: positions ctx_start.. left-aligned, padding after
+            ctx_len = torch.tensor([p - c for p, c in zip(starts, ctx_starts)], device=dev)
+        else:
+            ctx_len = torch.tensor(starts, device=dev)
+        flat = index.reshape(-1)
         ctx_k, ctx_v = [], []
         for k_pool, v_pool in self.pool.layers.values():
             ctx_k.append(k_pool.index_select(0, flat).view(rows, -1, *k_pool.shape[1:]))  # [R, Lc, n_kv, hd]
@@ -71,7 +85,8 @@ class DSparkProposer:
         anchor_t = torch.tensor(anchors, device=dev)
         block_ids = torch.full((rows, b), self.drafter.spec.mask_token_id, device=dev)
         block_ids[:, 0] = anchor_t  # [R, B]: anchor then mask tokens
-        positions = (ctx_len[:, None] + torch.arange(b, device=dev)[None, :]).clamp(max=self.max_position)
+        anchor_pos = torch.tensor(starts, device=dev)
+        positions = (anchor_pos[:, None] + torch.arange(b, device=dev)[None, :]).clamp(max=self.max_position)
         h = self.drafter.block_forward(block_ids, positions, ctx_k, ctx_v, ctx_len)  # [R, B, d]
         u = self.drafter.base_logits(h) if self.head_t is None else h @ self.head_t  # [R, B, V]
         drafts, z = self.drafter.markov_sample(u, anchor_t, temperature, greedy, shared, h=h, generators=generators)

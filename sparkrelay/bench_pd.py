@@ -1,0 +1,152 @@
+"""PD vs aggregated DSpark on the bundled pair: TTFT, decode throughput, acceptance length and handoff bytes per
+request for each handoff mode over prompt lengths, and `tail`'s acceptance as a function of the tail length.
+
+    python -m sparkrelay.bench_pd [--lengths 32,128,512,1024,2048] [--per-length 3] [--pp-size 2]
+                                  [--tails 1,2,4,8,16,64,256] [--out benchmarks/results]
+
+Every deployment is started through the real entry points (sparkrelay.cluster); requests go one at a time
+(streamed /generate, greedy) so TTFT and acceptance are not mixed with queueing. Writes bench_pd.json,
+bench_pd.md and bench_pd.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from sparkrelay.cluster import PDSettings, free_port, handoff_bytes, server_argv, start, start_pd, stream_generate
+from sparkrelay.corpus import read_texts, stdlib_files
+
+MODEL, DRAFTER = "models/tiny-qwen3", "models/tiny-qwen3-dspark"
+
+
+def prompts_by_length(lengths: list[int], per_length: int) -> dict[int, list[list[int]]]:
+    from transformers import AutoTokenizer
+
+    text = "\n".join(read_texts(stdlib_files()[1]))[:2_000_000]
+    ids = AutoTokenizer.from_pretrained(MODEL).encode(text)
+    out, offset = {}, 0
+    for n in lengths:
+        out[n] = []
+        for _ in range(per_length):
+            out[n].append(ids[offset : offset + n])
+            offset += n
+    return out
+
+
+def run_deployment(name: str, url: str, decode_url: str | None, prompts: dict, max_new: int) -> list[dict]:
+    stream_generate(url, prompts[min(prompts)][0], 4)  # warm-up (and router registration)
+    rows = []
+    for n, group in prompts.items():
+        before = handoff_bytes(decode_url) if decode_url else 0
+        runs = [stream_generate(url, p, max_new) for p in group]
+        after = handoff_bytes(decode_url) if decode_url else 0
+        rows.append({"deployment": name, "prompt_len": n, "handoff_bytes": (after - before) / len(group),
+                     **{k: sum(r[k] for r in runs) / len(runs) for k in ("ttft_s", "decode_tok_s", "accept_length")}})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def bench_modes(args, prompts: dict, log_dir: str) -> list[dict]:
+    rows = []
+    port = free_port()
+    agg = start("aggregated", server_argv(MODEL, port, ["--speculative-algorithm", "DSPARK",
+                                                       "--speculative-draft-model-path", DRAFTER]), port, log_dir)
+    try:
+        rows += run_deployment("aggregated", agg.url, None, prompts, args.max_new_tokens)
+    finally:
+        agg.stop()
+    for mode in ("hidden", "draft-kv", "tail"):
+        cluster = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=args.pp_size, handoff=mode), log_dir)
+        try:
+            rows += run_deployment(f"PD {mode}", cluster.url, cluster.decode.url, prompts, args.max_new_tokens)
+        finally:
+            cluster.stop()
+    return rows
+
+
+def bench_tails(args, log_dir: str) -> list[dict]:
+    prompts = prompts_by_length([args.tail_prompt_len], args.per_length * 2)
+    rows = []
+    for tail in args.tails:
+        env = {"SPARKRELAY_DSPARK_PD_PREFILL_TAIL_TOKENS": str(tail)}
+        cluster = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=args.pp_size, handoff="tail", env=env),
+                           log_dir)
+        try:
+            got = run_deployment(f"tail {tail}", cluster.url, cluster.decode.url, prompts, args.max_new_tokens)[0]
+            rows.append({"tail": tail, **got})
+        finally:
+            cluster.stop()
+    return rows
+
+
+def write_report(modes: list[dict], tails: list[dict], out: Path, args) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_pd.json").write_text(json.dumps({"args": vars(args), "modes": modes, "tails": tails}, indent=1))
+    lines = [f"PP={args.pp_size} prefill, {args.per_length} prompts per length, {args.max_new_tokens} new tokens, "
+             "greedy, one request at a time, bundled tiny pair on CPU.", "",
+             "| deployment | prompt len | TTFT ms | decode tok/s | accept len | handoff KiB/request |",
+             "|---|---|---|---|---|---|"]
+    for r in modes:
+        lines.append(f"| {r['deployment']} | {r['prompt_len']} | {1000 * r['ttft_s']:.0f} | {r['decode_tok_s']:.1f} | "
+                     f"{r['accept_length']:.2f} | {r['handoff_bytes'] / 1024:,.0f} |")
+    lines += ["", f"`tail` acceptance vs tail length ({args.tail_prompt_len}-token prompts):", "",
+              "| tail rows | accept len | handoff KiB/request |", "|---|---|---|"]
+    lines += [f"| {r['tail']} | {r['accept_length']:.2f} | {r['handoff_bytes'] / 1024:,.1f} |" for r in tails]
+    (out / "bench_pd.md").write_text("\n".join(lines) + "\n")
+    _plot(modes, tails, out / "bench_pd.png")
+    print("\n".join(lines))
+
+
+def _plot(modes: list[dict], tails: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name in dict.fromkeys(r["deployment"] for r in modes):
+        rs = [r for r in modes if r["deployment"] == name]
+        x = [r["prompt_len"] for r in rs]
+        axes[0].plot(x, [1000 * r["ttft_s"] for r in rs], marker="o", label=name)
+        axes[1].plot(x, [r["accept_length"] for r in rs], marker="o", label=name)
+    for ax, title in zip(axes[:2], ("TTFT (ms)", "acceptance length")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_title(title)
+        ax.legend()
+    if tails:
+        axes[2].plot([r["tail"] for r in tails], [r["accept_length"] for r in tails], marker="o")
+        axes[2].set_xscale("log", base=2)
+    axes[2].set_xlabel("tail rows")
+    axes[2].set_title("tail: acceptance length")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sparkrelay.bench_pd", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", default="32,128,512,1024,2048")
+    ap.add_argument("--per-length", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--pp-size", type=int, default=2)
+    ap.add_argument("--tails", default="1,2,4,8,16,64,256")
+    ap.add_argument("--tail-prompt-len", type=int, default=512)
+    ap.add_argument("--skip-tails", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.tails = [int(x) for x in args.tails.split(",")]
+    with tempfile.TemporaryDirectory() as logs:
+        modes = bench_modes(args, prompts_by_length(args.lengths, args.per_length), logs)
+        tails = [] if args.skip_tails else bench_tails(args, logs)
+    write_report(modes, tails, Path(args.out), args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Start and stop a local PD deployment (router + prefill + decode, or an aggregated server) as subprocesses on
+127.0.0.1, for the demo, the benchmarks and the end-to-end tests. Each server is the real entry point
+(`python -m sparkrelay.launch_server`, `python -m sparkrelay.launch_router`, or sglang-router's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    proc: subprocess.Popen
+    log_path: str
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (the server and its pipeline stages): a crash, not a shutdown."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def healthy(url: str, path: str = "/health") -> bool:
+    try:
+        with urllib.request.urlopen(url + path, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def start(name: str, argv: list[str], port: int, log_dir: str, env: Optional[dict] = None,
+          timeout: float = 180.0, health: str = "/health") -> Server:
+    """Run `argv` in its own process group, wait until GET url+health answers 200 (or fail with its log)."""
+    log_path = os.path.join(log_dir, f"{name}.log")
+    log = open(log_path, "w")
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+                            stdin=subprocess.DEVNULL)
+    server = Server(name, f"http://127.0.0.1:{port}", proc, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{server.log_tail()}")
+        if healthy(server.url, health):
+            return server
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"{name} did not become healthy within {timeout:.0f} s:\n{server.log_tail()}")
+
+
+@dataclass
+class PDSettings:
+    model: str = "models/tiny-qwen3"
+    drafter: Optional[str] = "models/tiny-qwen3-dspark"
+    pp_size: int = 2
+    handoff: str = "hidden"
+    router: str = "sparkrelay"  # sparkrelay | sglang | none
+    prefill_args: list[str] = field(default_factory=list)
+    decode_args: list[str] = field(default_factory=list)
+    env: dict = field(default_factory=dict)          # both servers
+    prefill_env: dict = field(default_factory=dict)
+    decode_env: dict = field(default_factory=dict)
+
+
+@dataclass
+class PDCluster:
+    prefill: Server
+    decode: Server
+    router: Optional[Server]
+    bootstrap_port: int
+
+    @property
+    def url(self) -> str:
+        return self.router.url if self.router else self.decode.url
+
+    def servers(self) -> list[Server]:
+        return [s for s in (self.router, self.decode, self.prefill) if s is not None]
+
+    def stop(self) -> None:
+        for s in self.servers():
+            s.stop()
+
+
+def server_argv(model: str, port: int, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "sparkrelay.launch_server", "--model-path", model, "--port", str(port),
+            "--log-level", "warning", *extra]
+
+
+def start_pd(s: PDSettings, log_dir: str) -> PDCluster:
+    """Prefill (--pp-size, no drafter: it reads only the drafter's config, or its context weights for draft-kv),
+    decode (DSpark when a drafter is given), and a router in front unless s.router == 'none'."""
+    boot, pport, dport = free_port(), free_port(), free_port()
+    common = ["--dspark-pd-handoff", s.handoff]
+    draft = ["--speculative-draft-model-path", s.drafter] if s.drafter else []
+    prefill = start("prefill", server_argv(s.model, pport, [
+        "--disaggregation-mode", "prefill", "--pp-size", str(s.pp_size), "--disaggregation-bootstrap-port",
+        str(boot), *draft, *common, *s.prefill_args]), pport, log_dir, {**s.env, **s.prefill_env})
+    try:
+        spec = ["--speculative-algorithm", "DSPARK", *draft] if s.drafter else []
+        decode = start("decode", server_argv(s.model, dport, [
+            "--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", str(boot), *spec, *common,
+            *s.decode_args]), dport, log_dir, {**s.env, **s.decode_env})
+    except BaseException:
+        prefill.stop()
+        raise
+    cluster = PDCluster(prefill, decode, None, boot)
+    if s.router != "none":
+        try:
+            cluster.router = start_router(s.router, prefill.url, boot, decode.url, log_dir)
+        except BaseException:
+            cluster.stop()
+            raise
+    return cluster
+
+
+def start_router(kind: str, prefill_url: str, boot: int, decode_url: str, log_dir: str) -> Server:
+    port = free_port()
+    if kind == "sglang":
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill_url,
+                str(boot), "--decode", decode_url, "--host", "127.0.0.1", "--port", str(port),
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    else:
+        argv = [sys.executable, "-m", "sparkrelay.launch_router", "--pd-disaggregation", "--prefill", prefill_url,
+                str(boot), "--decode", decode_url, "--host", "127.0.0.1", "--port", str(port)]
+    return start(f"router-{kind}", argv, port, log_dir)
+
+
+def stream_generate(url: str, ids: list[int], max_new: int) -> dict:
+    """One streamed greedy /generate: TTFT (first chunk), total time, tokens, acceptance."""
+    body = {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0,
+                                                                 "ignore_eos": True}}
+    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    start, ttft, last = time.perf_counter(), None, None
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            ttft = ttft if ttft is not None else time.perf_counter() - start
+            last = json.loads(line[5:])
+    total = time.perf_counter() - start
+    if last is None or "error" in last:
+        raise RuntimeError(f"request failed: {last}")
+    meta = last["meta_info"]
+    n = meta["completion_tokens"]
+    return {"ttft_s": ttft, "total_s": total, "tokens": n, "decode_tok_s": (n - 1) / max(total - ttft, 1e-9),
+            "accept_length": meta.get("spec_accept_length")}
+
+
+def handoff_bytes(decode_url: str) -> int:
+    with urllib.request.urlopen(decode_url + "/server_info", timeout=10) as r:
+        return int(json.loads(r.read())["internal_states"][0].get("handoff_bytes_total", 0))

@@ -1,0 +1,176 @@
+"""The DSpark handoff: which schema each side builds, which parts the decode expects from each prefill stage, and
+how the decode injects the handed-off context into its draft KV cache.
+
+Parts of one room (PartSpec name, sender, shape; n = prompt length):
+    kv        every stage      [layers of the stage, 2 (K, V), n, kv_heads, head_dim]   layer_ids = global ids
+    meta      last stage       [row bytes] uint8: the metadata row (disagg/metadata.py): first token, tail, room
+    hidden    last stage       [n, W]  mode hidden: every prompt position's aux row (taps in target_layer_ids order)
+    draft_kv  last stage       [draft layers, 2, n, kv_heads, head_dim]  mode draft-kv: the drafter's context K/V
+A prefill that captures nothing (no layer ids) sends kv + meta only; its schema says handoff "none".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from sparkrelay.config import Config, ConfigError
+from sparkrelay.disagg.metadata import TORCH_DTYPES, MetadataLayout, MetadataRow, unpack
+from sparkrelay.disagg.schema import SCHEMA_VERSION, HandoffSchema, model_identity
+from sparkrelay.envs import DisaggEnv
+from sparkrelay.models.qwen3 import Qwen3Spec
+from sparkrelay.pipeline.partition import check_layer_ids, pp_partition
+from sparkrelay.transfer.base import Part, PartSpec
+
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def _draft_config(path: Optional[str]) -> Optional[dict]:
+    if path is None:
+        return None
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def resolve_layer_ids(env: DisaggEnv, draft_cfg: Optional[dict], num_layers: int, decode: bool) -> tuple[int, ...]:
+    """The DSpark taps the handoff carries: SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS, else the drafter config's
+    target_layer_ids, else none (no capture). On decode the drafter needs exactly its own taps."""
+    from_draft = tuple(int(i) for i in draft_cfg["target_layer_ids"]) if draft_cfg else None
+    ids = env.target_layer_ids if env.target_layer_ids is not None else from_draft
+    if decode and from_draft is not None and ids != from_draft:
+        raise ConfigError(f"SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS={','.join(map(str, ids))} differs from the "
+                          f"drafter's target_layer_ids {list(from_draft)}")
+    if not ids or (not decode and not env.prefill_capture):
+        return ()
+    try:
+        check_layer_ids(ids, num_layers)
+    except ValueError as e:
+        raise ConfigError(f"SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS / target_layer_ids: {e}") from None
+    return ids
+
+
+def build_schema(config: Config, spec: Qwen3Spec, dtype: torch.dtype, env: DisaggEnv) -> HandoffSchema:
+    """This side's schema record, from model-level facts and the flags that shape the wire."""
+    decode = config.disagg.disaggregation_mode == "decode"
+    draft_path = config.spec.speculative_draft_model_path
+    draft_cfg = _draft_config(draft_path) if (decode and config.spec.speculative_algorithm) or not decode else None
+    ids = resolve_layer_ids(env, draft_cfg, spec.num_layers, decode)
+    mode = config.disagg.dspark_pd_handoff if ids else "none"
+    draft = None
+    if mode == "draft-kv":
+        if draft_cfg is None:
+            raise ConfigError("--dspark-pd-handoff draft-kv: the prefill needs --speculative-draft-model-path (it "
+                              "loads the drafter's context-projection weights)")
+        heads = draft_cfg["num_attention_heads"]
+        draft = (int(draft_cfg["num_hidden_layers"]), int(draft_cfg.get("num_key_value_heads") or heads),
+                 int(draft_cfg.get("head_dim") or draft_cfg["hidden_size"] // heads))
+    pp = config.parallel.pp_size if not decode else 1
+    return HandoffSchema(
+        version=SCHEMA_VERSION, model=model_identity(config.model.model_path), dtype=DTYPE_NAMES[dtype],
+        page_size=config.cache.page_size, num_layers=spec.num_layers, kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim, hidden_size=spec.hidden_size,
+        layer_partition=tuple(pp_partition(spec.num_layers, pp)), target_layer_ids=ids,
+        hidden_width=len(ids) * spec.hidden_size, handoff=mode,
+        tail_tokens=env.tail_tokens if mode == "tail" else 0, prefix_cache="off", draft=draft)
+
+
+def expected_parts(prefill_schema: dict, prompt_len: int) -> dict[int, list[PartSpec]]:
+    """What each prefill stage must send for a prompt of `prompt_len` tokens (the decode side checks every frame)."""
+    s = HandoffSchema.from_dict(prefill_schema)
+    stages = len(s.layer_partition)
+    if list(s.layer_partition) != pp_partition(s.num_layers, stages):
+        raise ValueError(f"layer_partition {list(s.layer_partition)} is not pp_partition({s.num_layers}, {stages}) "
+                         f"= {pp_partition(s.num_layers, stages)}: the two sides split layers differently")
+    n = prompt_len
+    out = {st: [PartSpec("kv", tuple(range(a, b)), s.dtype, (b - a, 2, n, s.kv_heads, s.head_dim))]
+           for st, (a, b) in enumerate(s.layer_partition)}
+    last = out[stages - 1]
+    last.append(PartSpec("meta", (), "uint8", (MetadataLayout.of(s).nbytes,)))
+    if s.handoff == "hidden":
+        last.append(PartSpec("hidden", s.target_layer_ids, s.dtype, (n, s.hidden_width)))
+    elif s.handoff == "draft-kv":
+        layers, heads, hd = s.draft
+        last.append(PartSpec("draft_kv", tuple(range(layers)), s.dtype, (layers, 2, n, heads, hd)))
+    return out
+
+
+def tensor_of(part: Part) -> torch.Tensor:
+    """A part's bytes as a tensor of its spec's dtype and shape (a copy: the bytes may be reused)."""
+    dtype = torch.uint8 if part.spec.dtype == "uint8" else TORCH_DTYPES[part.spec.dtype]
+    return torch.frombuffer(bytearray(part.data), dtype=dtype).view(part.spec.shape)
+
+
+def part_of(name: str, layer_ids: tuple[int, ...], t: torch.Tensor) -> Part:
+    t = t.contiguous().cpu()
+    dtype = "uint8" if t.dtype == torch.uint8 else DTYPE_NAMES[t.dtype]
+    return Part(PartSpec(name, tuple(layer_ids), dtype, tuple(t.shape)), t.view(-1).view(torch.uint8).numpy().tobytes())
+
+
+class HandoffError(ValueError):
+    """The handed-off context is missing or corrupt: the request fails (the drafter never starts cold)."""
+
+
+def read_meta(schema: HandoffSchema, parts: dict[int, dict[str, Part]], room: int) -> MetadataRow:
+    """The metadata row from the prefill's last stage (parts are keyed by its pp rank), its room checked first
+    (PD_PROTOCOL.md §5 item 13)."""
+    row = unpack(MetadataLayout.of(schema), parts[max(parts)]["meta"].data)
+    if row.room != room:
+        raise HandoffError(f"metadata corruption: the row's bootstrap_room {row.room} is not the request's {room}")
+    return row
+
+
+def write_kv(pool, parts: dict[int, dict[str, Part]], slots: torch.Tensor) -> None:
+    """Every stage's `kv` part into the decode pool at `slots` [n], paired by global layer id (never by position,
+    PD_PROTOCOL.md §5 item 14); each of the pool's layers must be covered exactly once."""
+    seen: list[int] = []
+    for stage in sorted(parts):
+        kv = tensor_of(parts[stage]["kv"])  # [L_s, 2, n, kv_heads, head_dim]
+        for i, layer in enumerate(parts[stage]["kv"].spec.layer_ids):
+            if layer not in pool.layers:
+                raise HandoffError(f"stage {stage} sent KV for layer {layer}, which the decode pool does not have")
+            k_pool, v_pool = pool.layers[layer]
+            k_pool.index_copy_(0, slots, kv[i, 0].to(k_pool.device))
+            v_pool.index_copy_(0, slots, kv[i, 1].to(v_pool.device))
+            seen.append(layer)
+    if sorted(seen) != sorted(pool.layers):
+        raise HandoffError(f"the prefill stages sent KV for layers {sorted(seen)}; the decode needs {sorted(pool.layers)}")
+
+
+def _finite(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.numel() == 0:
+        raise HandoffError(f"the {name} rows are empty")
+    if not bool(torch.isfinite(t).all()):
+        raise HandoffError(f"the {name} rows hold NaN or Inf")
+    return t
+
+
+def inject_context(proposer, schema: HandoffSchema, parts: dict[int, dict[str, Part]], row: MetadataRow,
+                   slots: torch.Tensor) -> int:
+    """Write the handed-off DSpark context into the decode drafter's KV at the prompt's absolute positions, before
+    its first draft step. Returns the first position the drafter's context covers (0, or n - tail rows)."""
+    n, dev = slots.shape[0], slots.device
+    last = parts[max(parts)]  # the prefill's last stage (this side's schema has its own, PP = 1, partition)
+    if schema.handoff == "hidden":
+        features = _finite("hidden", tensor_of(last["hidden"]).to(dev))  # [n, W]
+        proposer.write_features(features, torch.arange(n, device=dev), slots)
+        return 0
+    if schema.handoff == "tail":
+        k = int(row.tail_valid.sum())
+        want = min(n, schema.tail_tokens)
+        if k != want or not bool(row.tail_valid[schema.tail_tokens - k :].all()):
+            raise HandoffError(f"the tail's valid mask {row.tail_valid.int().tolist()} is not the last {want} rows")
+        features = _finite("tail", row.tail_hidden[schema.tail_tokens - k :].to(dev))  # [k, W]
+        proposer.write_features(features, torch.arange(n - k, n, device=dev), slots[n - k :])
+        return n - k
+    if schema.handoff == "draft-kv":
+        kv = _finite("draft K/V", tensor_of(last["draft_kv"]).to(dev))  # [Ld, 2, n, kv_heads, head_dim]
+        if kv.shape[0] != len(proposer.pool.layers):
+            raise HandoffError(f"draft K/V for {kv.shape[0]} layers; the drafter has {len(proposer.pool.layers)}")
+        for layer, (k_pool, v_pool) in proposer.pool.layers.items():
+            k_pool.index_copy_(0, slots, kv[layer, 0].to(k_pool.dtype))
+            v_pool.index_copy_(0, slots, kv[layer, 1].to(v_pool.dtype))
+        return 0
+    raise HandoffError(f"handoff mode {schema.handoff!r} carries no drafter context; the decode drafter would start "
+                       "cold (set SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS or give the prefill the drafter's config)")

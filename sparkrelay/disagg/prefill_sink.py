@@ -1,0 +1,171 @@
+"""The prefill side of the handoff, one per pipeline stage: capture -> pack -> send.
+
+Every stage keeps, per room, what it must hand off and sends it through its own PrefillAgent:
+    all stages   the K/V of its own layers for the whole prompt, gathered once the last chunk is computed
+    last stage   + the aux rows [n, W] (hidden / tail) or the draft K/V (draft-kv), filled chunk by chunk at
+                 absolute positions, and the metadata row, packed once the first token is sampled (room last)
+Each agent's terminal status (Success / Failed + reason) goes to rank 0's status socket as a msgpack map
+{room, stage, state, reason}; rank 0 finishes the prefill request when every stage has reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import msgpack
+import torch
+import zmq
+
+from sparkrelay.config import Config
+from sparkrelay.disagg.handoff import build_schema, part_of
+from sparkrelay.disagg.metadata import MetadataLayout, MetadataRow, build_tail, pack
+from sparkrelay.disagg.schema import HandoffSchema, compare
+from sparkrelay.envs import DisaggEnv
+from sparkrelay.kvcache.pool import KVPool
+from sparkrelay.models.attention import slot_index
+from sparkrelay.models.loader import read_config
+from sparkrelay.models.qwen3 import Qwen3Spec
+from sparkrelay.transfer.base import KVPoll, Part
+from sparkrelay.transfer.zmq_backend import PrefillAgent
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Room:
+    prompt_len: int
+    aux: Optional[torch.Tensor] = None       # [n, W] last stage, hidden / tail
+    draft: Optional[torch.Tensor] = None     # [Ld, 2, n, kv, hd] last stage, draft-kv
+    parts: list[Part] = field(default_factory=list)
+
+
+class PrefillSink:
+    def __init__(self, config: Config, stage: int, partition: list[tuple[int, int]], pool: KVPool,
+                 status_address: str, schema: HandoffSchema, env: DisaggEnv) -> None:
+        self.stage, self.pool, self.schema = stage, pool, schema
+        self.is_last = stage == len(partition) - 1
+        self.layout = MetadataLayout.of(schema)
+        self.rooms: dict[int, _Room] = {}
+        self._lock = threading.Lock()
+        self._status = zmq.Context.instance().socket(zmq.PUSH)
+        self._status.setsockopt(zmq.LINGER, 1000)
+        self._status.connect(status_address)
+        dc = config.disagg
+        url = f"http://{dc.disaggregation_bootstrap_host}:{dc.disaggregation_bootstrap_port}"
+        self.agent = PrefillAgent(stage, len(partition), schema.to_dict(), compare, url, dc.disaggregation_bootstrap_host,
+                                  env.bootstrap_timeout, self._notify, prefill_http_port=config.server.port)
+        self.agent.start()
+
+    def _notify(self, room: int, state: KVPoll, reason: str) -> None:
+        """Agent threads report a terminal state: forward it to rank 0, drop what this stage kept for the room."""
+        with self._lock:
+            self.rooms.pop(room, None)
+            self._status.send(msgpack.packb({"room": room, "stage": self.stage, "state": int(state), "reason": reason}))
+
+    # -- the StageSink hooks ----------------------------------------------------------------------------------------
+    def after_forward(self, mb, meta, out, aux: Optional[torch.Tensor], draft_kv) -> None:
+        row = 0
+        for seq in mb.seqs:
+            t = seq.end - seq.start
+            if seq.room:
+                self._capture(seq, aux, draft_kv, row, t)
+            row += t
+
+    def _capture(self, seq, aux, draft_kv, row: int, t: int) -> None:
+        st = self.rooms.get(seq.room)
+        if st is None:
+            if seq.start != 0:
+                return  # the room already failed and was dropped
+            with self._lock:
+                st = self.rooms[seq.room] = self._new_room(seq.room, seq.prompt_len)
+            self.agent.add_room(seq.room, seq.prompt_len)
+        if aux is not None and st.aux is not None:  # absolute positions: chunks land where they belong
+            st.aux[seq.start : seq.end] = aux[row : row + t]
+        if draft_kv is not None and st.draft is not None:
+            for layer, (k, v) in enumerate(draft_kv):
+                st.draft[layer, 0, seq.start : seq.end] = k[row : row + t]
+                st.draft[layer, 1, seq.start : seq.end] = v[row : row + t]
+        if seq.end == seq.prompt_len:
+            st.parts.append(self._kv_part(seq.block_ids, seq.prompt_len))
+            if not self.is_last:
+                self._send(seq.room, st)
+
+    def _new_room(self, room: int, n: int) -> _Room:
+        """Registered before the agent hears of it, so a Failed report (which pops it) cannot come first."""
+        st = _Room(n)
+        s = self.schema
+        if self.is_last and s.handoff in ("hidden", "tail"):
+            st.aux = torch.zeros(n, s.hidden_width, dtype=self.pool_dtype)
+        if self.is_last and s.handoff == "draft-kv":
+            layers, heads, hd = s.draft
+            st.draft = torch.zeros(layers, 2, n, heads, hd, dtype=self.pool_dtype)
+        return st
+
+    @property
+    def pool_dtype(self) -> torch.dtype:
+        return next(iter(self.pool.layers.values()))[0].dtype
+
+    def _kv_part(self, block_ids: list[int], n: int) -> Part:
+        slots = slot_index([block_ids], n, self.pool.page_size)[0].to(next(iter(self.pool.layers.values()))[0].device)
+        kv = torch.stack([torch.stack([k.index_select(0, slots), v.index_select(0, slots)])
+                          for k, v in self.pool.layers.values()])  # [L, 2, n, kv, hd]
+        return part_of("kv", tuple(self.pool.layers), kv)
+
+    def on_sampled(self, mb, tokens: list[int]) -> None:
+        """Last stage: the first token is known; pack the metadata row (room last) and send everything."""
+        sampled = [s for s in mb.seqs if s.sample]
+        for seq, token in zip(sampled, tokens):
+            st = self.rooms.get(seq.room) if seq.room else None
+            if st is None:
+                continue
+            st.parts.extend(self._last_parts(seq.room, st, token))
+            self._send(seq.room, st)
+
+    def _last_parts(self, room: int, st: _Room, token: int) -> list[Part]:
+        s, dtype = self.schema, self.pool_dtype
+        parts = []
+        if s.handoff == "hidden":
+            parts.append(part_of("hidden", s.target_layer_ids, st.aux))
+        elif s.handoff == "draft-kv":
+            parts.append(part_of("draft_kv", tuple(range(s.draft[0])), st.draft))
+        if s.handoff == "tail":
+            tail, valid = build_tail(st.aux, s.tail_tokens)
+            row = MetadataRow(token, room, st.aux[-1], tail, valid)
+        else:
+            empty = torch.zeros(0, dtype=dtype)
+            row = MetadataRow(token, room, empty, empty.view(0, s.hidden_width), torch.zeros(0, dtype=torch.bool))
+        meta = torch.frombuffer(bytearray(pack(self.layout, row)), dtype=torch.uint8)
+        parts.append(part_of("meta", (), meta))
+        return parts
+
+    def _send(self, room: int, st: _Room) -> None:
+        parts, st.parts = st.parts, []
+        st.aux = st.draft = None
+        self.agent.send(room, parts)
+
+    def release(self, rooms: list[int]) -> None:
+        """Rank 0 is done with these rooms (finished, failed or aborted by its client): a room not yet sent
+        fails towards its decode peer (no-op after Success), then is forgotten."""
+        for room in rooms:
+            with self._lock:
+                self.rooms.pop(room, None)
+            if self.agent.poll(room).state not in (KVPoll.Success, KVPoll.Failed):
+                self.agent.abort(room, "the prefill request was aborted")
+            self.agent.clear(room)
+
+    def close(self) -> None:
+        self.agent.close()
+        self._status.close(0)
+
+
+def make_stage_sink(config: Config, stage: int, partition: list[tuple[int, int]], pool: KVPool,
+                    status_address: str) -> PrefillSink:
+    """Called by each pipeline stage of a prefill server (pipeline/)."""
+    env = DisaggEnv.read()
+    spec = Qwen3Spec.from_hf(read_config(config.model.model_path))
+    dtype = next(iter(pool.layers.values()))[0].dtype
+    schema = build_schema(config, spec, dtype, env)
+    return PrefillSink(config, stage, partition, pool, status_address, schema, env)

@@ -1,0 +1,92 @@
+"""Environment knobs of the PD deployment. Each SPARKRELAY_* name also accepts its SGLANG_* alias (the names users
+of the proof of concept and of SGLang already set); the SPARKRELAY_ name wins when both are set. A malformed value
+is a startup error naming the variable."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from sparkrelay.config import ConfigError
+
+
+def _raw(name: str) -> tuple[str, Optional[str]]:
+    """(the variable actually read, its value) for SPARKRELAY_X or its SGLANG_X alias."""
+    alias = "SGLANG_" + name.removeprefix("SPARKRELAY_")
+    for var in (name, alias):
+        value = os.environ.get(var)
+        if value is not None and value.strip() != "":
+            return var, value.strip()
+    return name, None
+
+
+def env_float(name: str, default: float, minimum: float = 0.0) -> float:
+    var, value = _raw(name)
+    if value is None:
+        return default
+    try:
+        out = float(value)
+    except ValueError:
+        raise ConfigError(f"{var}={value!r} is not a number") from None
+    if out < minimum:
+        raise ConfigError(f"{var}={value!r} must be >= {minimum}")
+    return out
+
+
+def env_int(name: str, default: int, minimum: int = 0) -> int:
+    var, value = _raw(name)
+    if value is None:
+        return default
+    try:
+        out = int(value)
+    except ValueError:
+        raise ConfigError(f"{var}={value!r} is not an integer") from None
+    if out < minimum:
+        raise ConfigError(f"{var}={value!r} must be >= {minimum}")
+    return out
+
+
+def env_bool(name: str, default: bool) -> bool:
+    var, value = _raw(name)
+    if value is None:
+        return default
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{var}={value!r} is not a boolean (1/0, true/false)")
+
+
+def env_int_list(name: str) -> Optional[tuple[int, ...]]:
+    var, value = _raw(name)
+    if value is None:
+        return None
+    try:
+        return tuple(int(x) for x in value.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise ConfigError(f"{var}={value!r} is not a comma-separated list of integers") from None
+
+
+@dataclass(frozen=True)
+class DisaggEnv:
+    bootstrap_timeout: float      # prefill: a room whose decode peer never shows up fails after this (s)
+    waiting_timeout: float        # decode: a room whose KV never arrives fails after this (s)
+    heartbeat_interval: float     # decode: GET /health on each prefill bootstrap address this often (s)
+    heartbeat_max_failures: int   # misses in a row before that prefill's rooms fail
+    prefill_capture: bool         # prefill: capture the DSpark taps (on when layer ids resolve)
+    target_layer_ids: Optional[tuple[int, ...]]  # overrides the drafter config's target_layer_ids
+    tail_tokens: int              # rows of the `tail` handoff (0 means the fixed default, 8)
+
+    @classmethod
+    def read(cls) -> "DisaggEnv":
+        tail = env_int("SPARKRELAY_DSPARK_PD_PREFILL_TAIL_TOKENS", 0)
+        return cls(
+            bootstrap_timeout=env_float("SPARKRELAY_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0, 0.1),
+            waiting_timeout=env_float("SPARKRELAY_DISAGGREGATION_WAITING_TIMEOUT", 300.0, 0.1),
+            heartbeat_interval=max(env_float("SPARKRELAY_DISAGGREGATION_HEARTBEAT_INTERVAL", 5.0, 0.1), 0.1),
+            heartbeat_max_failures=env_int("SPARKRELAY_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", 2, 1),
+            prefill_capture=env_bool("SPARKRELAY_DSPARK_PD_ENABLE_PREFILL_CAPTURE", True),
+            target_layer_ids=env_int_list("SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS"),
+            tail_tokens=tail or 8,
+        )

@@ -1,0 +1,131 @@
+"""Every send and receive of the pipeline (PD_PROTOCOL.md §5 items 18, 31).
+
+Topology: rank k sends descriptors and payloads to rank k+1; the last rank sends the sampled tokens to rank 0.
+
+    rank 0 --(descriptor, payload)--> rank 1 --> ... --> rank N-1 --(tokens int64 [B])--> rank 0
+
+Per micro-batch, in this fixed order (shapes: pipeline/descriptor.py and pipeline/capture.py):
+    header [8] -> body [L] (L > 0) -> floats [B, 3] (B > 0) -> hidden [T, d] -> taps [T, k_prev*d] -> partial [T, d]
+Each rank does all its sends and receives on one thread, in that order, each message posted exactly once; the
+receiver learns every size from the header first, so the shapes on both ends always agree. Everything goes on
+tag 0: point-to-point messages between a pair of ranks match in posting order.
+
+The process group is built directly on a TCPStore (not torch.distributed's global default group), so an engine
+process can hold several pipelines over its life (tests do). gloo on CPU, and on CUDA when the stages share a
+GPU (tensors staged through host memory); NCCL when every stage has its own GPU (cuda:rank).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from sparkrelay.pipeline.capture import PayloadShape, StagePayload
+from sparkrelay.pipeline.descriptor import FLOAT_FIELDS, HEADER_LEN, STEP, MicroBatch, decode, encode, sizes
+
+STEP_TIMEOUT = datetime.timedelta(seconds=600)  # gloo gives up on one message after this (a hung, live peer)
+
+
+class PeerLost(RuntimeError):
+    """A send or receive failed: a rank is gone (or hung past STEP_TIMEOUT). The pipeline cannot go on."""
+
+
+def make_group(store: dist.Store, rank: int, world: int, backend: str) -> dist.ProcessGroup:
+    """The pipeline's process group on `store` (blocks until all `world` ranks have joined)."""
+    store = dist.PrefixStore("sparkrelay-pp", store)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, world)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._timeout = STEP_TIMEOUT
+    return dist.ProcessGroupGloo(store, rank, world, opts)
+
+
+class Channel:
+    """One rank's end of the pipeline. `shape_in`: the payload this rank receives (None on rank 0); `health`
+    raises when the pipeline is down (NCCL waits poll it; gloo waits raise by themselves when a peer dies)."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, world: int, backend: str, device: torch.device,
+                 shape_in: Optional[PayloadShape] = None, health: Callable[[], None] = lambda: None) -> None:
+        self.group, self.rank, self.world, self.backend = group, rank, world, backend
+        self.device, self.shape_in, self.health = device, shape_in, health
+        self.wire = device if backend == "nccl" else torch.device("cpu")
+        self.next, self.prev, self.last = rank + 1, rank - 1, world - 1
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []  # posted sends and the tensors they read
+
+    # -- rank k -> rank k+1 ---------------------------------------------------------------------------------
+    def send_step(self, mb: MicroBatch, payload: Optional[StagePayload]) -> None:
+        """Post the descriptor and (STEP) the payload to the next rank; `flush` waits for them."""
+        header, body, floats = encode(mb)
+        tensors = [header] + ([body] if body.numel() else []) + ([floats] if floats.numel() else [])
+        if mb.kind == STEP and payload is not None:
+            tensors += [t for t in (payload.hidden, payload.taps, payload.partial) if t is not None]
+        for t in tensors:
+            t = t.to(self.wire).contiguous()
+            self._pending.append((self._post(self.group.send, t, self.next), t))
+
+    def flush(self) -> None:
+        """Wait for every posted send."""
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            self._wait(work)
+
+    def recv_step(self) -> tuple[MicroBatch, Optional[StagePayload]]:
+        """The previous rank's next descriptor and, for a STEP with rows, its payload."""
+        header = self._recv(torch.empty(HEADER_LEN, dtype=torch.int64))
+        length, b, t = sizes(header)
+        body = self._recv(torch.empty(length, dtype=torch.int64)) if length else torch.empty(0, dtype=torch.int64)
+        floats = (self._recv(torch.empty(b, FLOAT_FIELDS, dtype=torch.float64)) if b
+                  else torch.empty(0, FLOAT_FIELDS, dtype=torch.float64))
+        mb = decode(header, body, floats)
+        if mb.kind != STEP or t == 0:
+            return mb, None
+        shape = self.shape_in
+        hidden = self._recv(torch.empty(t, shape.hidden, dtype=shape.dtype), True)  # [T, d]
+        taps = self._recv(torch.empty(t, shape.taps, dtype=shape.dtype), True) if shape.taps else None  # [T, k_prev*d]
+        partial = self._recv(torch.empty(t, shape.partial, dtype=torch.float32), True) if shape.partial else None
+        return mb, StagePayload(hidden, taps, partial)
+
+    # -- last rank -> rank 0 ----------------------------------------------------------------------------------
+    def send_tokens(self, tokens: list[int]) -> None:
+        """Last rank: the micro-batch's tokens, int64 [B] (-1: the sequence does not sample)."""
+        t = torch.tensor(tokens, dtype=torch.int64).to(self.wire)
+        self._wait(self._post(self.group.send, t, 0))
+
+    def recv_tokens(self, counts: list[int]) -> list[list[int]]:
+        """Rank 0: the tokens of each micro-batch of the step ([B_i] each), in micro-batch order."""
+        bufs = [torch.empty(n, dtype=torch.int64, device=self.wire) for n in counts]
+        works = [self._post(self.group.recv, b, self.last) for b in bufs]
+        for w in works:
+            self._wait(w)
+        return [b.cpu().tolist() for b in bufs]
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+    def _recv(self, buf: torch.Tensor, on_device: bool = False) -> torch.Tensor:
+        """Receive into `buf` from the previous rank -> the stage's device (payload) or the CPU (descriptor)."""
+        buf = buf.to(self.wire)
+        self._wait(self._post(self.group.recv, buf, self.prev))
+        return buf.to(self.device) if on_device else buf.cpu()
+
+    @staticmethod
+    def _post(op: Callable, tensor: torch.Tensor, peer: int) -> dist.Work:
+        """group.send / group.recv of one tensor, tag 0."""
+        try:
+            return op([tensor], peer, 0)
+        except RuntimeError as e:
+            raise PeerLost(f"posting to rank {peer} failed: {e}") from e
+
+    def _wait(self, work: dist.Work) -> None:
+        try:
+            if self.backend != "nccl":
+                work.wait()  # gloo: raises "Connection closed by peer" when the other end dies
+                return
+            while not work.is_completed():  # NCCL would wait forever on a dead peer: poll the watchdog instead
+                self.health()
+                time.sleep(50e-6)
+        except RuntimeError as e:
+            raise PeerLost(str(e)) from e

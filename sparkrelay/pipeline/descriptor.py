@@ -1,0 +1,105 @@
+"""The step descriptor: what rank 0 tells every stage about one micro-batch (PD_PROTOCOL.md §5 items 11, 31).
+
+Rank 0 decides admission, batching and block tables; the other stages have no scheduler and no block manager and
+run exactly what the descriptor says, so every stage agrees on which rows a micro-batch holds.
+
+Wire format, rank k -> rank k+1, in this order (the sends and receives are in pipeline/comm.py):
+
+  1. header  int64 [HEADER_LEN = 8]
+       kind, step, mb_index, num_mbs, num_seqs B, num_tokens T, body_len L, num_released R
+  2. body    int64 [L]                       (sent only when L > 0)
+       B rows of SEQ_FIELDS = 10 ints, one per sequence, in micro-batch order:
+         req_index, room, start, end, prompt_len, sample, greedy, top_k, seed, num_blocks
+       then the B block tables concatenated (num_blocks ids each, in sequence order),
+       then R pairs (req_index, room) of requests rank 0 released since the previous descriptor
+  3. floats  float64 [B, FLOAT_FIELDS = 3]  (sent only when B > 0)
+       temperature, top_p, min_p per sequence
+
+kind: STEP (run the micro-batch) or SHUTDOWN (B = 0: apply the releases, pass it on, exit).
+req_index: rank 0's small integer id of the request (stable until it is released; stages key per-request state,
+e.g. a seeded sampling generator, by it). room: the PD bootstrap room, 0 when none (room 0 is never a real room).
+seed: -1 when the request has none. top_k: -1 when off. The sequence feeds positions [start, end); it samples after
+its last fed row when sample is 1. Every size a receiver needs is in the header, so it posts receives of exactly
+the shapes the sender sends; nothing is ever guessed or posted twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+HEADER_LEN, SEQ_FIELDS, FLOAT_FIELDS = 8, 10, 3
+STEP, SHUTDOWN = 0, 1
+
+
+@dataclass
+class SeqDesc:
+    """One sequence of a micro-batch (the fields a stage and its sink may read)."""
+
+    req_index: int
+    room: int
+    start: int
+    end: int
+    prompt_len: int
+    sample: bool
+    greedy: bool
+    top_k: int
+    seed: int                 # -1: none
+    block_ids: list[int]
+    temperature: float
+    top_p: float
+    min_p: float
+
+
+@dataclass
+class MicroBatch:
+    """The decoded descriptor. `released`: (req_index, room) of requests to forget, applied before the forward."""
+
+    kind: int
+    step: int
+    index: int
+    count: int
+    seqs: list[SeqDesc] = field(default_factory=list)
+    released: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.end - s.start for s in self.seqs)
+
+
+def encode(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> header int64 [HEADER_LEN], body int64 [L], floats float64 [B, FLOAT_FIELDS] (CPU tensors)."""
+    rows, tables = [], []
+    for s in mb.seqs:
+        rows += [s.req_index, s.room, s.start, s.end, s.prompt_len, int(s.sample), int(s.greedy), s.top_k, s.seed,
+                 len(s.block_ids)]
+        tables += s.block_ids
+    body = rows + tables + [x for pair in mb.released for x in pair]
+    header = [mb.kind, mb.step, mb.index, mb.count, len(mb.seqs), mb.num_tokens, len(body), len(mb.released)]
+    floats = [[s.temperature, s.top_p, s.min_p] for s in mb.seqs]
+    return (torch.tensor(header, dtype=torch.int64), torch.tensor(body, dtype=torch.int64),
+            torch.tensor(floats, dtype=torch.float64).reshape(len(mb.seqs), FLOAT_FIELDS))
+
+
+def sizes(header: torch.Tensor) -> tuple[int, int, int]:
+    """header [HEADER_LEN] -> (body_len L, num_seqs B, num_tokens T): the shapes of what follows it."""
+    h = header.tolist()
+    return h[6], h[4], h[5]
+
+
+def decode(header: torch.Tensor, body: torch.Tensor, floats: torch.Tensor) -> MicroBatch:
+    """The inverse of `encode` (header [HEADER_LEN], body [L], floats [B, FLOAT_FIELDS])."""
+    kind, step, index, count, b, t, length, r = header.tolist()
+    ints, fl = body.tolist(), floats.tolist()
+    assert len(ints) == length and len(fl) == b, f"descriptor body {len(ints)}/{length}, floats {len(fl)}/{b}"
+    cursor, seqs = b * SEQ_FIELDS, []
+    for i in range(b):
+        req, room, start, end, plen, smp, greedy, top_k, seed, nb = ints[i * SEQ_FIELDS : (i + 1) * SEQ_FIELDS]
+        seqs.append(SeqDesc(req, room, start, end, plen, bool(smp), bool(greedy), top_k, seed,
+                            ints[cursor : cursor + nb], *fl[i]))
+        cursor += nb
+    released = [(ints[j], ints[j + 1]) for j in range(cursor, cursor + 2 * r, 2)]
+    mb = MicroBatch(kind, step, index, count, seqs, released)
+    assert mb.num_tokens == t and cursor + 2 * r == length, "descriptor header disagrees with its body"
+    return mb

@@ -1,0 +1,216 @@
+"""PipelineRunner: ModelRunner's interface (`run(batch) -> RunResult`, `release(rid)`) over `--pp-size` stages.
+
+One step on rank 0 (inside the engine thread), N = pp_size:
+
+    batch -> up to N micro-batches (contiguous runs of sequences, balanced by fed tokens)
+    for each micro-batch:  stage 0 forward -> post (descriptor, payload) to rank 1    (stages 1.. overlap with 0)
+    then:                  receive each micro-batch's tokens from rank N-1 -> RunResult in batch order
+
+Stages 1..N-1 are worker processes (pipeline/worker.py), started and watched by pipeline/launch.py; every send and
+receive is in pipeline/comm.py. With pp_size 1 (the prefill role always uses this runner) stage 0 is the whole
+model: no torch.distributed, no subprocess. Rank 0's stage 0 shares the engine's loaded model and KV pool.
+Decode batches (one token per running request) take the same path, so aggregated serving runs with PP.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import itertools
+import json
+import os
+import threading
+import weakref
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from sparkrelay.config import Config, ConfigError
+from sparkrelay.engine.request import Request
+from sparkrelay.engine.scheduler import Batch, ScheduledSeq
+from sparkrelay.kvcache.pool import KVPool
+from sparkrelay.models.qwen3 import Qwen3ForCausalLM
+from sparkrelay.pipeline.capture import CaptureSpec
+from sparkrelay.pipeline.comm import Channel, PeerLost, make_group
+from sparkrelay.pipeline.descriptor import SHUTDOWN, STEP, MicroBatch, SeqDesc
+from sparkrelay.pipeline.launch import LOAD_TIMEOUT_S, Workers, free_port
+from sparkrelay.pipeline.partition import pp_partition
+from sparkrelay.pipeline.stage import PREFILL_SINK_FACTORY, STATUS_ADDRESS, build_stage, model_view, pool_view
+from sparkrelay.runner.model_runner import RunResult
+
+
+def default_room(req: Request) -> int:
+    """The request's PD bootstrap room (0: none)."""
+    return int(getattr(req, "bootstrap_room", None) or 0)
+
+
+def split_balanced(sizes: list[int], parts: int) -> list[list[int]]:
+    """Indices 0..len(sizes)-1 cut into min(parts, len) non-empty contiguous runs of about equal total size."""
+    n, total = min(parts, len(sizes)), sum(sizes)
+    runs, cur, acc = [], [], 0
+    for i, size in enumerate(sizes):
+        cur.append(i)
+        acc += size
+        left_items, left_runs = len(sizes) - i - 1, n - len(runs) - 1
+        if left_runs > 0 and (left_items == left_runs or acc * n >= total * (len(runs) + 1)):
+            runs.append(cur)
+            cur = []
+    return runs + [cur]
+
+
+class PipelineRunner:
+    """capture: what the stages capture for DSpark (default `CaptureSpec.from_config`: none when aggregated).
+    sink_factory: "module:function" building each stage's StageSink (default in prefill mode:
+    sparkrelay.disagg.prefill_sink:make_stage_sink). status_address: handed to every stage's sink factory
+    (default ""; see pipeline/stage.py). room_of: a request's bootstrap room (0: none)."""
+
+    def __init__(self, config: Config, model: Qwen3ForCausalLM, pool: KVPool, *, capture: Optional[CaptureSpec] = None,
+                 sink_factory: Optional[str] = None, status_address: str = STATUS_ADDRESS,
+                 room_of: Callable[[Request], int] = default_room) -> None:
+        pp, num_layers = config.parallel.pp_size, model.spec.num_layers
+        try:
+            self.partition = pp_partition(num_layers, pp)
+            self.capture = (capture or CaptureSpec.from_config(config)).validate(num_layers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if sink_factory is None and config.disagg.disaggregation_mode == "prefill":
+            sink_factory = PREFILL_SINK_FACTORY
+        self.pp, self.room_of = pp, room_of
+        self.device = next(iter(pool.layers.values()))[0].device
+        first = self.partition[0]
+        self.stage = build_stage(0, self.partition, model_view(model, *first), pool_view(pool, *first), self.capture,
+                                 config, sink_factory, self.device, status_address)
+        self.workers: Optional[Workers] = None
+        self.channel: Optional[Channel] = None
+        self._ids: dict[str, tuple[int, int]] = {}   # rid -> (req_index, room)
+        self._released: list[tuple[int, int]] = []
+        self._req_counter, self._steps = itertools.count(), itertools.count()
+        self._lock = threading.Lock()
+        self._closed, self._broken = False, None
+        self.stats = {"steps": 0, "micro_batches": 0}
+        if pp > 1:
+            self._start_workers(config, model, pool, sink_factory, status_address)
+        self._atexit = functools.partial(_close_ref, weakref.ref(self))
+        atexit.register(self._atexit)
+
+    # -- start-up ----------------------------------------------------------------------------------------------
+    def _start_workers(self, config: Config, model: Qwen3ForCausalLM, pool: KVPool, sink_factory: Optional[str],
+                       status_address: str) -> None:
+        cuda = self.device.type == "cuda"
+        backend = "nccl" if cuda and config.model.device == "cuda" and torch.cuda.device_count() >= self.pp else "gloo"
+        port = config.parallel.dist_init_port or free_port()
+        self._store = dist.TCPStore("127.0.0.1", port, self.pp, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=LOAD_TIMEOUT_S))
+        launch = {"config": config.flat(), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                  "partition": self.partition, "num_blocks": pool.num_blocks, "capture": self.capture.to_dict(),
+                  "sink_factory": sink_factory, "status_address": status_address, "backend": backend,
+                  "parent_pid": os.getpid(), "threads": max(1, (os.cpu_count() or 1) // self.pp)}
+        self.workers = Workers(self.pp, port, json.dumps(launch))
+        try:
+            self.workers.wait_ready(self._store)
+            group = make_group(self._store, 0, self.pp, backend)
+        except BaseException:
+            self.workers.stop(timeout=0)
+            self.stage.close()
+            raise
+        self.workers.watch()
+        self.channel = Channel(group, 0, self.pp, backend, self.device, health=self.workers.check)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """pids of stages 1..N-1 (empty with pp_size 1)."""
+        return self.workers.pids if self.workers is not None else []
+
+    # -- the ModelRunner interface ----------------------------------------------------------------------------
+    def release(self, rid: str) -> None:
+        """Forget a finished or aborted request; the stages hear of it with the next descriptor."""
+        ident = self._ids.pop(rid, None)
+        if ident is not None:
+            self._released.append(ident)
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> RunResult:
+        with self._lock:
+            self._check_up()
+            seqs = batch.seqs
+            runs = split_balanced([s.end - s.start for s in seqs], self.pp)
+            step, released = next(self._steps), self._take_released()
+            tokens: list[list[int]] = []
+            for i, run in enumerate(runs):
+                mb = MicroBatch(STEP, step, i, len(runs), [self._desc(seqs[j]) for j in run], released if i == 0 else [])
+                ids = [t for j in run for t in seqs[j].req.all_ids[seqs[j].start : seqs[j].end]]
+                out = self.stage.run(mb, input_ids=torch.tensor(ids, device=self.device))  # [T]
+                if self.channel is None:
+                    tokens.append(out)
+                    continue
+                with self._comm():
+                    self.channel.send_step(mb, out)
+            if self.channel is not None:
+                with self._comm():
+                    tokens = self.channel.recv_tokens([len(r) for r in runs])
+                    self.channel.flush()
+            self.stats["steps"] += 1
+            self.stats["micro_batches"] += len(runs)
+            flat = [t for mb_tokens in tokens for t in mb_tokens]  # runs are contiguous: batch order
+            assert all((t >= 0) == s.sample for t, s in zip(flat, seqs)), "a stage sampled the wrong sequences"
+            return RunResult([[t] if s.sample else [] for t, s in zip(flat, seqs)], [s.end for s in seqs])
+
+    def close(self) -> None:
+        """Send the shutdown descriptor (with pending releases), join the workers (kill what lingers). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            atexit.unregister(self._atexit)
+            released = self._take_released()
+            self.stage.release(released)
+            self.stage.close()
+            if self.workers is None:
+                return
+            if self._broken is None and self.workers.failure is None:
+                try:
+                    self.channel.send_step(MicroBatch(SHUTDOWN, next(self._steps), 0, 1, [], released), None)
+                    self.channel.flush()
+                except PeerLost:
+                    pass  # a stage died meanwhile: stop() below kills and reaps the rest
+            self.workers.stop()
+            self.channel = self._store = None
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+    def _desc(self, s: ScheduledSeq) -> SeqDesc:
+        req, p = s.req, s.req.params
+        if req.rid not in self._ids:
+            self._ids[req.rid] = (next(self._req_counter), self.room_of(req))
+        index, room = self._ids[req.rid]
+        return SeqDesc(index, room, s.start, s.end, len(req.prompt_ids), s.sample, p.greedy, p.top_k,
+                       -1 if p.seed is None else p.seed, list(req.block_ids), p.temperature, p.top_p, p.min_p)
+
+    def _take_released(self) -> list[tuple[int, int]]:
+        out, self._released = self._released, []
+        return out
+
+    def _check_up(self) -> None:
+        if self._closed:
+            raise RuntimeError("the pipeline is closed")
+        if self._broken is None and self.workers is not None and self.workers.failure is not None:
+            self._broken = self.workers.failure
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+
+    @contextmanager
+    def _comm(self) -> Iterator[None]:
+        """A failed send or receive means a stage is gone: name it, kill the rest, refuse further steps."""
+        try:
+            yield
+        except PeerLost as e:
+            self._broken = self.workers.down_message(e)
+            raise RuntimeError(self._broken) from e
+
+
+def _close_ref(ref: "weakref.ref[PipelineRunner]") -> None:
+    runner = ref()
+    if runner is not None:
+        runner.close()

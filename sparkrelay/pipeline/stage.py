@@ -1,0 +1,206 @@
+"""One pipeline stage: layers [start, end) of the target, their KV pool, the stage's share of the DSpark capture and,
+on the last stage, sampling. The same class runs stage 0 inside the engine's process and stages 1..N-1 in workers.
+
+Per micro-batch (all stages run the same descriptor, pipeline/descriptor.py):
+    releases -> AttnMeta.build -> forward of the owned layers (taps at the owned target layer ids)
+    -> capture (taps appended / partial fc share added, pipeline/capture.py) -> sink.after_forward
+    -> not last: StagePayload for the next stage;  last: sample -> sink.on_sampled -> tokens [B] (-1: no sample)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional, Protocol
+
+import torch
+from torch import nn
+
+from sparkrelay.config import Config, ConfigError
+from sparkrelay.kvcache.pool import KVPool
+from sparkrelay.models.attention import AttnMeta
+from sparkrelay.models.dspark_context import ContextProjector, load_context_projector
+from sparkrelay.models.qwen3 import Qwen3ForCausalLM, StageOutput
+from sparkrelay.pipeline.capture import CaptureSpec, StagePayload
+from sparkrelay.pipeline.descriptor import MicroBatch, SeqDesc
+from sparkrelay.pipeline.partition import stage_taps
+from sparkrelay.runner.sampler import SamplingBatch, sample
+
+PREFILL_SINK_FACTORY = "sparkrelay.disagg.prefill_sink:make_stage_sink"
+# Where a stage's sink reports per-room status to rank 0: PipelineRunner(status_address=...), handed unchanged to
+# every stage (rank 0 included) through the launch record. The pipeline runs no status endpoint of its own; the
+# default is "" (no endpoint) until the prefill role passes the address of the one it binds on rank 0.
+STATUS_ADDRESS = ""
+
+
+class StageSink(Protocol):
+    """Per-stage hook of the PD prefill role (sparkrelay/disagg/prefill_sink.py: `make_stage_sink(config, stage,
+    partition, pool, status_address)`). Called on the stage's own thread, in micro-batch order."""
+
+    def after_forward(self, mb: MicroBatch, meta: AttnMeta, out: StageOutput, aux: Optional[torch.Tensor],
+                      draft_kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """After every micro-batch forward of this stage. mb.seqs: .room, .start, .end, .prompt_len, .sample,
+        .block_ids (rows of sequence b are its positions [start, end), in mb.seqs order); meta: the AttnMeta
+        (positions [T], slot_mapping [T]); out: this stage's StageOutput (hidden [T, d], taps {id: [T, d]} of the
+        taps it owns; the stage's KV of these rows is in `pool` at meta.slot_mapping). aux: last stage, mode taps:
+        all k taps [T, k*d] in target_layer_ids order, else None. draft_kv: last stage, mode partial: per draft
+        layer (k [T, n_kv, hd], v [T, n_kv, hd]) at the rows' absolute positions, else None."""
+
+    def on_sampled(self, mb: MicroBatch, tokens: list[int]) -> None:
+        """Last stage, after sampling: one token per sampling sequence (those with .sample), in mb.seqs order."""
+
+    def release(self, rooms: list[int]) -> None:
+        """Rank 0 released these requests (finished or aborted; room 0, i.e. none, is left out): drop their state.
+        Releases ride on the next descriptor (step or shutdown) and are applied before its forward."""
+
+    # Optional: `close()`, called once when the stage shuts down (PipelineRunner.close, or a worker's SHUTDOWN).
+
+
+def make_sink(factory: Optional[str], config: Config, stage: int, partition: list[tuple[int, int]],
+              pool: KVPool, status_address: str = STATUS_ADDRESS) -> Optional[StageSink]:
+    """`factory` = "module:function" with make_stage_sink's signature, imported here (lazily), or None."""
+    if factory is None:
+        return None
+    module, _, name = factory.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"--disaggregation-mode prefill: the stage sink factory {factory} cannot be loaded ({e}); "
+                          "the prefill role provides it in sparkrelay/disagg/prefill_sink.py") from e
+    return fn(config, stage, partition, pool, status_address)
+
+
+def model_view(full: Qwen3ForCausalLM, start: int, end: int) -> Qwen3ForCausalLM:
+    """Layers [start, end) of an already loaded full model, sharing its modules (no copy, no loading)."""
+    if (full.start, full.end) == (start, end):
+        return full
+    with torch.device("meta"):
+        view = Qwen3ForCausalLM(full.spec, start, end, device="meta")
+    view.model.embed_tokens = full.model.embed_tokens if start == 0 else None
+    view.model.layers = nn.ModuleDict({str(i): full.model.layers[str(i)] for i in range(start, end)})
+    view.model.norm = full.model.norm if view.is_last else None
+    view.lm_head = full.lm_head if view.is_last else None
+    view.head_t = full.head_t if view.is_last else None
+    view.rotary = full.rotary
+    return view
+
+
+def build_stage(index: int, partition: list[tuple[int, int]], model: Qwen3ForCausalLM, pool: KVPool,
+                capture: CaptureSpec, config: Config, sink_factory: Optional[str], device: torch.device,
+                status_address: str = STATUS_ADDRESS) -> Stage:
+    """A stage around a loaded model range: the drafter's context weights when it owns taps or finishes the
+    partial projection (mode partial), and its sink."""
+    projector = None
+    owns = stage_taps(capture.target_layer_ids, partition, index) if capture.mode == "partial" else ()
+    if capture.mode == "partial" and (owns or index == len(partition) - 1):
+        dtype = next(model.parameters()).dtype
+        projector = load_context_projector(capture.drafter_path, model.spec, dtype, str(device))
+        if projector.spec.target_layer_ids != capture.target_layer_ids:
+            raise ConfigError(f"capture target layer ids {list(capture.target_layer_ids)} != the drafter's "
+                              f"target_layer_ids {list(projector.spec.target_layer_ids)} (its fc columns)")
+    sink = make_sink(sink_factory, config, index, partition, pool, status_address)
+    return Stage(index, partition, model, pool, capture, projector, sink, config.model.seed, device)
+
+
+def pool_view(pool: KVPool, start: int, end: int) -> KVPool:
+    """The KV tensors of layers [start, end) of a pool holding more (the engine's), shared, not copied."""
+    if sorted(pool.layers) == list(range(start, end)):
+        return pool
+    view = KVPool(range(0), pool.num_blocks, pool.page_size, 0, 0, torch.float32, "cpu")
+    view.layers = {i: pool.layers[i] for i in range(start, end)}
+    return view
+
+
+class Stage:
+    def __init__(self, index: int, partition: list[tuple[int, int]], model: Qwen3ForCausalLM, pool: KVPool,
+                 capture: CaptureSpec, projector: Optional[ContextProjector], sink: Optional[StageSink],
+                 seed: int, device: torch.device) -> None:
+        self.index, self.partition, self.model, self.pool = index, partition, model, pool
+        self.capture, self.projector, self.sink, self.device = capture, projector, sink, device
+        self.is_last = index == len(partition) - 1
+        self.own_taps = stage_taps(capture.target_layer_ids, partition, index) if capture.mode != "none" else ()
+        self.shared_gen = torch.Generator(device=device).manual_seed(seed)
+        self._generators: dict[int, torch.Generator] = {}
+
+    def release(self, released: list[tuple[int, int]]) -> None:
+        for req_index, _ in released:
+            self._generators.pop(req_index, None)
+        rooms = [room for _, room in released if room]
+        if self.sink is not None and rooms:
+            self.sink.release(rooms)
+
+    def close(self) -> None:
+        close = getattr(self.sink, "close", None)
+        if close is not None:
+            close()
+
+    @torch.inference_mode()
+    def run(self, mb: MicroBatch, input_ids: Optional[torch.Tensor] = None,
+            inp: Optional[StagePayload] = None) -> StagePayload | list[int]:
+        """Stage 0: input_ids [T]; later stages: the previous stage's payload. -> the next stage's payload, or on
+        the last stage the sampled tokens (one per sequence, -1 where it does not sample)."""
+        self.release(mb.released)
+        seqs = mb.seqs
+        meta = AttnMeta.build([s.start for s in seqs], [s.end for s in seqs], [s.block_ids for s in seqs],
+                              self.pool.page_size, self.device)
+        rows = self._logit_rows(seqs) if self.is_last else None
+        out = self.model(meta, self.pool.layers, input_ids=input_ids, hidden=None if inp is None else inp.hidden,
+                         logits_index=rows, taps=self.own_taps)
+        nxt = self._capture(inp, out)
+        if self.sink is not None:
+            aux = nxt.taps if self.is_last and self.capture.mode == "taps" else None
+            draft_kv = None
+            if self.is_last and self.capture.mode == "partial":
+                draft_kv = self.projector.finish(nxt.partial, meta.positions)
+            self.sink.after_forward(mb, meta, out, aux, draft_kv)
+        if not self.is_last:
+            return nxt
+        tokens = self._sample(seqs, out.logits)
+        if self.sink is not None:
+            self.sink.on_sampled(mb, [t for t, s in zip(tokens, seqs) if s.sample])
+        return tokens
+
+    def _capture(self, inp: Optional[StagePayload], out: StageOutput) -> StagePayload:
+        """Append this stage's taps ([T, k_prev*d] -> [T, (k_prev + k_s)*d]) or add its fc share to the partial."""
+        own = [out.taps[i] for i in self.own_taps]  # each [T, d]
+        taps = partial = None
+        if self.capture.mode == "taps":
+            parts = ([inp.taps] if inp is not None and inp.taps is not None else []) + own
+            taps = torch.cat(parts, dim=-1) if parts else None
+        elif self.capture.mode == "partial":
+            t, d = out.hidden.shape
+            partial = inp.partial if inp is not None else torch.zeros(t, d, dtype=torch.float32, device=self.device)
+            if own:
+                partial = partial + self.projector.partial(torch.cat(own, dim=-1), self.own_taps)  # [T, d_draft]
+        return StagePayload(out.hidden, taps, partial)
+
+    def _logit_rows(self, seqs: list[SeqDesc]) -> torch.Tensor:
+        """[R] the last fed row of each sampling sequence."""
+        ends = torch.tensor([s.end - s.start for s in seqs]).cumsum(0) - 1  # [B]
+        return ends[[i for i, s in enumerate(seqs) if s.sample]].to(self.device)
+
+    def _sample(self, seqs: list[SeqDesc], logits: torch.Tensor) -> list[int]:
+        """logits [R, V] at the sampling sequences' last rows -> one token per sequence (-1: no sample)."""
+        rows = [s for s in seqs if s.sample]
+        drawn = iter(self._draw(rows, logits) if rows else [])
+        return [next(drawn) if s.sample else -1 for s in seqs]
+
+    def _draw(self, rows: list[SeqDesc], logits: torch.Tensor) -> list[int]:
+        if all(s.greedy for s in rows):
+            return logits.argmax(-1).tolist()
+        dev = self.device
+        sb = SamplingBatch(
+            temperature=torch.tensor([s.temperature for s in rows], device=dev),
+            top_k=torch.tensor([max(s.top_k, 0) for s in rows], device=dev),
+            top_p=torch.tensor([s.top_p for s in rows], device=dev),
+            min_p=torch.tensor([s.min_p for s in rows], device=dev),
+            greedy=torch.tensor([s.greedy for s in rows], device=dev),
+            generators=[self._generator(s) for s in rows],
+        )
+        return sample(logits, sb, self.shared_gen).tolist()
+
+    def _generator(self, s: SeqDesc) -> Optional[torch.Generator]:
+        if s.seed == -1:
+            return None
+        if s.req_index not in self._generators:
+            self._generators[s.req_index] = torch.Generator(device=self.device).manual_seed(s.seed)
+        return self._generators[s.req_index]

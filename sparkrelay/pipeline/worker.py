@@ -1,0 +1,117 @@
+"""`python -m sparkrelay.pipeline.worker --rank R --world-size N --port P`: pipeline stage R (1 <= R < N).
+
+Started by rank 0 (pipeline/launch.py), with its launch record, JSON, in SPARKRELAY_PP_LAUNCH:
+    config (Config.flat()), dtype, partition, num_blocks, capture (CaptureSpec.to_dict()), sink_factory,
+    status_address, backend, threads, parent_pid.
+Life: connect to rank 0's TCPStore on 127.0.0.1:P -> load layers [start, end) of the target (load_qwen3) and a
+KVPool for them with rank 0's num_blocks and page size (block tables come in each descriptor) -> set `ready/R`
+(or `error/R` with the message) -> join the process group -> serve micro-batches until a SHUTDOWN descriptor
+(passed on first). An error of its own exits with code 1 (rank 0's watchdog names the stage); losing a peer
+exits with PEER_LOST_EXIT (3), which the watchdog does not take for the root cause; the parent's death exits too.
+Threads: torch.set_num_threads(threads), threads = cpu_count // pp_size, at least 1: the stages share the cores
+(rank 0 keeps the engine's own setting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from sparkrelay.config import Config
+from sparkrelay.kvcache.pool import KVPool
+from sparkrelay.models.qwen3 import load_qwen3
+from sparkrelay.pipeline.capture import CaptureSpec, PayloadShape
+from sparkrelay.pipeline.comm import Channel, PeerLost, make_group
+from sparkrelay.pipeline.descriptor import SHUTDOWN
+from sparkrelay.pipeline.launch import LAUNCH_ENV, LOAD_TIMEOUT_S, PEER_LOST_EXIT
+from sparkrelay.pipeline.stage import Stage, build_stage
+
+
+def watch_parent(parent_pid: int) -> None:
+    """Exit when the engine process that started this worker is gone (re-parented)."""
+    def loop() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=loop, name="sparkrelay-pp-parent", daemon=True).start()
+
+
+def load(rank: int, launch: dict) -> tuple[Stage, PayloadShape, torch.device]:
+    config = Config().replace(**launch["config"])
+    dtype = getattr(torch, launch["dtype"])
+    device = torch.device(f"cuda:{rank}" if launch["backend"] == "nccl" else config.model.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds this rank to its own GPU
+    partition = [tuple(b) for b in launch["partition"]]
+    start, end = partition[rank]
+    model = load_qwen3(config.model.model_path, start, end, dtype, str(device))
+    s = model.spec
+    pool = KVPool(range(start, end), launch["num_blocks"], config.cache.page_size, s.num_kv_heads, s.head_dim,
+                  dtype, device)
+    capture = CaptureSpec.from_dict(launch["capture"])
+    stage = build_stage(rank, partition, model, pool, capture, config, launch["sink_factory"], device,
+                        launch["status_address"])
+    return stage, PayloadShape.into_stage(rank, capture, partition, s.hidden_size, dtype), device
+
+
+@torch.inference_mode()
+def serve(stage: Stage, channel: Channel) -> None:
+    """Receive, run, pass on, in micro-batch order, until SHUTDOWN."""
+    while True:
+        mb, inp = channel.recv_step()
+        if mb.kind == SHUTDOWN:
+            stage.release(mb.released)
+            if not stage.is_last:
+                channel.send_step(mb, None)
+                channel.flush()
+            stage.close()
+            return
+        out = stage.run(mb, inp=inp)
+        if stage.is_last:
+            channel.send_tokens(out)
+        else:
+            channel.flush()  # the previous micro-batch's sends, before posting this one's
+            channel.send_step(mb, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    args = ap.parse_args(argv)
+    launch = json.loads(os.environ[LAUNCH_ENV])
+    level = str(launch["config"].get("log_level", "info")).upper()
+    logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s stage {args.rank} %(name)s: %(message)s")
+    watch_parent(launch["parent_pid"])
+    torch.set_num_threads(launch["threads"])
+    store = dist.TCPStore("127.0.0.1", args.port, args.world_size, is_master=False,
+                          timeout=datetime.timedelta(seconds=LOAD_TIMEOUT_S))
+    try:
+        stage, shape, device = load(args.rank, launch)
+    except BaseException as e:
+        store.set(f"error/{args.rank}", f"{type(e).__name__}: {e}")
+        raise
+    store.set(f"ready/{args.rank}", "1")
+    group = make_group(store, args.rank, args.world_size, launch["backend"])
+    channel = Channel(group, args.rank, args.world_size, launch["backend"], device, shape)
+    try:
+        serve(stage, channel)
+    except PeerLost as e:  # another rank died or rank 0 went away: rank 0's watchdog reports the root cause
+        print(f"sparkrelay pipeline stage {args.rank}: stopping, a peer is gone: {e}", file=sys.stderr, flush=True)
+        return PEER_LOST_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,364 @@
+"""The prefill bootstrap HTTP server (SGLang's routes, PD_PROTOCOL.md §1.3) and the clients both sides use.
+
+    prefill stage s --PUT /route {pp_rank, rank_ip, rank_port, ...}--> BootstrapServer (on the prefill leader)
+    decode          --GET /route?-1,-1,-1,-1--> server info + schema   (503 until every pp rank registered)
+                    --GET /route?0,0,0,pp-->    {rank_ip, rank_port}   (the stage's ZMQ PULL endpoint)
+                    --GET /health-->            heartbeat
+
+sparkrelay's prefill runs one attention TP/CP/DP group, so the table is keyed (dp, cp, tp, pp) with only pp
+varying; registrations for other sizes are refused with a 400 rather than served wrong.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import OrderedDict
+from typing import Optional
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from sparkrelay.transfer.base import check_room
+from sparkrelay.transfer.frames import advertise_host
+
+logger = logging.getLogger(__name__)
+
+DP_RANK_TTL_S = 120.0
+DP_RANK_TABLE_MAX = 1 << 16
+REG_INT_FIELDS = ("attn_tp_size", "attn_tp_rank", "attn_cp_size", "attn_cp_rank", "attn_dp_size", "attn_dp_rank",
+                  "pp_size", "pp_rank", "system_dp_size", "system_dp_rank", "rank_port")
+SINGLE_GROUP_FIELDS = ("attn_tp_size", "attn_cp_size", "attn_dp_size", "system_dp_size")
+ROUTE_PARAMS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+
+
+class BootstrapError(RuntimeError):
+    """A bootstrap request the server refused for good (a 4xx other than 503), or a malformed answer."""
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _bad(msg: str, code: int = 400) -> PlainTextResponse:
+    return PlainTextResponse(msg, status_code=code)
+
+
+class BootstrapServer:
+    def __init__(self, host: str, port: int, pp_size: int, schema: dict, prefill_http_port: Optional[int],
+                 page_size: int, kv_cache_dtype: str) -> None:
+        if pp_size < 1:
+            raise ValueError(f"pp_size must be >= 1, got {pp_size}")
+        self.host, self.port, self.pp_size = host, port, pp_size
+        self.schema = json.loads(json.dumps(schema))  # what the decode will see: tuples become lists
+        self.prefill_http_port, self.page_size, self.kv_cache_dtype = prefill_http_port, page_size, kv_cache_dtype
+        self._lock = threading.Lock()
+        self._table: dict[tuple[int, int, int, int], dict] = {}  # (dp, cp, tp, pp) -> {rank_ip, rank_port}
+        self._dp_ranks: OrderedDict[int, tuple[int, float]] = OrderedDict()  # room -> (dp_rank, registered at)
+        self._server: Optional[uvicorn.Server] = None
+        self._thread: Optional[threading.Thread] = None
+        self.app = self._build_app()
+
+    # ---- lifecycle ----
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Serve in a daemon thread; returns once listening. OSError if host:port cannot be bound."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise OSError(e.errno, f"bootstrap server cannot listen on {self.host}:{self.port} ({e.strerror}); "
+                                   "is another prefill server using --disaggregation-bootstrap-port?") from None
+        sock.listen(1024)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=1)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name=f"bootstrap-{self.port}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise OSError(f"bootstrap server on {self.host}:{self.port} did not start")
+            time.sleep(0.01)
+        logger.info("bootstrap server listening on %s:%d (pp_size %d)", self.host, self.port, self.pp_size)
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(5.0)
+            if self._thread.is_alive():
+                self._server.force_exit = True
+                self._thread.join(2.0)
+        self._server = self._thread = None
+
+    @property
+    def url(self) -> str:
+        return bootstrap_url(advertise_host(self.host), self.port)
+
+    # ---- routes ----
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.put("/route")
+        async def put_route(request: Request):
+            body = await _json_body(request)
+            if isinstance(body, PlainTextResponse):
+                return body
+            return self._register(body)
+
+        @app.get("/route")
+        async def get_route(request: Request):
+            return self._route(request.query_params)
+
+        @app.post("/register_dp_rank")
+        async def register_dp_rank(request: Request):
+            body = await _json_body(request)
+            if isinstance(body, PlainTextResponse):
+                return body
+            return self._register_dp_rank(body)
+
+        @app.post("/query_dp_ranks")
+        async def query_dp_ranks(request: Request):
+            body = await _json_body(request)
+            if isinstance(body, PlainTextResponse):
+                return body
+            return self._query_dp_ranks(body)
+
+        @app.get("/health")
+        async def health():
+            return PlainTextResponse("OK")
+
+        return app
+
+    def _register(self, body: dict):
+        for name in REG_INT_FIELDS:
+            if not _is_int(body.get(name)):
+                return _bad(f"{name}: must be an integer, got {body.get(name)!r}")
+        for name in SINGLE_GROUP_FIELDS:
+            if body[name] != 1:
+                return _bad(f"{name}: this bootstrap server serves one attention group (size 1), got {body[name]}")
+        for name in ("attn_tp_rank", "attn_cp_rank", "attn_dp_rank", "system_dp_rank"):
+            if body[name] != 0:
+                return _bad(f"{name}: must be 0 with a group of size 1, got {body[name]}")
+        if body["pp_size"] != self.pp_size:
+            return _bad(f"pp_size: this prefill server has pp_size {self.pp_size}, got {body['pp_size']}")
+        if not 0 <= body["pp_rank"] < self.pp_size:
+            return _bad(f"pp_rank: must be in 0..{self.pp_size - 1}, got {body['pp_rank']}")
+        if not 1 <= body["rank_port"] <= 65535:
+            return _bad(f"rank_port: must be in 1..65535, got {body['rank_port']}")
+        rank_ip = body.get("rank_ip")
+        if not isinstance(rank_ip, str) or not 0 < len(rank_ip) <= 255:
+            return _bad(f"rank_ip: must be a non-empty string, got {rank_ip!r}")
+        problem = self._check_optional(body)
+        if problem:
+            return _bad(problem)
+        key = (0, 0, 0, body["pp_rank"])  # (dp group, cp, tp, pp); dp group = attn_dp_rank as system_dp_size == 1
+        with self._lock:
+            self._table[key] = {"rank_ip": advertise_host(rank_ip), "rank_port": body["rank_port"]}
+            if self.prefill_http_port is None and body.get("prefill_http_port") is not None:
+                self.prefill_http_port = body["prefill_http_port"]
+        logger.info("bootstrap: registered pp_rank %d at %s:%d", key[3], rank_ip, body["rank_port"])
+        return PlainTextResponse("OK")
+
+    def _check_optional(self, body: dict) -> Optional[str]:
+        page_size, dtype = body.get("page_size"), body.get("kv_cache_dtype")
+        if page_size is not None and (not _is_int(page_size) or page_size != self.page_size):
+            return f"page_size: this prefill server uses {self.page_size}, got {page_size!r}"
+        if dtype is not None and dtype != self.kv_cache_dtype:
+            return f"kv_cache_dtype: this prefill server uses {self.kv_cache_dtype!r}, got {dtype!r}"
+        http_port = body.get("prefill_http_port")
+        if http_port is not None and (not _is_int(http_port) or not 1 <= http_port <= 65535):
+            return f"prefill_http_port: must be an integer in 1..65535 or null, got {http_port!r}"
+        lbm = body.get("load_balance_method")
+        if lbm is not None and not isinstance(lbm, str):
+            return f"load_balance_method: must be a string or null, got {lbm!r}"
+        split = body.get("enable_dsa_cache_layer_split")
+        if split is not None and not isinstance(split, bool):
+            return f"enable_dsa_cache_layer_split: must be a boolean, got {split!r}"
+        return None
+
+    def _route(self, params) -> object:
+        ranks = {}
+        for name in ROUTE_PARAMS:
+            value = params.get(name)
+            if value is None:
+                return _bad(f"missing query parameter {name}")
+            try:
+                ranks[name] = int(value)
+            except ValueError:
+                return _bad(f"{name}: must be an integer, got {value!r}")
+        with self._lock:
+            registered = len(self._table)
+            entry = self._table.get(tuple(ranks[n] for n in ROUTE_PARAMS))
+            http_port = self.prefill_http_port
+        if registered < self.pp_size:
+            return _bad(f"prefill server not fully registered yet ({registered}/{self.pp_size} ranks)", 503)
+        if all(v == -1 for v in ranks.values()):
+            return JSONResponse({"attn_tp_size": 1, "attn_cp_size": 1, "dp_size": 1, "pp_size": self.pp_size,
+                                 "page_size": self.page_size, "kv_cache_dtype": self.kv_cache_dtype,
+                                 "follow_bootstrap_room": False, "enable_dsa_cache_layer_split": False,
+                                 "prefill_http_port": http_port, "schema": self.schema})
+        if any(v == -1 for v in ranks.values()):
+            return _bad("either all four ranks are -1 (server info) or none is")
+        if entry is None:
+            return _bad(f"no prefill rank registered for {ranks}", 404)
+        return JSONResponse(dict(entry))
+
+    def _register_dp_rank(self, body: dict):
+        room, dp_rank = body.get("bootstrap_room"), body.get("dp_rank")
+        why = check_room(room)
+        if why:
+            return _bad(f"bootstrap_room: {why}")
+        if not _is_int(dp_rank) or dp_rank < 0:
+            return _bad(f"dp_rank: must be a non-negative integer, got {dp_rank!r}")
+        now = time.monotonic()
+        with self._lock:
+            self._expire_dp_ranks(now)
+            self._dp_ranks.pop(room, None)
+            self._dp_ranks[room] = (dp_rank, now)
+            while len(self._dp_ranks) > DP_RANK_TABLE_MAX:
+                self._dp_ranks.popitem(last=False)
+        return PlainTextResponse("OK")
+
+    def _query_dp_ranks(self, body: dict):
+        rooms = body.get("bootstrap_rooms")
+        if not isinstance(rooms, list) or len(rooms) > DP_RANK_TABLE_MAX or not all(_is_int(r) for r in rooms):
+            return _bad(f"bootstrap_rooms: must be a list of at most {DP_RANK_TABLE_MAX} integers")
+        with self._lock:
+            self._expire_dp_ranks(time.monotonic())
+            found = {str(r): self._dp_ranks[r][0] for r in rooms if r in self._dp_ranks}
+        return JSONResponse(found)
+
+    def _expire_dp_ranks(self, now: float) -> None:
+        while self._dp_ranks:
+            room, (_, t) = next(iter(self._dp_ranks.items()))
+            if now - t < DP_RANK_TTL_S:
+                break
+            del self._dp_ranks[room]
+
+
+async def _json_body(request: Request):
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError):
+        return _bad("body must be JSON")
+    if not isinstance(body, dict):
+        return _bad("body must be a JSON object")
+    return body
+
+
+# ---- clients -------------------------------------------------------------------------------------------------
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never route loopback via a proxy
+
+
+def bootstrap_url(host: str, port: int) -> str:
+    host = host.strip("[]")
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def http_request(method: str, url: str, body: Optional[dict] = None, timeout: float = 2.0) -> tuple[int, bytes]:
+    """(status, body) for any HTTP answer; connection errors and timeouts raise OSError."""
+    data = None if body is None else json.dumps(body).encode()
+    headers = {} if data is None else {"Content-Type": "application/json"}
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with _OPENER.open(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.read()
+    except urllib.error.URLError as e:
+        raise OSError(f"{method} {url}: {e.reason}") from None
+    except http.client.HTTPException as e:  # a peer that died mid-answer
+        raise OSError(f"{method} {url}: {type(e).__name__}: {e}") from None
+
+
+def register_rank(bootstrap_url: str, body: dict, retries: int = 5) -> None:
+    """PUT /route, retrying connection errors and 5xx with exponential backoff (0.1 s doubling)."""
+    last = ""
+    for attempt in range(retries + 1):
+        try:
+            code, text = http_request("PUT", f"{bootstrap_url}/route", body)
+        except OSError as e:
+            code, text = 0, str(e).encode()
+        if code == 200:
+            return
+        last = f"HTTP {code}: {text.decode(errors='replace')[:300]}" if code else text.decode()
+        if 400 <= code < 500:
+            raise BootstrapError(f"bootstrap server at {bootstrap_url} refused the registration: {last}")
+        if attempt < retries:
+            time.sleep(0.1 * 2 ** attempt)
+    raise BootstrapError(f"could not register with the bootstrap server at {bootstrap_url} after "
+                         f"{retries + 1} attempts: {last}")
+
+
+def _get_until(url: str, deadline: float) -> dict:
+    """GET url, retrying 503 and connection errors until `deadline` (time.monotonic()); the JSON object."""
+    delay, last = 0.05, "no attempt"
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"GET {url}: not answered before the bootstrap deadline ({last})")
+        try:
+            code, text = http_request("GET", url, timeout=min(2.0, max(remaining, 0.05)))
+        except OSError as e:
+            code, text, last = 0, b"", str(e)
+        if code == 200:
+            try:
+                answer = json.loads(text)
+            except ValueError:
+                answer = None
+            if not isinstance(answer, dict):
+                raise BootstrapError(f"GET {url}: the answer is not a JSON object")
+            return answer
+        if code:
+            last = f"HTTP {code}: {text.decode(errors='replace')[:300]}"
+            if code != 503:
+                raise BootstrapError(f"GET {url}: {last}")
+        time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+        delay = min(delay * 2, 1.0)
+
+
+def fetch_prefill_info(url: str, deadline: float) -> dict:
+    """The server info (with "schema") from the bootstrap server at `url`; deadline is a time.monotonic()."""
+    info = _get_until(f"{url}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
+                      deadline)
+    pp_size = info.get("pp_size")
+    if not _is_int(pp_size) or not 1 <= pp_size <= 1024 or not isinstance(info.get("schema"), dict):
+        raise BootstrapError(f"bootstrap server at {url} sent malformed server info (pp_size {pp_size!r}, "
+                             f"schema {type(info.get('schema')).__name__})")
+    return info
+
+
+def fetch_rank(url: str, pp_rank: int, deadline: float) -> tuple[str, int]:
+    """(rank_ip, rank_port): the ZMQ PULL endpoint of prefill stage `pp_rank`."""
+    entry = _get_until(f"{url}/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0"
+                       f"&target_pp_rank={pp_rank}", deadline)
+    ip, port = entry.get("rank_ip"), entry.get("rank_port")
+    if not isinstance(ip, str) or not ip or not _is_int(port) or not 1 <= port <= 65535:
+        raise BootstrapError(f"bootstrap server at {url} sent a malformed endpoint for pp_rank {pp_rank}: {entry}")
+    return ip, port
+
+
+def check_health(url: str, timeout: float) -> bool:
+    try:
+        return http_request("GET", f"{url}/health", timeout=timeout)[0] == 200
+    except OSError:
+        return False

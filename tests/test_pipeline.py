@@ -1,0 +1,204 @@
+"""Pipeline parallelism (sparkrelay/pipeline/): PP = 2 and 4 generate exactly what PP = 1 does (greedy and seeded
+sampling, chunked prefill, batches split into micro-batches); the last stage's DSpark capture (taps, and the
+partial context projection finished into draft K/V) equals the single-model reference at absolute positions; a
+dead stage makes run() fail promptly with its name; --pp-size beyond the layer count is refused; no worker
+process outlives its engine.
+"""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparkrelay import LLM, SamplingParams
+from sparkrelay.config import Config, ConfigError
+from sparkrelay.engine.engine import Engine
+from sparkrelay.kvcache.pool import KVPool
+from sparkrelay.models.attention import AttnMeta
+from sparkrelay.models.dspark import load_dspark
+from sparkrelay.pipeline.capture import CaptureSpec
+from sparkrelay.pipeline.runner import PipelineRunner
+
+SETTINGS = dict(page_size=4, chunked_prefill_size=16, max_total_tokens=2048)
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.9, top_k=40, seed=7, ignore_eos=True)
+SINK_DIR = "SPARKRELAY_TEST_SINK_DIR"
+
+
+def child_pids() -> list[int]:
+    """Live or unreaped processes whose parent is this one."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = Path(f"/proc/{name}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+                out.append(int(name))
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts(bundled_model_dir):
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(bundled_model_dir)).encode(Path(__file__).read_text())
+    out = [ids[9 * i : 9 * i + 3 + (i * 7) % 13] for i in range(6)]
+    out[2] = ids[200:241]  # 41 tokens: prefilled in 3 chunks of at most 16
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(bundled_model_dir, prompts):
+    """PP = 1 through the plain ModelRunner: greedy for all prompts, then seeded sampling for the first two."""
+    llm = LLM(str(bundled_model_dir), **SETTINGS)
+    return [o["output_ids"] for o in llm.generate(prompts + prompts[:2], [GREEDY] * 6 + [SEEDED] * 2)]
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def pp_llm(request, bundled_model_dir):
+    llm = LLM(str(bundled_model_dir), pp_size=request.param, **SETTINGS)
+    assert len(llm.engine.runner.worker_pids) == request.param - 1
+    yield llm
+    llm.engine.close()
+    llm.engine.close()  # idempotent
+    assert not child_pids(), "a pipeline worker outlived its engine"
+
+
+def test_pp_matches_pp1(pp_llm, prompts, reference):
+    outs = pp_llm.generate(prompts + prompts[:2], [GREEDY] * 6 + [SEEDED] * 2)
+    assert [o["output_ids"] for o in outs] == reference
+    stats = pp_llm.engine.runner.stats
+    assert stats["micro_batches"] > stats["steps"], "no step was split into micro-batches"
+    pp_llm.engine.check()
+
+
+def test_dead_stage_fails_run_promptly(pp_llm, prompts):
+    runner = pp_llm.engine.runner
+    stage = len(runner.worker_pids) // 2 + 1  # PP 2: stage 1 (next to rank 0); PP 4: stage 2 (not adjacent)
+    pid = runner.worker_pids[stage - 1]
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"pipeline stage {stage} \(pid {pid}\) exited with code -9"):
+        pp_llm.generate(prompts[0], GREEDY)
+    assert time.monotonic() - start < 10
+    with pytest.raises(RuntimeError, match=rf"pipeline stage {stage} \(pid {pid}\)"):
+        pp_llm.engine.step()  # and every later step
+    pp_llm.engine.close()
+    assert not child_pids()
+
+
+def test_pp_size_beyond_layers_is_refused(bundled_model_dir):
+    config = Config().replace(model_path=str(bundled_model_dir), pp_size=9, **SETTINGS).validate()
+    with pytest.raises(ConfigError, match="--pp-size 9"):
+        Engine(config)
+    assert not child_pids()
+
+
+# -- DSpark capture through the pipeline ---------------------------------------------------------------------------
+class RecordingSink:
+    """A StageSink that saves the last stage's aux rows / draft K/V and the released rooms under $SINK_DIR."""
+
+    def __init__(self, stage: int, last: bool) -> None:
+        self.dir, self.stage, self.last = Path(os.environ[SINK_DIR]), stage, last
+
+    def after_forward(self, mb, meta, out, aux, draft_kv) -> None:
+        if self.last:
+            rows = {"seqs": [(s.room, s.start, s.end) for s in mb.seqs], "positions": meta.positions.cpu(),
+                    "aux": aux, "draft_kv": draft_kv}
+            torch.save(rows, self.dir / f"rows-{mb.step}-{mb.index}.pt")
+
+    def on_sampled(self, mb, tokens) -> None:
+        assert self.last and len(tokens) == sum(s.sample for s in mb.seqs) and all(t >= 0 for t in tokens)
+
+    def release(self, rooms) -> None:
+        with open(self.dir / f"released-{self.stage}.txt", "a") as f:
+            f.write("".join(f"{r}\n" for r in rooms))
+
+
+def recording_sink(config, stage, partition, pool, status_address):
+    assert status_address == "" and sorted(pool.layers) == list(range(*partition[stage]))
+    return RecordingSink(stage, stage == len(partition) - 1)
+
+
+def run_capture(folder, pp, capture, prompts, sink_dir, monkeypatch) -> dict[int, dict]:
+    """Prefill every prompt (max_new_tokens 1) with the capture on -> {room: {position: saved row index...}}."""
+    monkeypatch.setenv(SINK_DIR, str(sink_dir))
+    config = Config().replace(model_path=str(folder), **SETTINGS).validate()
+    engine = Engine(config)  # pp_size 1 aggregated: ModelRunner, replaced by a capturing pipeline
+    engine.runner = PipelineRunner(config.replace(pp_size=pp), engine.model, engine.pool, capture=capture,
+                                   sink_factory="test_pipeline:recording_sink", room_of=lambda r: 1000 + int(r.rid))
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_new_tokens=1, temperature=0))
+        while engine.has_work():
+            engine.step()
+    finally:
+        engine.close()
+    released = [int(x) for x in (sink_dir / f"released-{pp - 1}.txt").read_text().split()]
+    assert sorted(released) == [1000 + i for i in range(len(prompts))]  # releases reach the stages
+    return [torch.load(f, weights_only=False) for f in sorted(sink_dir.glob("rows-*.pt"))]
+
+
+def by_room(dumps, key, width_of) -> dict[int, dict[int, torch.Tensor]]:
+    """{room: {position: row}} from the saved micro-batches (rows of sequence b follow mb order)."""
+    out: dict[int, dict[int, torch.Tensor]] = {}
+    for d in dumps:
+        row = 0
+        for room, start, end in d["seqs"]:
+            for pos in range(start, end):
+                assert int(d["positions"][row]) == pos  # absolute positions, chunked or not
+                out.setdefault(room, {})[pos] = width_of(d[key], row)
+                row += 1
+    return out
+
+
+def reference_taps(engine_model, prompt, ids) -> torch.Tensor:
+    """One forward of the full model over the whole prompt -> taps concatenated in `ids` order [n, k*d]."""
+    s, n = engine_model.spec, len(prompt)
+    pool = KVPool(range(s.num_layers), -(-n // 4), 4, s.num_kv_heads, s.head_dim, torch.float32, "cpu")
+    meta = AttnMeta.build([0], [n], [list(range(-(-n // 4)))], 4, "cpu")
+    with torch.inference_mode():
+        out = engine_model(meta, pool.layers, input_ids=torch.tensor(prompt), taps=ids)
+    return torch.cat([out.taps[i] for i in ids], dim=-1)
+
+
+@pytest.mark.parametrize("pp", [1, 4])
+def test_taps_capture_equals_reference(pp, bundled_model_dir, prompts, tmp_path, monkeypatch):
+    ids = (-1, 3, 4)  # PP 4 stages [0,2) [2,4) [4,6) [6,8): -1 on 0, 3 ends stage 1, 4 starts stage 2, none on 3
+    dumps = run_capture(bundled_model_dir, pp, CaptureSpec("taps", ids), prompts, tmp_path, monkeypatch)
+    got = by_room(dumps, "aux", lambda aux, r: aux[r])
+    from sparkrelay.models.qwen3 import load_qwen3
+
+    model = load_qwen3(str(bundled_model_dir))
+    for i, p in enumerate(prompts):
+        ref = reference_taps(model, p, ids)  # [n, 3*d]
+        rows = got[1000 + i]
+        assert sorted(rows) == list(range(len(p)))
+        assert torch.allclose(torch.stack([rows[j] for j in range(len(p))]), ref, atol=1e-4, rtol=1e-4)
+    assert not child_pids()
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_partial_projection_equals_drafter_context_kv(pp, bundled_model_dir, bundled_drafter_dir, prompts, tmp_path,
+                                                      monkeypatch):
+    from sparkrelay.models.qwen3 import load_qwen3
+
+    model = load_qwen3(str(bundled_model_dir))
+    drafter = load_dspark(bundled_drafter_dir, model.spec, torch.float32, fuse=False)
+    ids = drafter.spec.target_layer_ids  # (1, 3, 5, 6): PP 2 puts 1, 3 on stage 0 and 5, 6 on the last stage
+    capture = CaptureSpec("partial", ids, str(bundled_drafter_dir))
+    dumps = run_capture(bundled_model_dir, pp, capture, prompts, tmp_path, monkeypatch)
+    got = by_room(dumps, "draft_kv", lambda kv, r: torch.cat([torch.cat([k[r], v[r]]) for k, v in kv]))
+    for i, p in enumerate(prompts):
+        with torch.inference_mode():
+            ctx = drafter.context_kv(drafter.project_context(reference_taps(model, p, ids)), torch.arange(len(p)))
+        ref = torch.cat([torch.cat([k, v], dim=1) for k, v in ctx], dim=1)  # [n, layers * 2 * n_kv, hd]
+        rows = got[1000 + i]
+        assert sorted(rows) == list(range(len(p)))
+        assert torch.allclose(torch.stack([rows[j] for j in range(len(p))]), ref, atol=1e-4, rtol=1e-4)
+    assert not child_pids()
