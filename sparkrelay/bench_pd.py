@@ -42,10 +42,11 @@ def run_deployment(name: str, url: str, decode_url: str | None, prompts: dict, m
     stream_generate(url, prompts[min(prompts)][0], 4)  # warm-up (and router registration)
     rows = []
     for n, group in prompts.items():
-        before = handoff_bytes(decode_url) if decode_url else 0
+        before = handoff_bytes(decode_url) if decode_url else (0, 0)
         runs = [stream_generate(url, p, max_new) for p in group]
-        after = handoff_bytes(decode_url) if decode_url else 0
-        rows.append({"deployment": name, "prompt_len": n, "handoff_bytes": (after - before) / len(group),
+        after = handoff_bytes(decode_url) if decode_url else (0, 0)
+        rows.append({"deployment": name, "prompt_len": n, "handoff_bytes": (after[0] - before[0]) / len(group),
+                     "context_bytes": (after[1] - before[1]) / len(group),
                      **{k: sum(r[k] for r in runs) / len(runs) for k in ("ttft_s", "decode_tok_s", "accept_length")}})
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -89,14 +90,14 @@ def write_report(modes: list[dict], tails: list[dict], out: Path, args) -> None:
     (out / "bench_pd.json").write_text(json.dumps({"args": vars(args), "modes": modes, "tails": tails}, indent=1))
     lines = [f"PP={args.pp_size} prefill, {args.per_length} prompts per length, {args.max_new_tokens} new tokens, "
              "greedy, one request at a time, bundled tiny pair on CPU.", "",
-             "| deployment | prompt len | TTFT ms | decode tok/s | accept len | handoff KiB/request |",
-             "|---|---|---|---|---|---|"]
+             "| deployment | prompt len | TTFT ms | decode tok/s | accept len | KiB/request: all | of which DSpark context + row |",
+             "|---|---|---|---|---|---|---|"]
     for r in modes:
         lines.append(f"| {r['deployment']} | {r['prompt_len']} | {1000 * r['ttft_s']:.0f} | {r['decode_tok_s']:.1f} | "
-                     f"{r['accept_length']:.2f} | {r['handoff_bytes'] / 1024:,.0f} |")
+                     f"{r['accept_length']:.2f} | {r['handoff_bytes'] / 1024:,.0f} | {r['context_bytes'] / 1024:,.1f} |")
     lines += ["", f"`tail` acceptance vs tail length ({args.tail_prompt_len}-token prompts):", "",
-              "| tail rows | accept len | handoff KiB/request |", "|---|---|---|"]
-    lines += [f"| {r['tail']} | {r['accept_length']:.2f} | {r['handoff_bytes'] / 1024:,.1f} |" for r in tails]
+              "| tail rows | accept len | metadata row KiB/request |", "|---|---|---|"]
+    lines += [f"| {r['tail']} | {r['accept_length']:.2f} | {r['context_bytes'] / 1024:,.1f} |" for r in tails]
     (out / "bench_pd.md").write_text("\n".join(lines) + "\n")
     _plot(modes, tails, out / "bench_pd.png")
     print("\n".join(lines))

@@ -179,6 +179,8 @@ def stream_generate(url: str, ids: list[int], max_new: int) -> dict:
             "accept_length": meta.get("spec_accept_length")}
 
 
-def handoff_bytes(decode_url: str) -> int:
+def handoff_bytes(decode_url: str) -> tuple[int, int]:
+    """(all bytes the decode received from prefills, of which DSpark context + metadata rows), since it started."""
     with urllib.request.urlopen(decode_url + "/server_info", timeout=10) as r:
-        return int(json.loads(r.read())["internal_states"][0].get("handoff_bytes_total", 0))
+        state = json.loads(r.read())["internal_states"][0]
+    return int(state.get("handoff_bytes_total", 0)), int(state.get("context_bytes_total", 0))

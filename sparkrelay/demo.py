@@ -46,12 +46,12 @@ def openai_outputs(url: str, max_tokens: int, show: bool) -> list[str]:
 
 
 def measure(url: str, decode_url: str | None, ids: list[list[int]], max_tokens: int) -> dict:
-    before = handoff_bytes(decode_url) if decode_url else 0
+    before = handoff_bytes(decode_url) if decode_url else (0, 0)
     runs = [stream_generate(url, p, max_tokens) for p in ids]
-    after = handoff_bytes(decode_url) if decode_url else 0
+    after = handoff_bytes(decode_url) if decode_url else (0, 0)
     n = len(runs)
     return {"accept": sum(r["accept_length"] for r in runs) / n, "ttft_ms": 1000 * sum(r["ttft_s"] for r in runs) / n,
-            "kib": (after - before) / n / 1024}
+            "kib": (after[0] - before[0]) / n / 1024, "ctx_kib": (after[1] - before[1]) / n / 1024}
 
 
 def main() -> None:
@@ -84,9 +84,10 @@ def main() -> None:
                 rows.append((f"PD {mode}", same, measure(cluster.url, cluster.decode.url, ids, args.max_tokens)))
             finally:
                 cluster.stop()
-    print(f"\n{'deployment':<14} {'same text':>9} {'accept len':>10} {'TTFT ms':>8} {'handoff KiB/req':>16}")
+    print(f"\n{'deployment':<14} {'same text':>9} {'accept len':>10} {'TTFT ms':>8} {'handoff KiB/req':>16} "
+          f"{'of which DSpark ctx':>20}")
     for name, same, m in rows:
-        print(f"{name:<14} {same:>9} {m['accept']:>10.2f} {m['ttft_ms']:>8.0f} {m['kib']:>16,.0f}")
+        print(f"{name:<14} {same:>9} {m['accept']:>10.2f} {m['ttft_ms']:>8.0f} {m['kib']:>16,.1f} {m['ctx_kib']:>20,.1f}")
 
 
 if __name__ == "__main__":

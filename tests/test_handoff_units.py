@@ -27,22 +27,23 @@ def schema(handoff="tail", tail=8, ids=(1, 3, 5, 6), partition=((0, 4), (4, 8)),
 
 # ---------------------------------------------------------------- metadata row
 
+@pytest.mark.parametrize("tail", [1, 3, 8])
 @pytest.mark.parametrize("n", [1, 3, 8, 20])
-def test_metadata_round_trip_and_tail_mask(n):
-    s = schema(tail=8)
+def test_metadata_round_trip_and_tail_mask(n, tail):
+    s = schema(tail=tail)
     layout = MetadataLayout.of(s)
-    assert layout.nbytes == 16 * 4 + 16 * 4 + 64 * 4 + 8 * 64 * 4 + 8 + 8 * 8
+    assert layout.nbytes == 16 * 4 + 16 * 4 + 64 * 4 + tail * 64 * 4 + tail + 8 * 8  # odd tails: unaligned room
     rows = torch.randn(n, 64)
-    tail, valid = build_tail(rows, 8)
-    data = pack(layout, MetadataRow(first_token=77, room=(1 << 63) - 1, last_hidden=rows[-1], tail_hidden=tail,
+    tail_rows, valid = build_tail(rows, tail)
+    data = pack(layout, MetadataRow(first_token=77, room=(1 << 63) - 1, last_hidden=rows[-1], tail_hidden=tail_rows,
                                     tail_valid=valid))
     assert len(data) == layout.nbytes
     row = unpack(layout, data)
     assert (row.first_token, row.room) == (77, (1 << 63) - 1)
-    k = min(n, 8)
-    assert row.tail_valid.tolist() == [False] * (8 - k) + [True] * k  # right-aligned
-    assert torch.equal(row.tail_hidden[8 - k :], rows[n - k :])
-    assert not row.tail_hidden[: 8 - k].any()  # a prompt shorter than the tail: leading rows zero
+    k = min(n, tail)
+    assert row.tail_valid.tolist() == [False] * (tail - k) + [True] * k  # right-aligned
+    assert torch.equal(row.tail_hidden[tail - k :], rows[n - k :])
+    assert not row.tail_hidden[: tail - k].any()  # a prompt shorter than the tail: leading rows zero
     assert torch.equal(row.last_hidden, rows[-1])
     assert bytes(data[-64:-56]) == ((1 << 63) - 1).to_bytes(8, "little")  # the room is the row's last field
 
@@ -229,3 +230,26 @@ def test_draft_context_start_hides_earlier_positions(bundled_model_dir, bundled_
     again = prop.propose(**args, ctx_starts=[12])
     assert torch.equal(tail.draft_probs, again.draft_probs) and torch.equal(tail.drafts, again.drafts)
     assert not torch.equal(tail.draft_probs, full.draft_probs)
+
+
+def test_bootstrap_fields_per_item():
+    """Batch requests carry arrays with one room per element (PD_PROTOCOL.md §5 item 7); OpenAI routes too."""
+    from sparkrelay.engine.request import RequestError
+    from sparkrelay.server import protocol as P
+    from sparkrelay.server.async_engine import GenerationItem
+
+    items = [GenerationItem(f"r{i}", [1, 2], P.SamplingParams()) for i in range(2)]
+    req = P.GenerateRequest(input_ids=[[1, 2], [3]], bootstrap_host=["h", "h"], bootstrap_port=[None, 9],
+                            bootstrap_room=[5, 6])
+    out = P.with_bootstrap(req, items)
+    assert [(b.host, b.port, b.room) for b in (it.bootstrap for it in out)] == [("h", None, 5), ("h", 9, 6)]
+    with pytest.raises(RequestError, match="one room per sequence"):
+        P.with_bootstrap(P.GenerateRequest(input_ids=[[1], [2]], bootstrap_host="h", bootstrap_room=5), items)
+    with pytest.raises(RequestError, match="repeats"):
+        P.with_bootstrap(P.GenerateRequest(input_ids=[[1], [2]], bootstrap_host="h", bootstrap_room=[5, 5]), items)
+    with pytest.raises(RequestError, match="entries"):
+        P.with_bootstrap(P.GenerateRequest(input_ids=[[1], [2]], bootstrap_host="h", bootstrap_room=[5]), items)
+    chat = P.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], bootstrap_host="h",
+                                   bootstrap_port=8998, bootstrap_room=7)
+    assert P.with_bootstrap(chat, items[:1])[0].bootstrap.room == 7
+    assert P.with_bootstrap(P.GenerateRequest(text="x"), items) == items  # aggregated: nothing attached

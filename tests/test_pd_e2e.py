@@ -70,7 +70,8 @@ def reference(prompts) -> list[dict]:
     return out
 
 
-def run_pd(tmp_path, prompts, **settings) -> list[dict]:
+def run_pd(tmp_path, prompts, also=None, **settings) -> list[dict]:
+    """Each prompt through the deployment, one at a time; `also(url)` runs against it before it stops."""
     cluster = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, **settings), str(tmp_path))
     try:
         results = []
@@ -78,6 +79,8 @@ def run_pd(tmp_path, prompts, **settings) -> list[dict]:
             status, out = generate(cluster.url, ids, retries_until=time.monotonic() + (30 if i == 0 else 0))
             assert status == 200, (status, out, cluster.decode.log_tail(), cluster.prefill.log_tail())
             results.append(out)
+        if also is not None:
+            also(cluster.url)
         return results
     finally:
         cluster.stop()
@@ -99,7 +102,14 @@ def check_against(reference: list[dict], results: list[dict], exact_acceptance: 
 
 def test_pd_pp2_hidden_through_router(tmp_path, prompts, reference):
     """CI's end-to-end PD test: PP=2 prefill (no drafter) + DSpark decode + sparkrelay router."""
-    results = run_pd(tmp_path, prompts, pp_size=2, handoff="hidden", router="sparkrelay")
+    def openai_route(url):  # the OpenAI routes carry the bootstrap fields too (PD_PROTOCOL.md §5 item 6)
+        status, out = post(url + "/v1/completions", {"prompt": prompts[3], "max_tokens": MAX_NEW, "temperature": 0})
+        assert status == 200 and out["choices"][0]["text"] == reference[3]["text"], out
+
+    # chunked prefill on the prefill side: the >1,000-token prompt is captured in 256-token chunks at absolute
+    # positions (PD_PROTOCOL.md §5 item 21)
+    results = run_pd(tmp_path, prompts, also=openai_route, pp_size=2, handoff="hidden", router="sparkrelay",
+                     prefill_args=["--chunked-prefill-size", "256"])
     check_against(reference, results, exact_acceptance=True)
 
 

@@ -90,3 +90,32 @@ def test_killed_prefill_fails_its_requests_decode_keeps_serving(tmp_path):
     finally:
         b.stop()
         a.stop()
+
+
+def _kv_used(url: str) -> int:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/server_info", timeout=10) as r:
+        return json.loads(r.read())["internal_states"][0]["kv_used_tokens"]
+
+
+def test_peer_never_shows_up_fails_after_timeout_and_frees_blocks(tmp_path):
+    """A prefill request whose decode never comes, and a decode request whose prefill never gets it, both fail
+    with a message naming the timeout, and both servers end with no KV block in use."""
+    env = {"SPARKRELAY_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "2", "SPARKRELAY_DISAGGREGATION_WAITING_TIMEOUT": "4"}
+    c = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=2, router="none", env=env), str(tmp_path))
+    try:
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
+                "bootstrap_host": "127.0.0.1", "bootstrap_port": c.bootstrap_port}
+        t0 = time.monotonic()
+        status, out = post(c.prefill.url + "/generate", body | {"bootstrap_room": random.randrange(1, 1 << 63)})
+        assert status >= 500 and "BOOTSTRAP_TIMEOUT" in out["error"]["message"], out
+        assert 1.5 < time.monotonic() - t0 < 15
+        t0 = time.monotonic()
+        status, out = post(c.decode.url + "/generate", body | {"bootstrap_room": random.randrange(1, 1 << 63)})
+        assert status >= 500 and "TIMEOUT" in out["error"]["message"], out
+        assert time.monotonic() - t0 < 15
+        assert _kv_used(c.prefill.url) == 0 and _kv_used(c.decode.url) == 0
+    finally:
+        c.stop()

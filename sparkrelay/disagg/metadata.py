@@ -97,7 +97,7 @@ def unpack(layout: MetadataLayout, data: bytes) -> MetadataRow:
     out, offset = {}, 0
     for name, dtype, shape in layout.fields:
         size = MetadataLayout._nbytes(dtype, shape)
-        out[name] = buf[offset : offset + size].view(dtype).view(shape)
+        out[name] = buf[offset : offset + size].clone().view(dtype).view(shape)  # clone: aligned for the view
         offset += size
     return MetadataRow(first_token=int(out["output_ids"][0]), room=int(out["bootstrap_room"][0]),
                        last_hidden=out["last_hidden"], tail_hidden=out["tail_hidden"],

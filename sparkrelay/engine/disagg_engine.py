@@ -26,7 +26,7 @@ import torch
 import zmq
 
 from sparkrelay.config import Config, ConfigError
-from sparkrelay.disagg.handoff import HandoffError, build_schema, expected_parts, inject_context, read_meta, write_kv
+from sparkrelay.disagg.handoff import build_schema, expected_parts, inject_context, read_meta, write_kv
 from sparkrelay.disagg.schema import HandoffSchema, compare
 from sparkrelay.engine.engine import Engine, resolve_dtype
 from sparkrelay.engine.request import Bootstrap, Request, RequestError, SamplingParams, Status
@@ -202,6 +202,7 @@ class DecodeEngine(_PDEngine):
         self.by_room: dict[int, Request] = {}
         self.pending: dict[str, _Pending] = {}  # rid -> waiting for blocks or for its transfer
         self.handoff_bytes = 0  # bytes received from prefill stages (KV + handoff + metadata rows)
+        self.context_bytes = 0  # of which DSpark context and metadata rows (everything but the target KV)
         super().__init__(config)
         self.schema = _schema(config, self.env)
         dc, e = config.disagg, self.env
@@ -258,15 +259,17 @@ class DecodeEngine(_PDEngine):
         self.pending.pop(req.rid, None)
         parts = self.agent.take(room)
         self.agent.clear(room)
-        self.handoff_bytes += sum(len(part.data) for stage in parts.values() for part in stage.values())
+        sizes = [(name, len(part.data)) for stage in parts.values() for name, part in stage.items()]
+        self.handoff_bytes += sum(n for _, n in sizes)
+        self.context_bytes += sum(n for name, n in sizes if name != "kv")
         slots = slot_index([req.block_ids], n, self.blocks.page_size)[0].to(self.device)  # [n]
         try:
             row = read_meta(self.schema, parts, room)
             write_kv(self.pool, parts, slots)
             if self.proposer is not None:
                 req.draft_ctx_start = inject_context(self.proposer, self.schema, parts, row, slots)
-        except (HandoffError, ValueError, KeyError) as e:
-            self._fail(req, f"handoff of room {room} rejected: {e}", 502)
+        except Exception as e:  # whatever the bytes were, only this request fails; the engine keeps serving
+            self._fail(req, f"handoff of room {room} rejected: {type(e).__name__}: {e}", 502)
             return
         req.num_computed = n
         req.first_token_time = time.monotonic()
@@ -296,7 +299,7 @@ class DecodeEngine(_PDEngine):
     def stats(self) -> dict:
         waiting = sum(not p.begun for p in self.pending.values())
         return super().stats() | {"num_prealloc": waiting, "num_transfers_inflight": len(self.pending) - waiting,
-                                  "handoff_bytes_total": self.handoff_bytes}
+                                  "handoff_bytes_total": self.handoff_bytes, "context_bytes_total": self.context_bytes}
 
     def close(self) -> None:
         super().close()
