@@ -91,6 +91,14 @@ class DisaggConfig:
     dspark_pd_handoff: str = _f("hidden", "What carries the DSpark drafter's context from prefill to decode: tail "
                                           "(last rows in the metadata row), hidden (every prompt row), draft-kv (the "
                                           "drafter's context K/V, projected on prefill).", HANDOFF_MODES)
+    disaggregation_auth_token: Optional[str] = _f(
+        None, "Shared secret of a PD pair; set the same on prefill and decode (default: the env "
+              "SPARKRELAY_DISAGGREGATION_AUTH_TOKEN, which keeps it off `ps`). With it the bootstrap server wants "
+              "`Authorization: Bearer TOKEN` on every route but GET /health (401 otherwise), and every transfer "
+              "message carries an HMAC-SHA256 tag; untagged or forged messages are dropped. A token on one side "
+              "only fails each request with the reason. Without one, binding --disaggregation-bootstrap-host to a "
+              "non-loopback address logs a warning at start. Use a long random value (secrets.token_urlsafe(32)).",
+        ftype=str)
 
 
 @dataclass(frozen=True)

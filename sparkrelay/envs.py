@@ -5,7 +5,7 @@ is a startup error naming the variable."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from sparkrelay.config import ConfigError
@@ -58,6 +58,10 @@ def env_bool(name: str, default: bool) -> bool:
     raise ConfigError(f"{var}={value!r} is not a boolean (1/0, true/false)")
 
 
+def env_str(name: str) -> Optional[str]:
+    return _raw(name)[1]
+
+
 def env_int_list(name: str) -> Optional[tuple[int, ...]]:
     var, value = _raw(name)
     if value is None:
@@ -77,10 +81,20 @@ class DisaggEnv:
     prefill_capture: bool         # prefill: capture the DSpark taps (on when layer ids resolve)
     target_layer_ids: Optional[tuple[int, ...]]  # overrides the drafter config's target_layer_ids
     tail_tokens: int              # rows of the `tail` handoff (0 means the fixed default, 8)
+    auth_token: Optional[str] = field(default=None, repr=False)  # when --disaggregation-auth-token is not given
+    test_failure_prob: float = 0.0  # prefill: fail this fraction of rooms just before their data is sent (tests)
+
+    def token(self, flag: Optional[str]) -> Optional[str]:
+        """--disaggregation-auth-token when given, else SPARKRELAY_DISAGGREGATION_AUTH_TOKEN (None: no auth)."""
+        return flag or self.auth_token or None
 
     @classmethod
     def read(cls) -> "DisaggEnv":
         tail = env_int("SPARKRELAY_DSPARK_PD_PREFILL_TAIL_TOKENS", 0)
+        failure_prob = env_float("SPARKRELAY_TEST_DISAGG_FAILURE_PROB", 0.0, 0.0)
+        if failure_prob > 1.0:
+            var = _raw("SPARKRELAY_TEST_DISAGG_FAILURE_PROB")[0]
+            raise ConfigError(f"{var}={failure_prob!r} must be a probability in [0, 1]")
         return cls(
             bootstrap_timeout=env_float("SPARKRELAY_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0, 0.1),
             waiting_timeout=env_float("SPARKRELAY_DISAGGREGATION_WAITING_TIMEOUT", 300.0, 0.1),
@@ -89,4 +103,6 @@ class DisaggEnv:
             prefill_capture=env_bool("SPARKRELAY_DSPARK_PD_ENABLE_PREFILL_CAPTURE", True),
             target_layer_ids=env_int_list("SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS"),
             tail_tokens=tail or 8,
+            auth_token=env_str("SPARKRELAY_DISAGGREGATION_AUTH_TOKEN"),
+            test_failure_prob=failure_prob,
         )

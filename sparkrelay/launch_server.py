@@ -34,7 +34,8 @@ def serve(config: Config) -> None:
     engine = build_engine(config)
     try:
         app = build_app(AsyncEngine(engine), config)
-        uvicorn.run(app, host=config.server.host, port=config.server.port, log_level=config.server.log_level)
+        uvicorn.run(app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
+                    timeout_graceful_shutdown=5)  # a dying server does not wait on clients that never read
     finally:
         engine.close()  # pipeline stages, bootstrap server, transfer agents
 

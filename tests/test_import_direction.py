@@ -40,6 +40,7 @@ RANKS = {
     "sparkrelay.bench_serving": 8,
     "sparkrelay.bench_pd": 8,
     "sparkrelay.demo": 8,
+    "sparkrelay.soak": 8,
     "sparkrelay.tools": 8,
 }
 TORCH_FREE = ("sparkrelay.engine.request", "sparkrelay.engine.block_manager", "sparkrelay.engine.scheduler",

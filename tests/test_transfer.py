@@ -13,13 +13,14 @@ import msgpack
 import pytest
 import zmq
 
-from sparkrelay.transfer import frames
+from sparkrelay.transfer import frames, zmq_prefill
 from sparkrelay.transfer.base import KVPoll, Part, PartSpec, PollResult, TransferError
 from sparkrelay.transfer.bootstrap import BootstrapError, BootstrapServer, http_request, register_rank
 from sparkrelay.transfer.zmq_backend import DecodeAgent, PrefillAgent
 
 SCHEMA = {"version": 1, "page_size": 16, "dtype": "bfloat16", "num_layers": 4, "hidden": 8, "pp_size": 2}
 HOST = "127.0.0.1"
+SAME = object()  # Cluster(decode_token=SAME): the decode uses the prefill's token
 
 
 def compare(a: dict, b: dict) -> list[str]:
@@ -54,8 +55,10 @@ def wait_for(pred, timeout: float = 5.0, what: str = "condition"):
 
 class Cluster:
     def __init__(self, bootstrap_timeout=10.0, waiting_timeout=10.0, hb_interval=0.2, hb_failures=2,
-                 decode_schema=None, decode_compare=compare, max_part_bytes=1 << 20, n_prefills=2):
-        self.server = BootstrapServer(HOST, 0, 2, SCHEMA, 30000, SCHEMA["page_size"], SCHEMA["dtype"])
+                 decode_schema=None, decode_compare=compare, max_part_bytes=1 << 20, n_prefills=2, token=None,
+                 decode_token=SAME, failure_prob=0.0):
+        self.token, self.failure_prob = token, failure_prob
+        self.server = BootstrapServer(HOST, 0, 2, SCHEMA, 30000, SCHEMA["page_size"], SCHEMA["dtype"], token)
         self.server.start()
         self.statuses: dict[tuple[int, int], list[tuple[KVPoll, str]]] = {}
         self._lock = threading.Lock()
@@ -63,14 +66,20 @@ class Cluster:
         for p in self.prefills:
             p.start()
         self.decode = DecodeAgent(decode_schema or SCHEMA, decode_compare, expected_parts, HOST, bootstrap_timeout,
-                                  waiting_timeout, hb_interval, hb_failures, self.server.port, max_part_bytes)
+                                  waiting_timeout, hb_interval, hb_failures, self.server.port, max_part_bytes,
+                                  token if decode_token is SAME else decode_token)
         self.decode.start()
 
     def make_prefill(self, pp: int, bootstrap_timeout: float) -> PrefillAgent:
         def on_status(room, state, reason):
             with self._lock:
                 self.statuses.setdefault((pp, room), []).append((state, reason))
-        return PrefillAgent(pp, 2, SCHEMA, compare, self.server.url, HOST, bootstrap_timeout, on_status)
+        return PrefillAgent(pp, 2, SCHEMA, compare, self.server.url, HOST, bootstrap_timeout, on_status,
+                            auth_token=self.token, failure_prob=self.failure_prob)
+
+    def threads_alive(self) -> bool:
+        return (self.decode.threads_alive() and all(p.threads_alive() for p in self.prefills)
+                and self.server.threads_alive())
 
     def close(self):
         self.decode.close()
@@ -426,6 +435,44 @@ def test_decode_messages_before_add_room(make_cluster):
     assert c.prefills[0].poll(72) == PollResult(KVPoll.Failed, "aborted by the decode server: client gone")
     wait_for(lambda: callers, what="on_status")
     assert callers[0][0] is not threading.current_thread() and callers[0][1] == KVPoll.Failed
+
+
+# ---- fault injection (SPARKRELAY_TEST_DISAGG_FAILURE_PROB) -------------------------------------------------------
+
+def test_injected_failures_take_the_normal_failure_path(make_cluster):
+    c = make_cluster(failure_prob=1.0)
+    c.add(81)
+    c.decode.begin(81, HOST, c.server.port, 5)
+    c.send(81, 0)
+    c.send(81, 1)
+    reason = c.decode_state(81, KVPoll.Failed).reason
+    assert reason.startswith("prefill pp_rank ") and reason.endswith(zmq_prefill.INJECTED_FAILURE), reason
+    for pp in (0, 1):
+        assert "injected failure (SPARKRELAY_TEST_DISAGG_FAILURE_PROB)" in c.prefill_state(pp, 81, KVPoll.Failed).reason
+        wait_for(lambda: (pp, 81) in c.statuses)
+        assert c.statuses[(pp, 81)][0][0] == KVPoll.Failed
+    for p in c.prefills:  # half the rooms fail, on every stage (one draw per room id), and the agents go on
+        p.failure_prob = 0.5
+    rooms = range(82, 102)
+    for room in rooms:
+        c.add(room)
+        c.decode.begin(room, HOST, c.server.port, 5)
+        c.send(room, 0)
+        c.send(room, 1)
+    wait_for(lambda: all(c.decode.poll(r).state in (KVPoll.Success, KVPoll.Failed) for r in rooms))
+    failed = [r for r in rooms if c.decode.poll(r).state == KVPoll.Failed]
+    assert failed == [r for r in rooms if random.Random(r).random() < 0.5] and 0 < len(failed) < len(rooms)
+    assert all("SPARKRELAY_TEST_DISAGG_FAILURE_PROB" in c.decode.poll(r).reason for r in failed)
+    for room in failed:  # both stages fail it (their own draw, or the decode's ABORT that followed the other's)
+        for pp in (0, 1):
+            wait_for(lambda: (pp, room) in c.statuses)
+            state, reason = c.statuses[(pp, room)][0]
+            assert state == KVPoll.Failed and zmq_prefill.INJECTED_FAILURE in reason, reason
+    for p in c.prefills:
+        p.failure_prob = 0.0
+    c.run_good_room(200)
+    with pytest.raises(ValueError, match="failure_prob"):
+        PrefillAgent(0, 2, SCHEMA, compare, c.server.url, HOST, 1.0, lambda *a: None, failure_prob=1.5)
 
 
 # ---- heartbeat and clearing ------------------------------------------------------------------------------------

@@ -56,7 +56,9 @@ class PrefillSink:
         dc = config.disagg
         url = f"http://{dc.disaggregation_bootstrap_host}:{dc.disaggregation_bootstrap_port}"
         self.agent = PrefillAgent(stage, len(partition), schema.to_dict(), compare, url, dc.disaggregation_bootstrap_host,
-                                  env.bootstrap_timeout, self._notify, prefill_http_port=config.server.port)
+                                  env.bootstrap_timeout, self._notify, prefill_http_port=config.server.port,
+                                  auth_token=env.token(dc.disaggregation_auth_token),
+                                  failure_prob=env.test_failure_prob)
         self.agent.start()
 
     def _notify(self, room: int, state: KVPoll, reason: str) -> None:

@@ -103,7 +103,8 @@ class PrefillEngine(_PDEngine):
         dc = config.disagg
         self.bootstrap = BootstrapServer(dc.disaggregation_bootstrap_host, dc.disaggregation_bootstrap_port,
                                          config.parallel.pp_size, self.schema.to_dict(), config.server.port,
-                                         config.cache.page_size, self.schema.dtype)
+                                         config.cache.page_size, self.schema.dtype,
+                                         auth_token=self.env.token(dc.disaggregation_auth_token))
         self.bootstrap.start()  # before the stages load: they register with it
         self.by_room: dict[int, Request] = {}
         self.inflight: dict[int, set[int]] = {}  # room -> stages that reported Success
@@ -208,8 +209,16 @@ class DecodeEngine(_PDEngine):
         dc, e = config.disagg, self.env
         self.agent = DecodeAgent(self.schema.to_dict(), compare, expected_parts, dc.disaggregation_bootstrap_host,
                                  e.bootstrap_timeout, e.waiting_timeout, e.heartbeat_interval,
-                                 e.heartbeat_max_failures, dc.disaggregation_bootstrap_port)
+                                 e.heartbeat_max_failures, dc.disaggregation_bootstrap_port,
+                                 auth_token=e.token(dc.disaggregation_auth_token),
+                                 max_part_bytes=self._largest_part())
         self.agent.start()
+
+    def _largest_part(self) -> int:
+        """The biggest part a prompt this server accepts can need (all target layers' KV at the context length,
+        or the hidden rows / draft KV): frames above it are refused before they are buffered."""
+        parts = expected_parts(self.schema.to_dict(), self.context_length)
+        return max(p.nbytes for stage in parts.values() for p in stage)
 
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                     bootstrap: Optional[Bootstrap] = None) -> None:

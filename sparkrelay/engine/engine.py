@@ -271,6 +271,10 @@ class Engine:
     def check(self) -> None:
         self.blocks.check()
 
+    def fatal_error(self) -> Optional[str]:
+        """Why this engine can no longer step (a pipeline stage died), or None. The server then shuts down."""
+        return getattr(self.runner, "failure", None)
+
     def close(self) -> None:
         """Shut the pipeline stages down (their processes exit); a no-op without a pipeline. Idempotent."""
         close = getattr(self.runner, "close", None)

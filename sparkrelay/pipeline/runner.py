@@ -15,6 +15,7 @@ Decode batches (one token per running request) take the same path, so aggregated
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import itertools
 import json
@@ -126,10 +127,19 @@ class PipelineRunner:
 
     # -- the ModelRunner interface ----------------------------------------------------------------------------
     def release(self, rid: str) -> None:
-        """Forget a finished or aborted request; the stages hear of it with the next descriptor."""
+        """Forget a finished or aborted request. Stage 0 (this process) drops it now, so its transfer agent fails
+        an unsent room towards the decode at once; stages 1..N-1 hear of it with the next descriptor."""
         ident = self._ids.pop(rid, None)
         if ident is not None:
             self._released.append(ident)
+            self.stage.release([ident])
+
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the pipeline is down (a stage died or a send/receive failed), or None while it is up."""
+        if self._broken is None and self.workers is not None and self.workers.failure is not None:
+            self._broken = self.workers.failure
+        return self._broken
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> RunResult:
@@ -142,7 +152,8 @@ class PipelineRunner:
             for i, run in enumerate(runs):
                 mb = MicroBatch(STEP, step, i, len(runs), [self._desc(seqs[j]) for j in run], released if i == 0 else [])
                 ids = [t for j in run for t in seqs[j].req.all_ids[seqs[j].start : seqs[j].end]]
-                out = self.stage.run(mb, input_ids=torch.tensor(ids, device=self.device))  # [T]
+                local = dataclasses.replace(mb, released=[])  # stage 0 dropped them in release() already
+                out = self.stage.run(local, input_ids=torch.tensor(ids, device=self.device))  # [T]
                 if self.channel is None:
                     tokens.append(out)
                     continue
@@ -165,8 +176,7 @@ class PipelineRunner:
                 return
             self._closed = True
             atexit.unregister(self._atexit)
-            released = self._take_released()
-            self.stage.release(released)
+            released = self._take_released()  # stage 0 dropped them in release(); the others hear it now
             self.stage.close()
             if self.workers is None:
                 return

@@ -10,6 +10,8 @@ Per micro-batch (all stages run the same descriptor, pipeline/descriptor.py):
 from __future__ import annotations
 
 import importlib
+import os
+import time
 from typing import Optional, Protocol
 
 import torch
@@ -110,6 +112,18 @@ def pool_view(pool: KVPool, start: int, end: int) -> KVPool:
     return view
 
 
+def stage_delay(index: int) -> float:
+    """Seconds this stage sleeps per micro-batch: SPARKRELAY_TEST_PP_STAGE_DELAY="stage:seconds" (tests only)."""
+    raw = os.environ.get("SPARKRELAY_TEST_PP_STAGE_DELAY", "")
+    if not raw:
+        return 0.0
+    try:
+        stage, seconds = raw.split(":")
+        return float(seconds) if int(stage) == index else 0.0
+    except ValueError:
+        raise ConfigError(f"SPARKRELAY_TEST_PP_STAGE_DELAY={raw!r} is not 'stage:seconds'") from None
+
+
 class Stage:
     def __init__(self, index: int, partition: list[tuple[int, int]], model: Qwen3ForCausalLM, pool: KVPool,
                  capture: CaptureSpec, projector: Optional[ContextProjector], sink: Optional[StageSink],
@@ -120,6 +134,7 @@ class Stage:
         self.own_taps = stage_taps(capture.target_layer_ids, partition, index) if capture.mode != "none" else ()
         self.shared_gen = torch.Generator(device=device).manual_seed(seed)
         self._generators: dict[int, torch.Generator] = {}
+        self.test_delay = stage_delay(index)
 
     def release(self, released: list[tuple[int, int]]) -> None:
         for req_index, _ in released:
@@ -139,6 +154,8 @@ class Stage:
         """Stage 0: input_ids [T]; later stages: the previous stage's payload. -> the next stage's payload, or on
         the last stage the sampled tokens (one per sequence, -1 where it does not sample)."""
         self.release(mb.released)
+        if self.test_delay:
+            time.sleep(self.test_delay)  # SPARKRELAY_TEST_PP_STAGE_DELAY: a slow stage, for fault tests
         seqs = mb.seqs
         meta = AttnMeta.build([s.start for s in seqs], [s.end for s in seqs], [s.block_ids for s in seqs],
                               self.pool.page_size, self.device)

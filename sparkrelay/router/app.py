@@ -184,6 +184,8 @@ def _add_generate_routes(app: FastAPI, router: Router) -> None:
             p, d = await router.dispatch(path, body, headers, stream)
         except BadRequest as e:
             return JSONResponse(error_body(str(e), "invalid_request_error", 400), 400)
+        except RecursionError:  # parsed, but too deep to encode again from here
+            return JSONResponse(error_body("request body is nested too deeply", "invalid_request_error", 400), 400)
         failure = _failure(p, d)
         if failure is None:
             return _relay(d) if stream else Response(d.body, d.status or 200, media_type=d.media_type)
@@ -196,8 +198,9 @@ def _add_generate_routes(app: FastAPI, router: Router) -> None:
             return Response(d.body, code, media_type=d.media_type)  # decode's own JSON error, unchanged
         return JSONResponse(payload, code)
 
-    for path in (GENERATE, COMPLETIONS, CHAT):
-        app.add_api_route(path, generate, methods=["POST"])
+    any_object = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}}
+    for path in (GENERATE, COMPLETIONS, CHAT):  # the body is read by hand: the schema says what it must be
+        app.add_api_route(path, generate, methods=["POST"], openapi_extra=any_object)
 
 
 def _add_admin_routes(app: FastAPI, router: Router) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
 MAX_ROOM = 2**63 - 1  # rooms are drawn from [1, MAX_ROOM]; 0 is never used
+MAX_BATCH = 1 << 16  # one room is drawn per sequence: a chat `n` of 10**12 must not draw forever
 RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
 GENERATE, COMPLETIONS, CHAT = "/generate", "/v1/completions", "/v1/chat/completions"
 
@@ -98,6 +99,8 @@ def parse_object(raw: bytes) -> dict:
     """The request body as a JSON object; BadRequest says why not."""
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise BadRequest("request body is not valid JSON: nested too deeply") from None
     except ValueError as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
@@ -123,6 +126,13 @@ def _list_batch(value: Any, field: str) -> Optional[int]:
 
 def batch_size(path: str, body: dict) -> Optional[int]:
     """The number of requests in a batch, or None for a single request (sglang-router's detection)."""
+    n = _batch_size(path, body)
+    if n is not None and n > MAX_BATCH:
+        raise BadRequest(f"a batch of {n} sequences is more than the router's limit of {MAX_BATCH}")
+    return n
+
+
+def _batch_size(path: str, body: dict) -> Optional[int]:
     if path == GENERATE:
         ids = body.get("input_ids")
         if isinstance(ids, list) and (not ids or isinstance(ids[0], list)):

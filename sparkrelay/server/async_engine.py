@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +27,8 @@ from typing import AsyncIterator, Optional
 from sparkrelay.engine.request import Bootstrap, RequestError, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+IDLE_TICK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,10 @@ class _Abort:
 
 class _Stop:
     pass
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread has stopped (shutdown, or a fatal pipeline failure): HTTP 503."""
 
 
 def _abort_output(rid: str, message: str, status_code: int) -> RequestOutput:
@@ -104,6 +112,7 @@ class AsyncEngine:
         self._live: set[str] = set()  # touched only on the engine thread
         self.last_stats: dict = dict(engine.stats())  # snapshot replaced by the engine thread
         self.num_step_failures = 0
+        self.check_error: Optional[str] = None  # the last idle invariant check's failure, if any
 
     # ---- lifecycle (event loop side) ----
 
@@ -133,7 +142,7 @@ class AsyncEngine:
         if len(set(rids)) != len(rids) or any(r in self._queues for r in rids):
             raise RequestError(f"request id already in use: {rids}")
         if not self.is_alive:
-            raise RuntimeError("engine thread is not running")
+            raise EngineStopped("the engine is not running")
         outputs: asyncio.Queue = asyncio.Queue()
         for rid in rids:
             self._queues[rid] = outputs
@@ -178,6 +187,8 @@ class AsyncEngine:
             if was_busy and not busy:
                 self._idle_check()
             was_busy = busy
+            if self._fatal():
+                return
             for cmd in self._drain(block=not busy):
                 if isinstance(cmd, _Stop):
                     self._abort_all("server shutting down", 503)
@@ -186,8 +197,32 @@ class AsyncEngine:
             if self.engine.has_work():
                 self._step()
 
+    def _fatal(self) -> bool:
+        """A dead pipeline stage: fail every request in flight, stop this thread (/health turns 503) and ask the
+        process to shut down (SIGTERM), as SGLang does when a scheduler rank dies; a PD decode peer then sees the
+        prefill's bootstrap server go away and fails its rooms."""
+        error = self.engine.fatal_error() if hasattr(self.engine, "fatal_error") else None
+        if error is None:
+            return False
+        logger.critical("the engine cannot continue: %s; shutting the server down", error)
+        self._abort_all(f"the server is shutting down: {error}", 503)
+        self._refuse_pending(f"the server is shutting down: {error}")
+        os.kill(os.getpid(), signal.SIGTERM)
+        return True
+
+    def _refuse_pending(self, message: str) -> None:
+        """Requests still in the inbox of a thread that stops: their submitters get an error, not a hang."""
+        for cmd in self._drain(block=False):
+            if isinstance(cmd, _Add) and not cmd.future.done():
+                cmd.future.set_exception(EngineStopped(message))
+
     def _drain(self, block: bool) -> list:
-        cmds = [self._inbox.get()] if block else []
+        if block:  # wake up now and then to notice a dead pipeline stage while idle
+            try:
+                first = [self._inbox.get(timeout=IDLE_TICK_S)]
+            except queue.Empty:
+                return []
+        cmds = first if block else []
         while True:
             try:
                 cmds.append(self._inbox.get_nowait())
@@ -253,13 +288,16 @@ class AsyncEngine:
                 pass
 
     def _idle_check(self) -> None:
+        """Invariants while idle (no block in use, tables consistent); the last result is in /server_info."""
         try:
             self.engine.check()
-        except Exception:
+            self.check_error = None
+        except Exception as e:
+            self.check_error = f"{type(e).__name__}: {e}"
             logger.exception("engine invariant check failed while idle")
 
     def _refresh_stats(self) -> None:
         try:
-            self.last_stats = dict(self.engine.stats())
+            self.last_stats = dict(self.engine.stats()) | {"check_error": self.check_error}
         except Exception:
             logger.exception("engine.stats() failed")

@@ -30,7 +30,7 @@ import sparkrelay
 from sparkrelay.config import Config
 from sparkrelay.engine.request import RequestError, RequestOutput, SamplingParams
 from sparkrelay.server import protocol as P
-from sparkrelay.server.async_engine import AsyncEngine, GenerationItem
+from sparkrelay.server.async_engine import AsyncEngine, EngineStopped, GenerationItem
 from sparkrelay.server.common import ServerError, ServerState, error_response
 from sparkrelay.server.openai_api import openai_response
 
@@ -68,7 +68,10 @@ def _validation_message(exc: RequestValidationError) -> str:
             return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}"
         loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _UNION_TAG.match(str(x))]
         msg = "unknown or unsupported field" if err.get("type") == "extra_forbidden" else err.get("msg", "")
-        msgs = by_loc.setdefault(".".join(loc) or "body", [])
+        key = ".".join(loc) or "body"
+        if key not in by_loc and len(by_loc) == 5:
+            break  # five are shown; a body with a million unknown keys must not cost seconds here
+        msgs = by_loc.setdefault(key, [])
         if msg not in msgs:
             msgs.append(msg)
     parts = [f"{loc}: {' or '.join(m)}" for loc, m in list(by_loc.items())[:5]]
@@ -102,19 +105,26 @@ async def _generate(s: ServerState, req: P.GenerateRequest, request: Request):
 # ---------------------------------------------------------------- app
 
 def _install_error_handlers(app: FastAPI, s: ServerState) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def _on_validation(_req, exc: RequestValidationError):
+    def bad_request(req: Request, message: str):
         s.metrics.num_bad_requests.inc()
-        return error_response(400, _validation_message(exc))
+        logger.info("rejected %s %s: %s", req.method, req.url.path, message[:300])  # as often as the access log
+        return error_response(400, message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(req, exc: RequestValidationError):
+        return bad_request(req, _validation_message(exc))
 
     @app.exception_handler(RequestError)
-    async def _on_request_error(_req, exc: RequestError):
-        s.metrics.num_bad_requests.inc()
-        return error_response(400, str(exc))
+    async def _on_request_error(req, exc: RequestError):
+        return bad_request(req, str(exc))
 
     @app.exception_handler(ServerError)
     async def _on_server_error(_req, exc: ServerError):
         return error_response(exc.status, str(exc))
+
+    @app.exception_handler(EngineStopped)
+    async def _on_engine_stopped(_req, exc: EngineStopped):
+        return error_response(503, str(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(_req, exc: StarletteHTTPException):
@@ -143,8 +153,9 @@ def _install_info_routes(app: FastAPI, s: ServerState) -> None:
 
     def server_info():
         flat = s.config.flat()
-        if flat.get("api_key"):
-            flat["api_key"] = "<redacted>"
+        for secret in ("api_key", "disaggregation_auth_token"):
+            if flat.get(secret):
+                flat[secret] = "<redacted>"
         state = dict(s.engine.last_stats)
         if "spec_accept_length" in state:
             state["avg_spec_accept_length"] = state["spec_accept_length"]  # SGLang's name
@@ -172,6 +183,12 @@ async def _parse(model: type[BaseModel], request: Request):
     """The JSON body as `model`, whatever the Content-Type (curl -d sends form-encoded by default)."""
     try:
         data = json.loads(await request.body())
+        json.dumps(data, ensure_ascii=False).encode()  # a lone surrogate (JSON "\ud800") cannot be tokenized
+    except RecursionError as e:
+        raise RequestError("malformed JSON body: nested too deeply") from e
+    except UnicodeEncodeError as e:
+        raise RequestError(f"invalid request: a string holds a lone UTF-16 surrogate "
+                           f"{e.object[e.start:e.end]!r}, which is not valid Unicode") from e
     except ValueError as e:
         raise RequestError(f"malformed JSON body: {e}") from e
     try:
@@ -180,18 +197,45 @@ async def _parse(model: type[BaseModel], request: Request):
         raise RequestValidationError(e.errors()) from e
 
 
+_SCHEMA_REF = "#/components/schemas/{model}"
+
+
+def _body_doc(model: type[BaseModel]) -> dict:
+    """openapi_extra documenting a JSON body that `_parse` reads by hand (FastAPI cannot see it)."""
+    schema = {"$ref": _SCHEMA_REF.format(model=model.__name__)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _document_bodies(app: FastAPI, models: tuple[type[BaseModel], ...]) -> None:
+    """Adds the body models (and the models they use) to the OpenAPI schema's components."""
+    base = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            components = base().setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                schema = model.model_json_schema(ref_template=_SCHEMA_REF)
+                components.update(schema.pop("$defs", {}))
+                components[model.__name__] = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def _install_generation_routes(app: FastAPI, s: ServerState) -> None:
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=_body_doc(P.GenerateRequest))
     async def generate(request: Request):
         return await _generate(s, await _parse(P.GenerateRequest, request), request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_doc(P.CompletionRequest))
     async def completions(request: Request):
         return await openai_response(s, await _parse(P.CompletionRequest, request), request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_doc(P.ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await openai_response(s, await _parse(P.ChatCompletionRequest, request), request, chat=True)
+
+    _document_bodies(app, (P.GenerateRequest, P.CompletionRequest, P.ChatCompletionRequest))
 
 
 def build_app(async_engine: AsyncEngine, config: Config) -> FastAPI:

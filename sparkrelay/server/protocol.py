@@ -27,7 +27,7 @@ class Limits:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # json.loads reads NaN and Infinity
 
 
 class _Routed(_Strict):
@@ -157,9 +157,16 @@ def _check_prompt(ids: list[int], where: str) -> list[int]:
     return ids
 
 
+_INT64 = range(-2**63, 2**63)  # top_k and seed end up in int64 tensors and torch.Generator.manual_seed
+
+
 def _sampling(**kw: Any) -> SamplingParams:
     if kw.get("temperature", 0) < 0:
         raise RequestError(f"`temperature` must be >= 0, got {kw['temperature']}")
+    for name in ("top_k", "seed"):
+        if kw.get(name) is not None and kw[name] not in _INT64:
+            raise RequestError(f"`{name}` must fit in a signed 64-bit integer, got {kw[name]}"
+                               + (" (sample j of n uses seed + j)" if name == "seed" else ""))
     return SamplingParams(**kw)  # verify() raises RequestError with the SGLang field name
 
 

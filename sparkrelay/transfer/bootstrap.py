@@ -7,10 +7,15 @@
 
 sparkrelay's prefill runs one attention TP/CP/DP group, so the table is keyed (dp, cp, tp, pp) with only pp
 varying; registrations for other sizes are refused with a 400 rather than served wrong.
+
+With an auth token every route but GET /health needs `Authorization: Bearer TOKEN` (401 with a JSON message
+otherwise), and the server info says "auth_required": true. Request bodies over MAX_BODY_BYTES get a 413.
+Every refusal is logged with its reason (rate limited) and counted (rejected()).
 """
 
 from __future__ import annotations
 
+import hmac
 import http.client
 import json
 import logging
@@ -27,7 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from sparkrelay.transfer.base import check_room
-from sparkrelay.transfer.frames import advertise_host
+from sparkrelay.transfer.frames import RejectLog, advertise_host, check_token, warn_if_exposed
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +42,8 @@ REG_INT_FIELDS = ("attn_tp_size", "attn_tp_rank", "attn_cp_size", "attn_cp_rank"
                   "pp_size", "pp_rank", "system_dp_size", "system_dp_rank", "rank_port")
 SINGLE_GROUP_FIELDS = ("attn_tp_size", "attn_cp_size", "attn_dp_size", "system_dp_size")
 ROUTE_PARAMS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+MAX_BODY_BYTES = 64 << 10  # a registration is < 1 KiB
+AUTH_REQUIRED = "bootstrap server requires --disaggregation-auth-token"
 
 
 class BootstrapError(RuntimeError):
@@ -47,15 +54,24 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+class _Refusal(Exception):
+    def __init__(self, msg: str, code: int) -> None:
+        super().__init__(msg)
+        self.msg, self.code = msg, code
+
+
 def _bad(msg: str, code: int = 400) -> PlainTextResponse:
     return PlainTextResponse(msg, status_code=code)
 
 
 class BootstrapServer:
     def __init__(self, host: str, port: int, pp_size: int, schema: dict, prefill_http_port: Optional[int],
-                 page_size: int, kv_cache_dtype: str) -> None:
+                 page_size: int, kv_cache_dtype: str, auth_token: Optional[str] = None) -> None:
         if pp_size < 1:
             raise ValueError(f"pp_size must be >= 1, got {pp_size}")
+        token = check_token(auth_token)
+        self._expected_auth = None if token is None else f"Bearer {token}".encode()
+        self._rejects = RejectLog(logger)
         self.host, self.port, self.pp_size = host, port, pp_size
         self.schema = json.loads(json.dumps(schema))  # what the decode will see: tuples become lists
         self.prefill_http_port, self.page_size, self.kv_cache_dtype = prefill_http_port, page_size, kv_cache_dtype
@@ -93,7 +109,17 @@ class BootstrapServer:
                 self.stop()
                 raise OSError(f"bootstrap server on {self.host}:{self.port} did not start")
             time.sleep(0.01)
+        warn_if_exposed(self.host, self._expected_auth is not None, "the bootstrap server")
         logger.info("bootstrap server listening on %s:%d (pp_size %d)", self.host, self.port, self.pp_size)
+
+    def threads_alive(self) -> bool:
+        """The server thread runs and serves (False before start() and after stop())."""
+        srv, thread = self._server, self._thread
+        return srv is not None and thread is not None and thread.is_alive() and srv.started and not srv.should_exit
+
+    def rejected(self) -> dict[str, int]:
+        """Requests refused so far, by kind (auth, size, request)."""
+        return self._rejects.counts()
 
     def stop(self) -> None:
         if self._server is None:
@@ -114,37 +140,64 @@ class BootstrapServer:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+        handlers = {"/route": self._register, "/register_dp_rank": self._register_dp_rank,
+                    "/query_dp_ranks": self._query_dp_ranks}
 
-        @app.put("/route")
-        async def put_route(request: Request):
-            body = await _json_body(request)
-            if isinstance(body, PlainTextResponse):
-                return body
-            return self._register(body)
+        async def with_body(request: Request):
+            try:
+                body = await _json_body(request)
+            except _Refusal as e:
+                return self._refuse("size" if e.code == 413 else "request", request, e.msg, e.code)
+            return self._logged(request, handlers[request.url.path](body))
+
+        app.put("/route")(with_body)
+        app.post("/register_dp_rank")(with_body)
+        app.post("/query_dp_ranks")(with_body)
 
         @app.get("/route")
         async def get_route(request: Request):
-            return self._route(request.query_params)
-
-        @app.post("/register_dp_rank")
-        async def register_dp_rank(request: Request):
-            body = await _json_body(request)
-            if isinstance(body, PlainTextResponse):
-                return body
-            return self._register_dp_rank(body)
-
-        @app.post("/query_dp_ranks")
-        async def query_dp_ranks(request: Request):
-            body = await _json_body(request)
-            if isinstance(body, PlainTextResponse):
-                return body
-            return self._query_dp_ranks(body)
+            return self._logged(request, self._route(request.query_params))
 
         @app.get("/health")
         async def health():
             return PlainTextResponse("OK")
 
-        return app
+        return app if self._expected_auth is None else self._authenticated(app)
+
+    def _authenticated(self, app):
+        """Pure ASGI: every request but GET /health must carry the token, checked before any route runs."""
+        expected = self._expected_auth
+
+        async def asgi(scope, receive, send):
+            if scope["type"] == "http" and not (scope["method"] == "GET" and scope["path"] == "/health"):
+                got = b""
+                for name, value in scope["headers"]:
+                    if name == b"authorization":
+                        got = value
+                if not hmac.compare_digest(got, expected):
+                    why = "the Bearer token does not match" if got else "no Authorization: Bearer token was sent"
+                    response = self._refuse("auth", Request(scope), f"{AUTH_REQUIRED} ({why})", 401)
+                    await response(scope, receive, send)
+                    return
+            await app(scope, receive, send)
+
+        return asgi
+
+    def _refuse(self, kind: str, request: Request, msg: str, code: int) -> JSONResponse:
+        peer = request.client.host if request.client else "?"
+        self._rejects.note(kind, "bootstrap: refused %s %s from %s: %d %s", request.method, request.url.path, peer,
+                           code, msg[:300])
+        headers = {"WWW-Authenticate": "Bearer"} if code == 401 else None
+        return JSONResponse({"error": msg}, status_code=code, headers=headers)
+
+    def _logged(self, request: Request, response):
+        """Log and count a 4xx refusal (503 "not registered yet" is routine, not a refusal)."""
+        if 400 <= response.status_code < 500:
+            peer = request.client.host if request.client else "?"
+            self._rejects.note("request", "bootstrap: refused %s %s from %s: %d %s", request.method,
+                               request.url.path, peer, response.status_code,
+                               bytes(response.body[:300]).decode(errors="replace"))
+        return response
 
     def _register(self, body: dict):
         for name in REG_INT_FIELDS:
@@ -213,7 +266,8 @@ class BootstrapServer:
             return JSONResponse({"attn_tp_size": 1, "attn_cp_size": 1, "dp_size": 1, "pp_size": self.pp_size,
                                  "page_size": self.page_size, "kv_cache_dtype": self.kv_cache_dtype,
                                  "follow_bootstrap_room": False, "enable_dsa_cache_layer_split": False,
-                                 "prefill_http_port": http_port, "schema": self.schema})
+                                 "prefill_http_port": http_port, "auth_required": self._expected_auth is not None,
+                                 "schema": self.schema})
         if any(v == -1 for v in ranks.values()):
             return _bad("either all four ranks are -1 (server info) or none is")
         if entry is None:
@@ -253,13 +307,22 @@ class BootstrapServer:
             del self._dp_ranks[room]
 
 
-async def _json_body(request: Request):
+async def _json_body(request: Request) -> dict:
+    """The JSON object in the body, read at most MAX_BODY_BYTES; _Refusal (413 or 400) otherwise."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _Refusal(f"request body of {declared} bytes is over {MAX_BODY_BYTES}", 413)
+    raw = bytearray()
+    async for chunk in request.stream():  # a chunked body has no Content-Length: count as it comes
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise _Refusal(f"request body is over {MAX_BODY_BYTES} bytes", 413)
     try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError):
-        return _bad("body must be JSON")
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: [[[[... nested past the limit
+        raise _Refusal(f"body must be JSON ({type(e).__name__})", 400) from None
     if not isinstance(body, dict):
-        return _bad("body must be a JSON object")
+        raise _Refusal("body must be a JSON object", 400)
     return body
 
 
@@ -273,10 +336,14 @@ def bootstrap_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def http_request(method: str, url: str, body: Optional[dict] = None, timeout: float = 2.0) -> tuple[int, bytes]:
-    """(status, body) for any HTTP answer; connection errors and timeouts raise OSError."""
+def http_request(method: str, url: str, body: Optional[dict] = None, timeout: float = 2.0,
+                 token: Optional[str] = None) -> tuple[int, bytes]:
+    """(status, body) for any HTTP answer; connection errors and timeouts raise OSError. `token`: sent as
+    `Authorization: Bearer`."""
     data = None if body is None else json.dumps(body).encode()
     headers = {} if data is None else {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with _OPENER.open(req, timeout=timeout) as resp:
@@ -290,17 +357,28 @@ def http_request(method: str, url: str, body: Optional[dict] = None, timeout: fl
         raise OSError(f"{method} {url}: {type(e).__name__}: {e}") from None
 
 
-def register_rank(bootstrap_url: str, body: dict, retries: int = 5) -> None:
+def _answer_text(text: bytes) -> str:
+    """The message of an error answer: the "error" of a JSON object, else the text itself (first 300 chars)."""
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        answer = None
+    if isinstance(answer, dict) and isinstance(answer.get("error"), str):
+        return answer["error"][:300]
+    return text.decode(errors="replace")[:300]
+
+
+def register_rank(bootstrap_url: str, body: dict, retries: int = 5, token: Optional[str] = None) -> None:
     """PUT /route, retrying connection errors and 5xx with exponential backoff (0.1 s doubling)."""
     last = ""
     for attempt in range(retries + 1):
         try:
-            code, text = http_request("PUT", f"{bootstrap_url}/route", body)
+            code, text = http_request("PUT", f"{bootstrap_url}/route", body, token=token)
         except OSError as e:
             code, text = 0, str(e).encode()
         if code == 200:
             return
-        last = f"HTTP {code}: {text.decode(errors='replace')[:300]}" if code else text.decode()
+        last = f"HTTP {code}: {_answer_text(text)}" if code else text.decode()
         if 400 <= code < 500:
             raise BootstrapError(f"bootstrap server at {bootstrap_url} refused the registration: {last}")
         if attempt < retries:
@@ -309,7 +387,7 @@ def register_rank(bootstrap_url: str, body: dict, retries: int = 5) -> None:
                          f"{retries + 1} attempts: {last}")
 
 
-def _get_until(url: str, deadline: float) -> dict:
+def _get_until(url: str, deadline: float, token: Optional[str] = None) -> dict:
     """GET url, retrying 503 and connection errors until `deadline` (time.monotonic()); the JSON object."""
     delay, last = 0.05, "no attempt"
     while True:
@@ -317,7 +395,7 @@ def _get_until(url: str, deadline: float) -> dict:
         if remaining <= 0:
             raise TimeoutError(f"GET {url}: not answered before the bootstrap deadline ({last})")
         try:
-            code, text = http_request("GET", url, timeout=min(2.0, max(remaining, 0.05)))
+            code, text = http_request("GET", url, timeout=min(2.0, max(remaining, 0.05)), token=token)
         except OSError as e:
             code, text, last = 0, b"", str(e)
         if code == 200:
@@ -329,17 +407,17 @@ def _get_until(url: str, deadline: float) -> dict:
                 raise BootstrapError(f"GET {url}: the answer is not a JSON object")
             return answer
         if code:
-            last = f"HTTP {code}: {text.decode(errors='replace')[:300]}"
+            last = f"HTTP {code}: {_answer_text(text)}"
             if code != 503:
                 raise BootstrapError(f"GET {url}: {last}")
         time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
         delay = min(delay * 2, 1.0)
 
 
-def fetch_prefill_info(url: str, deadline: float) -> dict:
+def fetch_prefill_info(url: str, deadline: float, token: Optional[str] = None) -> dict:
     """The server info (with "schema") from the bootstrap server at `url`; deadline is a time.monotonic()."""
     info = _get_until(f"{url}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
-                      deadline)
+                      deadline, token)
     pp_size = info.get("pp_size")
     if not _is_int(pp_size) or not 1 <= pp_size <= 1024 or not isinstance(info.get("schema"), dict):
         raise BootstrapError(f"bootstrap server at {url} sent malformed server info (pp_size {pp_size!r}, "
@@ -347,10 +425,10 @@ def fetch_prefill_info(url: str, deadline: float) -> dict:
     return info
 
 
-def fetch_rank(url: str, pp_rank: int, deadline: float) -> tuple[str, int]:
+def fetch_rank(url: str, pp_rank: int, deadline: float, token: Optional[str] = None) -> tuple[str, int]:
     """(rank_ip, rank_port): the ZMQ PULL endpoint of prefill stage `pp_rank`."""
     entry = _get_until(f"{url}/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0"
-                       f"&target_pp_rank={pp_rank}", deadline)
+                       f"&target_pp_rank={pp_rank}", deadline, token)
     ip, port = entry.get("rank_ip"), entry.get("rank_port")
     if not isinstance(ip, str) or not ip or not _is_int(port) or not 1 <= port <= 65535:
         raise BootstrapError(f"bootstrap server at {url} sent a malformed endpoint for pp_rank {pp_rank}: {entry}")

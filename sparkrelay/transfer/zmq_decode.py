@@ -10,6 +10,11 @@
 
 Room state: Bootstrapping -> WaitingForInput (TRANSFER_INFO sent) -> Transferring (first DATA) -> Success
 (every stage's STATUS success, every expected part present), or Failed (always wins).
+
+With auth_token set, the bootstrap requests carry `Authorization: Bearer`, every message carries an HMAC tag
+(frames.FrameAuth), and a message without a valid tag is dropped and counted before it is parsed, never failing
+a room. A duplicate of a part already received (a replay: a real prefill sends each part once) is dropped too.
+Without a token a bad frame for a live room fails that room (PD_PROTOCOL.md §5 item 27).
 """
 
 from __future__ import annotations
@@ -68,13 +73,16 @@ class _Prefill:
 class DecodeAgent:
     def __init__(self, schema: dict, compare: SchemaCompare, expected_parts: ExpectedParts, bind_host: str,
                  bootstrap_timeout: float, waiting_timeout: float, heartbeat_interval: float,
-                 heartbeat_max_failures: int, default_bootstrap_port: int, max_part_bytes: int = 1 << 31) -> None:
+                 heartbeat_max_failures: int, default_bootstrap_port: int, max_part_bytes: int = 1 << 31,
+                 auth_token: Optional[str] = None) -> None:
         self._schema = json.loads(json.dumps(schema))  # the form the peer sees: tuples become lists
         self._compare, self._expected_parts = compare, expected_parts
         self.bind_host, self.host = bind_host, frames.advertise_host(bind_host)
         self.bootstrap_timeout, self.waiting_timeout = bootstrap_timeout, waiting_timeout
         self.heartbeat_interval, self.heartbeat_max_failures = heartbeat_interval, heartbeat_max_failures
         self.default_bootstrap_port, self.max_part_bytes = default_bootstrap_port, max_part_bytes
+        self._token, self._auth = auth_token or None, frames.FrameAuth(auth_token)
+        self._rejects = frames.RejectLog(logger)
         self.port: Optional[int] = None
         self._lock = threading.Lock()
         self._rooms: dict[int, _Room] = {}
@@ -92,13 +100,24 @@ class DecodeAgent:
 
     def start(self) -> None:
         self._ctx = zmq.Context()
-        pull, self.port = frames.bind_pull(self._ctx, self.bind_host, self.max_part_bytes + (64 << 10))
-        pool = frames.PushPool(self._ctx, CONTROL_SEND_TIMEOUT_S)
-        self._threads = [start_loop("decode-listener", self._stop, lambda: self._listen_step(pull), pull.close),
+        inbox = frames.Inbox(self._ctx, self.bind_host, max(self.max_part_bytes, frames.MAX_CONTROL_BYTES), "decode",
+                             self._rejects)
+        self.port = inbox.port
+        frames.warn_if_exposed(self.bind_host, self._auth.enabled, "the decode transfer socket")
+        pool = frames.PushPool(self._ctx, CONTROL_SEND_TIMEOUT_S, self._auth)
+        self._threads = [start_loop("decode-listener", self._stop, lambda: self._listen_step(inbox), inbox.close),
                          start_loop("decode-sender", self._stop, lambda: self._send_step(pool), pool.close),
                          start_loop("decode-monitor", self._stop, self._monitor_step)]
         self._threads += [start_loop(f"decode-bootstrap-{i}", self._stop, self._work_step) for i in range(N_WORKERS)]
         logger.info("decode: transfer agent on %s:%d", self.host, self.port)
+
+    def threads_alive(self) -> bool:
+        """Every agent thread is running (False before start() and after close())."""
+        return bool(self._threads) and not self._closed and all(t.is_alive() for t in self._threads)
+
+    def rejected(self) -> dict[str, int]:
+        """Messages and connections refused so far, by kind (auth, protocol, replay, connection)."""
+        return self._rejects.counts()
 
     def close(self) -> None:
         if self._closed:
@@ -231,8 +250,14 @@ class DecodeAgent:
         try:
             info = self._prefill_info(rec.addr, url, deadline)
         except Exception as e:
-            self._fail(room, rec, f"bootstrap with the prefill at {host}:{port} failed: {e} "
-                                  f"(SPARKRELAY_DISAGGREGATION_BOOTSTRAP_TIMEOUT={self.bootstrap_timeout:g})")
+            hint = f" (SPARKRELAY_DISAGGREGATION_BOOTSTRAP_TIMEOUT={self.bootstrap_timeout:g})" \
+                if isinstance(e, TimeoutError) else ""
+            self._fail(room, rec, f"bootstrap with the prefill at {host}:{port} failed: {e}{hint}")
+            return
+        if self._auth.enabled and info.get("auth_required") is not True:
+            self._fail(room, rec, f"the prefill's bootstrap server at {host}:{port} runs without "
+                                  "--disaggregation-auth-token, this decode with one (it would drop every message "
+                                  "of this decode): set the same --disaggregation-auth-token on both servers")
             return
         refusal, expected = self._plan(info, rec.prompt_len)
         if refusal:
@@ -290,7 +315,7 @@ class DecodeAgent:
             if known is not None:
                 self._prefills.move_to_end(addr)
                 return known.info
-        info = fetch_prefill_info(url, deadline)
+        info = fetch_prefill_info(url, deadline, token=self._token)
         with self._lock:
             self._prefills.setdefault(addr, _Prefill(info))
             while len(self._prefills) > MAX_PREFILLS:
@@ -302,7 +327,7 @@ class DecodeAgent:
             known = self._prefills.get(addr)
             if known is not None and pp_rank in known.endpoints:
                 return known.endpoints[pp_rank]
-        dest = fetch_rank(url, pp_rank, deadline)
+        dest = fetch_rank(url, pp_rank, deadline, token=self._token)
         with self._lock:
             if addr in self._prefills:
                 self._prefills[addr].endpoints[pp_rank] = dest
@@ -341,26 +366,23 @@ class DecodeAgent:
 
     # ---- listener thread ----
 
-    def _listen_step(self, pull: zmq.Socket) -> None:
-        if pull.poll(50):
-            for _ in range(256):
-                try:
-                    msg = pull.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._handle(msg)
+    def _listen_step(self, inbox: frames.Inbox) -> None:
+        for msg in inbox.poll(50):
+            self._handle(msg)
 
     def _handle(self, msg: list[bytes]) -> None:
         try:
+            msg = self._auth.open(msg)
             head = frames.unpack(msg[0])
             room = head.get("room") if check_room(head.get("room")) is None else None
+            hint = "" if self._auth.enabled else f" ({frames.TOKEN_HINT})"
             if head["type"] == "DATA":
                 if len(msg) != 2:
-                    raise FrameError(f"DATA needs 2 frames, got {len(msg)}", room)
+                    raise FrameError(f"DATA needs 2 frames, got {len(msg)}{hint if len(msg) == 3 else ''}", room)
                 self._on_data(head, msg[1])
             elif head["type"] == "STATUS":
                 if len(msg) != 1:
-                    raise FrameError(f"STATUS needs 1 frame, got {len(msg)}", room)
+                    raise FrameError(f"STATUS needs 1 frame, got {len(msg)}{hint if len(msg) == 2 else ''}", room)
                 self._on_status(*frames.parse_status(head))
             else:
                 raise FrameError(f"unknown message type {head['type'][:64]!r}", room)
@@ -372,10 +394,12 @@ class DecodeAgent:
     def _bad_frame(self, e: FrameError) -> None:
         with self._lock:
             rec = None if e.room is None else self._rooms.get(e.room)
+        kind = "auth" if isinstance(e, frames.AuthError) else "protocol"
         if rec is None:
-            logger.warning("decode: dropped a bad frame%s: %s",
-                           "" if e.room is None else f" for unknown room {e.room}", e.reason)
+            self._rejects.note(kind, "decode: dropped a bad frame%s: %s",
+                               "" if e.room is None else f" for unknown room {e.room}", e.reason)
             return
+        self._rejects.note(kind, "decode: bad frame for room %d: %s", e.room, e.reason)
         self._fail(e.room, rec, f"bad frame from the prefill: {e.reason}")
 
     def _on_data(self, head: dict, payload: bytes) -> None:
@@ -387,11 +411,16 @@ class DecodeAgent:
             if rec.state in (KVPoll.Failed, KVPoll.Success):
                 logger.info("decode: DATA %r for room %d, already %s, dropped", spec.name, room, rec.state.name)
                 return
-            problem = _part_problem(rec, pp, spec, len(payload))
-            if problem is None:
+            replay = self._auth.enabled and (pp in rec.done or spec.name in rec.received.get(pp, ()))
+            problem = None if replay else _part_problem(rec, pp, spec, len(payload))
+            if problem is None and not replay:
                 rec.received[pp][spec.name] = Part(spec, payload)
                 rec.state = max(rec.state, KVPoll.Transferring)
                 return
+        if replay:  # authentic but already seen: someone replays captured traffic; the room goes on
+            self._rejects.note("replay", "decode: room %d: a second copy of part %r from pp_rank %d dropped "
+                               "(a replay)", room, spec.name, pp)
+            return
         raise FrameError(problem, room)
 
     def _on_status(self, room: int, pp: int, status: int, reason: str) -> None:

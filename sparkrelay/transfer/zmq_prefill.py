@@ -10,6 +10,12 @@
 Room state: Bootstrapping -> WaitingForInput (TRANSFER_INFO ok) -> Transferring (pushing) -> Success, or Failed.
 on_status(room, Success|Failed, reason) is called once per room, from an agent thread, or from abort() in the
 caller's thread; never from inside add_room() or send(), and never with the agent's lock held.
+
+With auth_token set, every message in and out carries an HMAC tag (frames.FrameAuth); an untagged or forged
+message is dropped and counted (rejected()) before it is parsed. failure_prob > 0 (SPARKRELAY_TEST_DISAGG_FAILURE_PROB)
+fails that fraction of rooms just before their data is sent, through the ordinary failure path. The draw is a
+function of the room id, so every stage of a room makes the same one: a room fails with probability failure_prob
+whatever the PP size, and a retry under a new room id draws again.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -36,6 +43,7 @@ SEND_TIMEOUT_S = 30.0  # a decode that takes no data for this long is marked dea
 MAX_ROOMS = 1 << 16
 MAX_EARLY = 4096  # TRANSFER_INFO / ABORT that arrived before add_room
 MAX_JOBS = 4 * MAX_ROOMS
+INJECTED_FAILURE = "injected failure (SPARKRELAY_TEST_DISAGG_FAILURE_PROB)"
 Dest = tuple[str, int]
 
 
@@ -53,9 +61,12 @@ class _Room:
 class PrefillAgent:
     def __init__(self, pp_rank: int, pp_size: int, schema: dict, compare: SchemaCompare, bootstrap_url: str,
                  bind_host: str, bootstrap_timeout: float, on_status: StatusCallback,
-                 prefill_http_port: Optional[int] = None) -> None:
+                 prefill_http_port: Optional[int] = None, auth_token: Optional[str] = None,
+                 failure_prob: float = 0.0) -> None:
         if not 0 <= pp_rank < pp_size:
             raise ValueError(f"pp_rank {pp_rank} is outside 0..{pp_size - 1}")
+        if not 0.0 <= failure_prob <= 1.0:
+            raise ValueError(f"failure_prob must be in [0, 1], got {failure_prob}")
         missing = [k for k in ("page_size", "dtype") if k not in schema]
         if missing:
             raise ValueError(f"the transfer schema needs {missing} (registered with the bootstrap server)")
@@ -64,6 +75,9 @@ class PrefillAgent:
         self._compare, self._on_status = compare, on_status
         self.bootstrap_url, self.bind_host, self.prefill_http_port = bootstrap_url, bind_host, prefill_http_port
         self.bootstrap_timeout = bootstrap_timeout
+        self._token, self._auth = auth_token or None, frames.FrameAuth(auth_token)
+        self.failure_prob = failure_prob
+        self._rejects = frames.RejectLog(logger)
         self.port: Optional[int] = None
         self._lock = threading.Lock()
         self._rooms: dict[int, _Room] = {}
@@ -82,13 +96,15 @@ class PrefillAgent:
     def start(self) -> None:
         """Bind the PULL socket, start the threads, register with PUT /route (raises BootstrapError)."""
         self._ctx = zmq.Context()
-        pull, self.port = frames.bind_pull(self._ctx, self.bind_host, frames.MAX_CONTROL_BYTES)
-        pool = frames.PushPool(self._ctx, SEND_TIMEOUT_S)
         name = f"prefill-pp{self.pp_rank}"
-        self._threads = [start_loop(f"{name}-listener", self._stop, lambda: self._listen_step(pull), pull.close),
+        inbox = frames.Inbox(self._ctx, self.bind_host, frames.MAX_CONTROL_BYTES, name, self._rejects)
+        self.port = inbox.port
+        frames.warn_if_exposed(self.bind_host, self._auth.enabled, f"prefill pp_rank {self.pp_rank}'s transfer socket")
+        pool = frames.PushPool(self._ctx, SEND_TIMEOUT_S, self._auth)
+        self._threads = [start_loop(f"{name}-listener", self._stop, lambda: self._listen_step(inbox), inbox.close),
                          start_loop(f"{name}-sender", self._stop, lambda: self._send_step(pool), pool.close)]
         try:
-            register_rank(self.bootstrap_url, self._registration())
+            register_rank(self.bootstrap_url, self._registration(), token=self._token)
         except Exception:
             self.close()
             raise
@@ -101,6 +117,14 @@ class PrefillAgent:
                 "page_size": self._schema["page_size"], "kv_cache_dtype": self._schema["dtype"],
                 "load_balance_method": "round_robin", "enable_dsa_cache_layer_split": False,
                 "prefill_http_port": self.prefill_http_port}
+
+    def threads_alive(self) -> bool:
+        """Every agent thread is running (False before start() and after close())."""
+        return bool(self._threads) and not self._closed and all(t.is_alive() for t in self._threads)
+
+    def rejected(self) -> dict[str, int]:
+        """Messages and connections refused so far, by kind (auth, protocol, replay, connection)."""
+        return self._rejects.counts()
 
     def close(self) -> None:
         if self._closed:
@@ -232,44 +256,42 @@ class PrefillAgent:
             rec = self._rooms.get(room)
             if rec is None:
                 return
-            if rec.dest is not None:
-                logger.warning("prefill pp_rank %d: room %d: duplicate TRANSFER_INFO from %s ignored",
+            duplicate = rec.dest is not None
+            if not duplicate:
+                rec.dest = dest
+                self._dead.pop(dest, None)
+                self._pending.pop(room, None)
+                if rec.state == KVPoll.Failed:
+                    reply = rec.reason  # failed before the decode showed up: tell it now
+                elif mismatches:
+                    reason = "schema mismatch: " + "; ".join(mismatches)
+                elif info["prompt_len"] != rec.prompt_len:
+                    reason = (f"prompt_len mismatch: prefill={rec.prompt_len} decode={info['prompt_len']} "
+                              "(the two servers tokenized the request differently)")
+                else:
+                    rec.state = max(rec.state, KVPoll.WaitingForInput)
+                    full = self._queue_room_locked(room, rec)
+        if duplicate:
+            self._rejects.note("replay", "prefill pp_rank %d: room %d: duplicate TRANSFER_INFO from %s ignored",
                                self.pp_rank, room, dest)
-                return
-            rec.dest = dest
-            self._dead.pop(dest, None)
-            self._pending.pop(room, None)
-            if rec.state == KVPoll.Failed:
-                reply = rec.reason  # failed before the decode showed up: tell it now
-            elif mismatches:
-                reason = "schema mismatch: " + "; ".join(mismatches)
-            elif info["prompt_len"] != rec.prompt_len:
-                reason = (f"prompt_len mismatch: prefill={rec.prompt_len} decode={info['prompt_len']} "
-                          "(the two servers tokenized the request differently)")
-            else:
-                rec.state = max(rec.state, KVPoll.WaitingForInput)
-                full = self._queue_room_locked(room, rec)
-        if reply is not None:
+        elif reply is not None:
             self._enqueue(("status", dest, frames.status(room, self.pp_rank, KVPoll.Failed, reply)))
         elif reason or full:
             self._fail(room, reason or "prefill send queue is full", defer=defer)
 
     # ---- listener thread ----
 
-    def _listen_step(self, pull: zmq.Socket) -> None:
-        if pull.poll(50):
-            for _ in range(256):
-                try:
-                    msg = pull.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._handle(msg)
+    def _listen_step(self, inbox: frames.Inbox) -> None:
+        for msg in inbox.poll(50):
+            self._handle(msg)
         self._expire(time.monotonic())
 
     def _handle(self, msg: list[bytes]) -> None:
         try:
+            msg = self._auth.open(msg)
             if len(msg) != 1:
-                raise FrameError(f"expected one control frame, got {len(msg)}")
+                hint = f" ({frames.TOKEN_HINT})" if len(msg) == 2 and not self._auth.enabled else ""
+                raise FrameError(f"expected one control frame, got {len(msg)}{hint}")
             head = frames.unpack(msg[0])
             if head["type"] == "TRANSFER_INFO":
                 self._on_info(frames.parse_transfer_info(head))
@@ -283,7 +305,8 @@ class PrefillAgent:
             else:
                 raise FrameError(f"unknown message type {head['type'][:64]!r}")
         except FrameError as e:
-            logger.warning("prefill pp_rank %d: dropped a bad message: %s", self.pp_rank, e.reason)
+            kind = "auth" if isinstance(e, frames.AuthError) else "protocol"
+            self._rejects.note(kind, "prefill pp_rank %d: dropped a bad message: %s", self.pp_rank, e.reason)
             if e.room is not None:
                 self._fail(e.room, f"bad message from the decode server: {e.reason}")
         except Exception:
@@ -292,11 +315,14 @@ class PrefillAgent:
     def _on_info(self, info: dict) -> None:
         room = info["room"]
         with self._lock:
-            if room not in self._rooms:
-                if room not in self._cleared:
-                    self._buffer_early_locked(room, info, None)
-                return
-        self._apply_info(room, info)
+            known, cleared = room in self._rooms, room in self._cleared
+            if not known and not cleared:
+                self._buffer_early_locked(room, info, None)
+        if known:
+            self._apply_info(room, info)
+        elif cleared:
+            self._rejects.note("replay", "prefill pp_rank %d: TRANSFER_INFO for cleared room %d dropped",
+                               self.pp_rank, room, level=logging.INFO)
 
     def _on_abort(self, room: int, reason: str) -> None:
         full = "aborted by the decode server" + (f": {reason}" if reason else "")
@@ -314,7 +340,8 @@ class PrefillAgent:
         self._early[room] = (time.monotonic(), info, aborted)
         while len(self._early) > MAX_EARLY:
             dropped, _ = self._early.popitem(last=False)
-            logger.warning("prefill pp_rank %d: early-message buffer full, dropped room %d", self.pp_rank, dropped)
+            self._rejects.note("overflow", "prefill pp_rank %d: early-message buffer full, dropped room %d",
+                               self.pp_rank, dropped)
 
     def _expire(self, now: float) -> None:
         timeout, late, unclaimed = self.bootstrap_timeout, [], []
@@ -376,6 +403,9 @@ class PrefillAgent:
             rec.state = max(rec.state, KVPoll.Transferring)
         if dead:
             self._fail(room, f"decode at {dest[0]}:{dest[1]} is unreachable (an earlier send to it timed out)")
+            return
+        if self.failure_prob and random.Random(room).random() < self.failure_prob:  # the same draw on every stage
+            self._fail(room, INJECTED_FAILURE)
             return
         try:
             for part in parts:
