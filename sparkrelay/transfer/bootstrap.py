@@ -19,6 +19,7 @@ import hmac
 import http.client
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -35,6 +36,7 @@ from sparkrelay.transfer.base import check_room
 from sparkrelay.transfer.frames import RejectLog, advertise_host, check_token, warn_if_exposed
 
 logger = logging.getLogger(__name__)
+_HOST_CHARS = re.compile(r"[A-Za-z0-9.:\-\[\]%_]+")  # names, IPv4, IPv6 (+ zone)
 
 DP_RANK_TTL_S = 120.0
 DP_RANK_TABLE_MAX = 1 << 16
@@ -216,8 +218,8 @@ class BootstrapServer:
         if not 1 <= body["rank_port"] <= 65535:
             return _bad(f"rank_port: must be in 1..65535, got {body['rank_port']}")
         rank_ip = body.get("rank_ip")
-        if not isinstance(rank_ip, str) or not 0 < len(rank_ip) <= 255:
-            return _bad(f"rank_ip: must be a non-empty string, got {rank_ip!r}")
+        if not isinstance(rank_ip, str) or not 0 < len(rank_ip) <= 255 or not _HOST_CHARS.fullmatch(rank_ip):
+            return _bad(f"rank_ip: must be a host name or IP address, got {rank_ip!r}")
         problem = self._check_optional(body)
         if problem:
             return _bad(problem)
