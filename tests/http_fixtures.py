@@ -89,7 +89,7 @@ class FakeEngine:
         self._reqs: dict[str, dict] = {}  # rid -> state, arrival order
         self._blocks: dict[str, int] = {}  # rid -> KV blocks held (running requests only)
 
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, bootstrap=None) -> None:
         if rid in self._reqs:
             raise RequestError(f"duplicate request id {rid!r}")
         if not prompt_ids:

@@ -176,12 +176,6 @@ def test_router_schemathesis(router_url):
 
 # ---------------------------------------------------------------- the PD prefill bootstrap server
 
-# Inputs that still break the bootstrap server (sparkrelay/transfer/bootstrap.py, not this test's to fix): a
-# rank_ip holding a lone surrogate is registered, and every later GET /route of that rank is a 500 (the JSON answer
-# cannot be encoded) until the rank registers again.
-KNOWN_BOOTSTRAP_BUGS = {"rank_ip '\\ud800'"}
-
-
 @pytest.fixture
 def bootstrap_server():
     from sparkrelay.transfer.bootstrap import BootstrapServer
@@ -217,8 +211,7 @@ def test_bootstrap_hostile_requests(bootstrap_server):
         assert c.put("/route", json=F.REGISTRATION).status_code == 200
         report = F.Report()
         for h in F.bootstrap_hostile_requests():
-            if h.name not in KNOWN_BOOTSTRAP_BUGS:
-                F.send_hostile(c, report, [h, *reads])
+            F.send_hostile(c, report, [h, *reads])
         assert not report.failures, "\n".join(report.failures[:20])
         assert report.count(lambda s: s == 400) > 100 and report.count(lambda s: s == 413) > 0, report.table()
         assert c.get("/health").status_code == 200

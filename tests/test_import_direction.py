@@ -41,6 +41,7 @@ RANKS = {
     "sparkrelay.bench_pd": 8,
     "sparkrelay.demo": 8,
     "sparkrelay.soak": 8,
+    "sparkrelay.fuzz_http": 8,
     "sparkrelay.tools": 8,
 }
 TORCH_FREE = ("sparkrelay.engine.request", "sparkrelay.engine.block_manager", "sparkrelay.engine.scheduler",
