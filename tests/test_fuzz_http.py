@@ -66,8 +66,9 @@ def test_hostile_requests_api(api, caplog):
         F.stream_and_leave(api[1], report, path, max_tokens=FUZZ_CONTEXT // 2)
     assert_survived(api, report)
     reasons = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rejected POST")]
-    uvicorn_400s = len(F.ROUTES)  # a Content-Type with a DEL byte never reaches the app
-    assert len(reasons) == report.count(lambda s: s == 400) - uvicorn_400s, (len(reasons), report.table())
+    # a Content-Type with a DEL byte is refused by uvicorn before the app on some h11 versions (one per route)
+    rejected = report.count(lambda s: s == 400)
+    assert rejected - len(F.ROUTES) <= len(reasons) <= rejected, (len(reasons), report.table())
     assert any("must fit in a signed 64-bit integer" in m for m in reasons)
 
 
