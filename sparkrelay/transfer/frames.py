@@ -410,3 +410,16 @@ def start_loop(name: str, stop: threading.Event, step: Callable[[], None],
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     return thread
+
+
+class AgentHealth:
+    """What both agents report about themselves: their threads are alive; what they refused so far. Needs
+    `_threads`, `_closed` and `_rejects` on the agent."""
+
+    def threads_alive(self) -> bool:
+        """Every agent thread is running (False before start() and after close())."""
+        return bool(self._threads) and not self._closed and all(t.is_alive() for t in self._threads)
+
+    def rejected(self) -> dict[str, int]:
+        """Messages and connections refused so far, by kind (auth, protocol, replay, connection)."""
+        return self._rejects.counts()

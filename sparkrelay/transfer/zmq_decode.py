@@ -70,7 +70,7 @@ class _Prefill:
     misses: int = 0  # failed heartbeats in a row
 
 
-class DecodeAgent:
+class DecodeAgent(frames.AgentHealth):
     def __init__(self, schema: dict, compare: SchemaCompare, expected_parts: ExpectedParts, bind_host: str,
                  bootstrap_timeout: float, waiting_timeout: float, heartbeat_interval: float,
                  heartbeat_max_failures: int, default_bootstrap_port: int, max_part_bytes: int = 1 << 31,
@@ -110,14 +110,6 @@ class DecodeAgent:
                          start_loop("decode-monitor", self._stop, self._monitor_step)]
         self._threads += [start_loop(f"decode-bootstrap-{i}", self._stop, self._work_step) for i in range(N_WORKERS)]
         logger.info("decode: transfer agent on %s:%d", self.host, self.port)
-
-    def threads_alive(self) -> bool:
-        """Every agent thread is running (False before start() and after close())."""
-        return bool(self._threads) and not self._closed and all(t.is_alive() for t in self._threads)
-
-    def rejected(self) -> dict[str, int]:
-        """Messages and connections refused so far, by kind (auth, protocol, replay, connection)."""
-        return self._rejects.counts()
 
     def close(self) -> None:
         if self._closed:

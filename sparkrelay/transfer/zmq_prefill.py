@@ -58,7 +58,7 @@ class _Room:
     queued: bool = False
 
 
-class PrefillAgent:
+class PrefillAgent(frames.AgentHealth):
     def __init__(self, pp_rank: int, pp_size: int, schema: dict, compare: SchemaCompare, bootstrap_url: str,
                  bind_host: str, bootstrap_timeout: float, on_status: StatusCallback,
                  prefill_http_port: Optional[int] = None, auth_token: Optional[str] = None,
@@ -117,14 +117,6 @@ class PrefillAgent:
                 "page_size": self._schema["page_size"], "kv_cache_dtype": self._schema["dtype"],
                 "load_balance_method": "round_robin", "enable_dsa_cache_layer_split": False,
                 "prefill_http_port": self.prefill_http_port}
-
-    def threads_alive(self) -> bool:
-        """Every agent thread is running (False before start() and after close())."""
-        return bool(self._threads) and not self._closed and all(t.is_alive() for t in self._threads)
-
-    def rejected(self) -> dict[str, int]:
-        """Messages and connections refused so far, by kind (auth, protocol, replay, connection)."""
-        return self._rejects.counts()
 
     def close(self) -> None:
         if self._closed:
