@@ -42,6 +42,7 @@ RANKS = {
     "sparkrelay.demo": 8,
     "sparkrelay.soak": 8,
     "sparkrelay.fuzz_http": 8,
+    "sparkrelay.fuzz_cases": 7,
     "sparkrelay.tools": 8,
 }
 TORCH_FREE = ("sparkrelay.engine.request", "sparkrelay.engine.block_manager", "sparkrelay.engine.scheduler",
