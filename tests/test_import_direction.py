@@ -41,6 +41,7 @@ RANKS = {
     "sparkrelay.bench_pd": 8,
     "sparkrelay.demo": 8,
     "sparkrelay.soak": 8,
+    "sparkrelay.soak_report": 7,
     "sparkrelay.fuzz_http": 8,
     "sparkrelay.fuzz_cases": 7,
     "sparkrelay.tools": 8,
