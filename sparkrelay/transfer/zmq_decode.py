@@ -33,7 +33,7 @@ import zmq
 from sparkrelay.transfer import frames
 from sparkrelay.transfer.base import (ExpectedParts, KVPoll, Part, PartSpec, PollResult, SchemaCompare,
                                       TransferError, check_room)
-from sparkrelay.transfer.bootstrap import bootstrap_url, check_health, fetch_prefill_info, fetch_rank
+from sparkrelay.transfer.bootstrap_client import bootstrap_url, check_health, fetch_prefill_info, fetch_rank
 from sparkrelay.transfer.frames import FrameError, start_loop
 
 logger = logging.getLogger(__name__)

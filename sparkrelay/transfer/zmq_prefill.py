@@ -34,7 +34,7 @@ import zmq
 
 from sparkrelay.transfer import frames
 from sparkrelay.transfer.base import KVPoll, Part, PollResult, SchemaCompare, StatusCallback, check_room
-from sparkrelay.transfer.bootstrap import register_rank
+from sparkrelay.transfer.bootstrap_client import register_rank
 from sparkrelay.transfer.frames import FrameError, start_loop
 
 logger = logging.getLogger(__name__)
