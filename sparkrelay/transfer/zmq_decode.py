@@ -25,7 +25,6 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Optional
 
 import zmq
@@ -34,6 +33,7 @@ from sparkrelay.transfer import frames
 from sparkrelay.transfer.base import (ExpectedParts, KVPoll, Part, PartSpec, PollResult, SchemaCompare,
                                       TransferError, check_room)
 from sparkrelay.transfer.bootstrap_client import bootstrap_url, check_health, fetch_prefill_info, fetch_rank
+from sparkrelay.transfer.decode_rooms import LIVE, Addr, Dest, PrefillRecord, RoomRecord, part_problem, success_problem
 from sparkrelay.transfer.frames import FrameError, start_loop
 
 logger = logging.getLogger(__name__)
@@ -43,31 +43,6 @@ MAX_JOBS = 4 * MAX_ROOMS
 MAX_PREFILLS = 1024  # cached bootstrap addresses
 CONTROL_SEND_TIMEOUT_S = 5.0
 N_WORKERS = 4
-LIVE = (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring)
-Addr = tuple[str, int]  # a prefill's bootstrap server
-Dest = tuple[str, int]  # a prefill stage's PULL endpoint
-
-
-@dataclass
-class _Room:
-    addr: Addr
-    prompt_len: int
-    begun: float
-    state: KVPoll = KVPoll.Bootstrapping
-    reason: str = ""
-    expected: dict[int, dict[str, PartSpec]] = field(default_factory=dict)  # pp_rank -> name -> spec
-    received: dict[int, dict[str, Part]] = field(default_factory=dict)
-    done: set[int] = field(default_factory=set)  # stages whose STATUS success arrived
-    endpoints: dict[int, Dest] = field(default_factory=dict)
-    waiting_since: float = 0.0
-    taken: bool = False
-
-
-@dataclass
-class _Prefill:
-    info: dict
-    endpoints: dict[int, Dest] = field(default_factory=dict)
-    misses: int = 0  # failed heartbeats in a row
 
 
 class DecodeAgent(frames.AgentHealth):
@@ -85,9 +60,9 @@ class DecodeAgent(frames.AgentHealth):
         self._rejects = frames.RejectLog(logger)
         self.port: Optional[int] = None
         self._lock = threading.Lock()
-        self._rooms: dict[int, _Room] = {}
-        self._waiting: OrderedDict[int, _Room] = OrderedDict()  # by waiting_since; stale entries skipped
-        self._prefills: OrderedDict[Addr, _Prefill] = OrderedDict()
+        self._rooms: dict[int, RoomRecord] = {}
+        self._waiting: OrderedDict[int, RoomRecord] = OrderedDict()  # by waiting_since; stale entries skipped
+        self._prefills: OrderedDict[Addr, PrefillRecord] = OrderedDict()
         self._work: queue.Queue = queue.Queue(MAX_ROOMS)  # (room, rec) to bootstrap
         self._jobs: queue.Queue = queue.Queue(MAX_JOBS)  # ("send", dest, frames, room|None, rec|None) | ("drop", dests)
         self._stop = threading.Event()
@@ -140,7 +115,7 @@ class DecodeAgent(frames.AgentHealth):
             raise ValueError(f"bootstrap_port must be an int in 1..65535 or None, got {bootstrap_port!r}")
         if not isinstance(prompt_len, int) or prompt_len < 0:
             raise ValueError(f"prompt_len must be a non-negative int, got {prompt_len!r}")
-        rec = _Room((bootstrap_host.strip("[]"), port), prompt_len, time.monotonic())
+        rec = RoomRecord((bootstrap_host.strip("[]"), port), prompt_len, time.monotonic())
         with self._lock:
             if room in self._rooms:
                 raise ValueError(f"room {room} is already in use on this decode server")
@@ -193,7 +168,7 @@ class DecodeAgent(frames.AgentHealth):
 
     # ---- state changes ----
 
-    def _fail(self, room: int, rec: _Room, reason: str, notify: bool = True, skip: Optional[Dest] = None,
+    def _fail(self, room: int, rec: RoomRecord, reason: str, notify: bool = True, skip: Optional[Dest] = None,
               force: bool = False) -> None:
         """Failed (wins over everything but an earlier Failed; over Success only when `force`), and an ABORT
         with the reason to every stage endpoint the room knows unless notify is False."""
@@ -217,7 +192,7 @@ class DecodeAgent(frames.AgentHealth):
             logger.error("decode: send queue full, dropped a %s job", job[0])
             return False
 
-    def _current(self, room: int, rec: _Room) -> bool:
+    def _current(self, room: int, rec: RoomRecord) -> bool:
         with self._lock:
             return self._rooms.get(room) is rec
 
@@ -234,7 +209,7 @@ class DecodeAgent(frames.AgentHealth):
             logger.exception("decode: bootstrap of room %d raised", room)
             self._fail(room, rec, f"bootstrap failed: {type(e).__name__}: {e}")
 
-    def _bootstrap(self, room: int, rec: _Room) -> None:
+    def _bootstrap(self, room: int, rec: RoomRecord) -> None:
         if not self._current(room, rec) or rec.state != KVPoll.Bootstrapping:
             return
         host, port = rec.addr
@@ -309,7 +284,7 @@ class DecodeAgent(frames.AgentHealth):
                 return known.info
         info = fetch_prefill_info(url, deadline, token=self._token)
         with self._lock:
-            self._prefills.setdefault(addr, _Prefill(info))
+            self._prefills.setdefault(addr, PrefillRecord(info))
             while len(self._prefills) > MAX_PREFILLS:
                 self._prefills.popitem(last=False)
         return info
@@ -404,7 +379,7 @@ class DecodeAgent(frames.AgentHealth):
                 logger.info("decode: DATA %r for room %d, already %s, dropped", spec.name, room, rec.state.name)
                 return
             replay = self._auth.enabled and (pp in rec.done or spec.name in rec.received.get(pp, ()))
-            problem = None if replay else _part_problem(rec, pp, spec, len(payload))
+            problem = None if replay else part_problem(rec, pp, spec, len(payload))
             if problem is None and not replay:
                 rec.received[pp][spec.name] = Part(spec, payload)
                 rec.state = max(rec.state, KVPoll.Transferring)
@@ -424,7 +399,7 @@ class DecodeAgent(frames.AgentHealth):
             if rec.state in (KVPoll.Failed, KVPoll.Success):
                 return
             if status == KVPoll.Success:
-                problem = _success_problem(rec, pp)
+                problem = success_problem(rec, pp)
                 if problem is None:
                     rec.done.add(pp)
                     if len(rec.done) == len(rec.expected):
@@ -479,33 +454,3 @@ class DecodeAgent(frames.AgentHealth):
             for room, rec in victims:
                 self._fail(room, rec, f"lost connection with prefill at {addr[0]}:{addr[1]} "
                                       f"({self.heartbeat_max_failures} failed /health checks in a row)", notify=False)
-
-
-def _part_problem(rec: _Room, pp: int, spec: PartSpec, nbytes: int) -> Optional[str]:
-    """Why a DATA frame does not fit the room, or None."""
-    if rec.state == KVPoll.Bootstrapping:
-        return "DATA before this decode sent its TRANSFER_INFO"
-    stage = rec.expected.get(pp)
-    if stage is None:
-        return f"DATA from pp_rank {pp}, the room expects pp_rank(s) {sorted(rec.expected)}"
-    if pp in rec.done:
-        return f"DATA from pp_rank {pp} after its success STATUS"
-    want = stage.get(spec.name)
-    if want is None:
-        return f"unexpected part {spec.name!r} from pp_rank {pp} (expected {sorted(stage)})"
-    if spec.name in rec.received[pp]:
-        return f"part {spec.name!r} from pp_rank {pp} arrived twice"
-    if spec != want:
-        return f"part {spec.name!r} from pp_rank {pp}: header {spec.header()} != expected {want.header()}"
-    if nbytes != want.nbytes:
-        return f"part {spec.name!r} from pp_rank {pp}: {nbytes} bytes, expected {want.nbytes}"
-    return None
-
-
-def _success_problem(rec: _Room, pp: int) -> Optional[str]:
-    if pp not in rec.expected:
-        return f"bad frame from the prefill: STATUS success from pp_rank {pp}, expected {sorted(rec.expected)}"
-    missing = [n for n in rec.expected[pp] if n not in rec.received[pp]]
-    if missing:
-        return f"prefill pp_rank {pp} reported success but part(s) {missing} never arrived"
-    return None
