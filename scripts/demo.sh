@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the demo on the bundled model.
+# Set up (if needed) and run the demo on the bundled model. Exit status: the demo's (1 if a check failed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+echo "[demo.sh] set-up first (quick when already done) ..."
 bash scripts/setup.sh
 . .venv/bin/activate
+echo "[demo.sh] running python -m sparkrelay.demo${*:+ $*} (a few minutes on CPU) ..."
 python -m sparkrelay.demo "$@"

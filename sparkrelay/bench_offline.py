@@ -8,7 +8,7 @@ with 1 new token; the medians over `--repeats` give
     e2e tok/s    = N * out / t_out
     decode tok/s = N * (out - 1) / (t_out - t_1)   (prefill and the first token taken out)
 The greedy outputs of every row are compared token for token with transformers at batch 1, because a fast
-engine that answers differently is worthless.
+engine that answers differently is worthless: any difference ends the run with `Verdict: FAIL` and exit status 1.
 
 Results: `<out-dir>/bench_offline.md` (table), `.png` (decode tok/s bars), `.json` (raw timings, outputs).
 Usage: python -m sparkrelay.bench_offline [--model-path models/tiny-qwen3] [--batch-sizes 1,8] [--repeats 3]
@@ -224,6 +224,19 @@ def add_comparisons(rows: list[dict]) -> None:
             r["first_divergence"], r["match"] = None, None
 
 
+def verdict(rows: list[dict], num_prompts: int) -> list[str]:
+    """Rows whose greedy outputs are not all equal to the reference's at batch 1 (a wrong answer fails the run)."""
+    return [f"{r['engine']} batch {r['batch']}: {num_prompts - r['match']} of {num_prompts} outputs differ from "
+            f"{REFERENCE} (first differing token per prompt: {r['first_divergence']})"
+            for r in rows if r["match"] is not None and r["match"] < num_prompts]
+
+
+def verdict_line(why: list[str]) -> str:
+    if why:
+        return "Verdict: FAIL: " + "; ".join(why)
+    return f"Verdict: PASS (every row's greedy outputs equal {REFERENCE}'s at batch 1, token for token)"
+
+
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
@@ -357,13 +370,16 @@ def main(argv: Optional[list[str]] = None) -> dict:
                        title=f"{Path(args.model_path).name} {args.dtype}: decode tok/s "
                              f"({len(prompts)} prompts, {args.prompt_len}+{args.output_len} tokens)",
                        ylabel="decode tokens/s")
+    failures = verdict(rows, len(prompts))
     result = {"settings": {k: v for k, v in vars(args).items()}, "machine": machine,
-              "prompts": [{"source": p.source, "window": p.window, "ids": p.ids} for p in prompts], "rows": rows}
+              "prompts": [{"source": p.source, "window": p.window, "ids": p.ids} for p in prompts], "rows": rows,
+              "failures": failures}
     js = bc.write_json(out_dir / f"{NAME}.json", result)
     print("\n".join(head) + "\n\n" + text + "\n")
     print(f"wrote {md}, {png}, {js}")
+    print(verdict_line(failures))
     return result
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main()["failures"] else 0)

@@ -6,7 +6,8 @@ request for each handoff mode over prompt lengths, and `tail`'s acceptance as a 
 
 Every deployment is started through the real entry points (sparkrelay.cluster); requests go one at a time
 (streamed /generate, greedy) so TTFT and acceptance are not mixed with queueing. Writes bench_pd.json,
-bench_pd.md and bench_pd.png.
+bench_pd.md and bench_pd.png. Ends with a verdict; exit status 1 if a PD mode's greedy tokens differ from the
+aggregated server's, `hidden` or `draft-kv` accepts differently, or two tail lengths give different tokens.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ def run_deployment(name: str, url: str, decode_url: str | None, prompts: dict, m
         after = handoff_bytes(decode_url) if decode_url else (0, 0)
         rows.append({"deployment": name, "prompt_len": n, "handoff_bytes": (after[0] - before[0]) / len(group),
                      "context_bytes": (after[1] - before[1]) / len(group),
-                     **{k: sum(r[k] for r in runs) / len(runs) for k in ("ttft_s", "decode_tok_s", "accept_length")}})
-        print(json.dumps(rows[-1]), flush=True)
+                     **{k: sum(r[k] for r in runs) / len(runs) for k in ("ttft_s", "decode_tok_s", "accept_length")},
+                     "outputs": [r["output_ids"] for r in runs]})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "outputs"}), flush=True)
     return rows
 
 
@@ -85,6 +87,34 @@ def bench_tails(args, log_dir: str) -> list[dict]:
     return rows
 
 
+def verdict(modes: list[dict], tails: list[dict]) -> list[str]:
+    """Reasons to fail: a PD mode's greedy tokens differ from the aggregated server's for the same prompts, `hidden`
+    or `draft-kv` (whose drafter sees the whole prompt) accepts differently, or two tail lengths give different
+    tokens for the same prompts (the tail changes the drafter's guesses, never the target's answer)."""
+    ref = {r["prompt_len"]: r for r in modes if r["deployment"] == "aggregated"}
+    why = []
+    for r in modes:
+        agg = ref.get(r["prompt_len"])
+        if agg is None or r is agg:
+            continue
+        if r["outputs"] != agg["outputs"]:
+            why.append(f"{r['deployment']}, {r['prompt_len']}-token prompts: tokens differ from aggregated")
+        full = r["deployment"] in ("PD hidden", "PD draft-kv")
+        if full and abs(r["accept_length"] - agg["accept_length"]) > 1e-9:
+            why.append(f"{r['deployment']}, {r['prompt_len']}-token prompts: accept length {r['accept_length']:.3f} "
+                       f"!= aggregated {agg['accept_length']:.3f}")
+    why += [f"tail {r['tail']}: tokens differ from tail {tails[0]['tail']}" for r in tails[1:]
+            if r["outputs"] != tails[0]["outputs"]]
+    return why
+
+
+def verdict_line(why: list[str]) -> str:
+    if why:
+        return "Verdict: FAIL: " + "; ".join(why)
+    return ("Verdict: PASS (every PD mode gave the aggregated server's greedy tokens, hidden and draft-kv its "
+            "acceptance; every tail length the same tokens)")
+
+
 def write_report(modes: list[dict], tails: list[dict], out: Path, args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_pd.json").write_text(json.dumps({"args": vars(args), "modes": modes, "tails": tails}, indent=1))
@@ -98,6 +128,7 @@ def write_report(modes: list[dict], tails: list[dict], out: Path, args) -> None:
     lines += ["", f"`tail` acceptance vs tail length ({args.tail_prompt_len}-token prompts):", "",
               "| tail rows | accept len | metadata row KiB/request |", "|---|---|---|"]
     lines += [f"| {r['tail']} | {r['accept_length']:.2f} | {r['context_bytes'] / 1024:,.1f} |" for r in tails]
+    lines += ["", verdict_line(verdict(modes, tails))]
     (out / "bench_pd.md").write_text("\n".join(lines) + "\n")
     _plot(modes, tails, out / "bench_pd.png")
     print("\n".join(lines))
@@ -146,7 +177,7 @@ def main(argv=None) -> int:
         modes = bench_modes(args, prompts_by_length(args.lengths, args.per_length), logs)
         tails = [] if args.skip_tails else bench_tails(args, logs)
     write_report(modes, tails, Path(args.out), args)
-    return 0
+    return 1 if verdict(modes, tails) else 0  # the verdict line ends the printed report
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import httpx
 from tqdm.auto import tqdm
 
 from sparkrelay import bench_common as bc
-from sparkrelay.bench_serving_report import Record, report_lines, summarize, write_outputs
+from sparkrelay.bench_serving_report import Record, report_lines, summarize, verdict_line, write_outputs
 
 NAME = "bench_serving"
 BACKENDS = {"sglang": "/generate", "openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
@@ -407,7 +407,8 @@ def benchmark(args: argparse.Namespace) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    """Runs the benchmark and prints the report; exits 1 on a fatal error or when no request completed."""
+    """Runs the benchmark and prints the report and its verdict; exits 1 on a fatal error or when any request
+    failed (the figures are then printed and written all the same)."""
     args = parse_args(argv)
     try:
         result = benchmark(args)
@@ -423,8 +424,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
                   f"Server {result['url']}, model {result['model']}; client {m['host']}, {m['date']}."]
         paths = write_outputs(Path(args.output_file), result, header)
         print("wrote " + ", ".join(map(str, paths)))
-    if not result["summary"]["completed"]:
-        print("error: no request completed (see the errors above)", file=sys.stderr)
+    print(verdict_line(result["summary"]), flush=True)
+    if result["summary"]["failed"] or not result["summary"]["completed"]:
+        print("error: not every request completed (see the errors above)", file=sys.stderr)
         raise SystemExit(1)
     return result
 

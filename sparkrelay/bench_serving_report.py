@@ -82,6 +82,15 @@ def report_lines(s: dict, args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def verdict_line(s: dict) -> str:
+    """PASS only when every request completed: a benchmark that lost requests measured a different load."""
+    total = s["completed"] + s["failed"]
+    if not s["failed"] and total:
+        return f"Verdict: PASS (all {total} requests completed)"
+    kinds = ", ".join(f"{t}: {e['count']}" for t, e in s["errors"].items())
+    return f"Verdict: FAIL: {s['failed']} of {total} requests failed" + (f" ({kinds})" if kinds else "")
+
+
 def write_outputs(path: Path, result: dict, header: list[str]) -> list[Path]:
     s = result["summary"]
     rows = [[k, v if isinstance(v, (int, float)) or v is None else str(v)] for k, v in s.items() if k != "errors"]

@@ -92,6 +92,7 @@ class PDSettings:
     env: dict = field(default_factory=dict)          # both servers
     prefill_env: dict = field(default_factory=dict)
     decode_env: dict = field(default_factory=dict)
+    router_args: list[str] = field(default_factory=list)  # appended to the router's command line
 
 
 @dataclass
@@ -138,14 +139,15 @@ def start_pd(s: PDSettings, log_dir: str) -> PDCluster:
     cluster = PDCluster(prefill, decode, None, boot)
     if s.router != "none":
         try:
-            cluster.router = start_router(s.router, prefill.url, boot, decode.url, log_dir)
+            cluster.router = start_router(s.router, prefill.url, boot, decode.url, log_dir, s.router_args)
         except BaseException:
             cluster.stop()
             raise
     return cluster
 
 
-def start_router(kind: str, prefill_url: str, boot: int, decode_url: str, log_dir: str) -> Server:
+def start_router(kind: str, prefill_url: str, boot: int, decode_url: str, log_dir: str,
+                 extra: Optional[list[str]] = None) -> Server:
     port = free_port()
     if kind == "sglang":
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill_url,
@@ -154,7 +156,7 @@ def start_router(kind: str, prefill_url: str, boot: int, decode_url: str, log_di
     else:
         argv = [sys.executable, "-m", "sparkrelay.launch_router", "--pd-disaggregation", "--prefill", prefill_url,
                 str(boot), "--decode", decode_url, "--host", "127.0.0.1", "--port", str(port)]
-    return start(f"router-{kind}", argv, port, log_dir)
+    return start(f"router-{kind}", argv + list(extra or []), port, log_dir)
 
 
 def stream_generate(url: str, ids: list[int], max_new: int) -> dict:
@@ -176,7 +178,7 @@ def stream_generate(url: str, ids: list[int], max_new: int) -> dict:
     meta = last["meta_info"]
     n = meta["completion_tokens"]
     return {"ttft_s": ttft, "total_s": total, "tokens": n, "decode_tok_s": (n - 1) / max(total - ttft, 1e-9),
-            "accept_length": meta.get("spec_accept_length")}
+            "accept_length": meta.get("spec_accept_length"), "output_ids": last.get("output_ids")}
 
 
 def handoff_bytes(decode_url: str) -> tuple[int, int]:

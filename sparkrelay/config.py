@@ -1,8 +1,8 @@
 """One frozen config tree, validated once; the command line is generated from it.
 
 Every leaf field carries its help text in `field(metadata=...)`; `add_cli_args` turns each field of every
-section into one `--flag` (SGLang's flag names where they exist), and `config_from_args` builds the tree back.
-Defaults live only here.
+section into one `--flag` (SGLang's flag names where they exist), in one --help group per section (its `title`),
+with its default; `config_from_args` builds the tree back. Defaults live only here.
 """
 
 from __future__ import annotations
@@ -70,8 +70,10 @@ class SpecConfig:
 class ParallelConfig:
     pp_size: int = _f(1, "Pipeline-parallel stages, one process each (gloo on CPU, NCCL on CUDA); each owns a "
                          "contiguous layer range (pipeline/partition.py).")
-    dist_init_port: Optional[int] = _f(None, "TCP port of the stages' torch.distributed rendezvous on 127.0.0.1 "
-                                             "(default: a free port).", ftype=int)
+    dist_init_port: Optional[int] = _f(
+        None, "TCP port of the stages' torch.distributed rendezvous (default: a free port). The stages are processes "
+              "this server starts on its own host: the rendezvous and the stages' gloo/NCCL sockets bind 127.0.0.1 "
+              "only (there is no multi-host pipeline).", ftype=int)
 
 
 DISAGG_MODES = ("null", "prefill", "decode")
@@ -109,15 +111,19 @@ class ServerConfig:
     api_key: Optional[str] = _f(None, "Require `Authorization: Bearer KEY` on every API route.", ftype=str)
 
 
+def _section(cls: type, title: str) -> Any:
+    return field(default_factory=cls, metadata={"title": title})
+
+
 @dataclass(frozen=True)
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    spec: SpecConfig = field(default_factory=SpecConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    disagg: DisaggConfig = field(default_factory=DisaggConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
+    model: ModelConfig = _section(ModelConfig, "model")
+    cache: CacheConfig = _section(CacheConfig, "KV cache")
+    scheduler: SchedulerConfig = _section(SchedulerConfig, "scheduler")
+    spec: SpecConfig = _section(SpecConfig, "speculative decoding (DSpark)")
+    parallel: ParallelConfig = _section(ParallelConfig, "pipeline parallelism")
+    disagg: DisaggConfig = _section(DisaggConfig, "PD disaggregation")
+    server: ServerConfig = _section(ServerConfig, "HTTP server")
 
     def validate(self) -> "Config":
         _positive("--page-size", self.cache.page_size)
@@ -135,8 +141,9 @@ class Config:
         dev = self.model.device
         if not (dev == "cpu" or dev == "cuda" or dev.startswith("cuda:")):
             raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {dev!r}")
-        if not os.path.isdir(self.model.model_path):
-            raise ConfigError(f"--model-path {self.model.model_path!r} is not a folder")
+        _folder("--model-path", self.model.model_path)
+        if self.model.tokenizer_path is not None:
+            _folder("--tokenizer-path", self.model.tokenizer_path)
         return self
 
     def _validate_spec(self) -> None:
@@ -145,8 +152,8 @@ class Config:
             prefill = self.disagg.disaggregation_mode == "prefill"  # reads only the drafter's config / context weights
             if sp.speculative_draft_model_path is not None and not prefill:
                 raise ConfigError("--speculative-draft-model-path needs --speculative-algorithm DSPARK")
-            if prefill and sp.speculative_draft_model_path is not None and not os.path.isdir(sp.speculative_draft_model_path):
-                raise ConfigError(f"--speculative-draft-model-path {sp.speculative_draft_model_path!r} is not a folder")
+            if prefill and sp.speculative_draft_model_path is not None:
+                _folder("--speculative-draft-model-path", sp.speculative_draft_model_path)
             return
         if self.disagg.disaggregation_mode == "prefill":
             raise ConfigError("--speculative-algorithm: a prefill server runs no drafter (it samples one token); give "
@@ -154,8 +161,7 @@ class Config:
                               "for --dspark-pd-handoff draft-kv")
         if sp.speculative_draft_model_path is None:
             raise ConfigError(f"--speculative-algorithm {sp.speculative_algorithm} needs --speculative-draft-model-path")
-        if not os.path.isdir(sp.speculative_draft_model_path):
-            raise ConfigError(f"--speculative-draft-model-path {sp.speculative_draft_model_path!r} is not a folder")
+        _folder("--speculative-draft-model-path", sp.speculative_draft_model_path)
         if sp.speculative_num_draft_tokens is not None and sp.speculative_num_draft_tokens < 1:
             raise ConfigError(f"--speculative-num-draft-tokens must be >= 1, got {sp.speculative_num_draft_tokens}")
         if not 0.0 <= sp.speculative_dspark_confidence_threshold < 1.0:
@@ -203,22 +209,49 @@ def _positive(flag: str, value: int) -> None:
         raise ConfigError(f"{flag} must be positive, got {value}")
 
 
+def _folder(flag: str, path: str) -> None:
+    """A model folder must exist here: nothing is downloaded, so a hub id gets the command that fetches it."""
+    if os.path.isdir(path):
+        return
+    msg = f"{flag} {path!r} is not a folder; sparkrelay reads local folders only (no Hugging Face hub downloads)"
+    parts = path.split("/")
+    if len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and not os.path.isdir(parts[0]):
+        # org/name, and `org` is no local folder: a hub id
+        local = f"models/{parts[1]}"
+        msg += f": fetch it with `huggingface-cli download {path} --local-dir {local}` and pass {flag} {local}"
+    else:
+        msg += ": pass the path of a folder holding config.json and the *.safetensors weights"
+    raise ConfigError(msg)
+
+
 def _leaf_fields():
     for section in dataclasses.fields(Config):
         for leaf in dataclasses.fields(section.default_factory()):  # type: ignore[misc]
             yield section.name, leaf
 
 
+def _help(leaf: dataclasses.Field) -> str:
+    """The field's help with its default, unless the help already says what the default is."""
+    text = leaf.metadata.get("help") or ""
+    if "(default" in text or leaf.default is False:
+        return text
+    return f"{text} (default: {'none' if leaf.default is None else leaf.default})"
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    for _, leaf in _leaf_fields():
-        flag = "--" + leaf.name.replace("_", "-")
-        meta = leaf.metadata
+    """One argument group per config section, one flag per leaf field, in the tree's order."""
+    groups: dict[str, Any] = {}
+    for section, leaf in _leaf_fields():
+        if section not in groups:
+            title = Config.__dataclass_fields__[section].metadata.get("title", section)
+            groups[section] = parser.add_argument_group(title)
+        group, flag, meta = groups[section], "--" + leaf.name.replace("_", "-"), leaf.metadata
         if leaf.default is False:  # a switch, as in SGLang (`--enable-torch-compile`)
-            parser.add_argument(flag, dest=leaf.name, action="store_true", help=meta.get("help"))
+            group.add_argument(flag, dest=leaf.name, action="store_true", help=_help(leaf))
             continue
         ftype = meta.get("type") or type(leaf.default)
-        parser.add_argument(flag, dest=leaf.name, type=ftype, default=leaf.default,
-                            choices=meta.get("choices"), help=meta.get("help"))
+        group.add_argument(flag, dest=leaf.name, type=ftype, default=leaf.default,
+                           choices=meta.get("choices"), help=_help(leaf))
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

@@ -72,6 +72,34 @@ def env_int_list(name: str) -> Optional[tuple[int, ...]]:
         raise ConfigError(f"{var}={value!r} is not a comma-separated list of integers") from None
 
 
+# name -> (default, what it sets): the one table of the variables DisaggEnv.read() reads (--help lists it)
+ENV_VARS: dict[str, tuple[object, str]] = {
+    "SPARKRELAY_DISAGGREGATION_BOOTSTRAP_TIMEOUT": (300.0, "prefill: seconds a room waits for its decode peer"),
+    "SPARKRELAY_DISAGGREGATION_WAITING_TIMEOUT": (300.0, "decode: seconds a room waits for its KV"),
+    "SPARKRELAY_DISAGGREGATION_HEARTBEAT_INTERVAL": (5.0, "decode: seconds between health checks of each prefill"),
+    "SPARKRELAY_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": (2, "decode: missed checks before a prefill's rooms fail"),
+    "SPARKRELAY_DISAGGREGATION_AUTH_TOKEN": (None, "PD shared secret when --disaggregation-auth-token is not given"),
+    "SPARKRELAY_DSPARK_PD_ENABLE_PREFILL_CAPTURE": (True, "prefill: capture the DSpark taps"),
+    "SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS": (None, "comma-separated tap layers (default: the drafter config's)"),
+    "SPARKRELAY_DSPARK_PD_PREFILL_TAIL_TOKENS": (8, "rows of the `tail` handoff"),
+    "SPARKRELAY_TEST_DISAGG_FAILURE_PROB": (0.0, "prefill, tests only: fail this fraction of rooms before sending"),
+}
+
+
+def _default(name: str):
+    return ENV_VARS[name][0]
+
+
+def env_help() -> str:
+    """The table above as --help text: the name, its SGLANG_ alias and default; the meaning on the next line."""
+    lines = []
+    for name, (default, meaning) in ENV_VARS.items():
+        alias = "SGLANG_" + name.removeprefix("SPARKRELAY_")
+        shown = "unset" if default is None else str(default).lower() if isinstance(default, bool) else default
+        lines += [f"  {name}, {alias} (default {shown})", f"      {meaning}"]
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class DisaggEnv:
     bootstrap_timeout: float      # prefill: a room whose decode peer never shows up fails after this (s)
@@ -90,19 +118,25 @@ class DisaggEnv:
 
     @classmethod
     def read(cls) -> "DisaggEnv":
-        tail = env_int("SPARKRELAY_DSPARK_PD_PREFILL_TAIL_TOKENS", 0)
-        failure_prob = env_float("SPARKRELAY_TEST_DISAGG_FAILURE_PROB", 0.0, 0.0)
+        tail = env_int("SPARKRELAY_DSPARK_PD_PREFILL_TAIL_TOKENS", 0)  # 0: the default
+        failure_prob = env_float("SPARKRELAY_TEST_DISAGG_FAILURE_PROB",
+                                 _default("SPARKRELAY_TEST_DISAGG_FAILURE_PROB"), 0.0)
         if failure_prob > 1.0:
             var = _raw("SPARKRELAY_TEST_DISAGG_FAILURE_PROB")[0]
             raise ConfigError(f"{var}={failure_prob!r} must be a probability in [0, 1]")
         return cls(
-            bootstrap_timeout=env_float("SPARKRELAY_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0, 0.1),
-            waiting_timeout=env_float("SPARKRELAY_DISAGGREGATION_WAITING_TIMEOUT", 300.0, 0.1),
-            heartbeat_interval=max(env_float("SPARKRELAY_DISAGGREGATION_HEARTBEAT_INTERVAL", 5.0, 0.1), 0.1),
-            heartbeat_max_failures=env_int("SPARKRELAY_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", 2, 1),
-            prefill_capture=env_bool("SPARKRELAY_DSPARK_PD_ENABLE_PREFILL_CAPTURE", True),
+            bootstrap_timeout=env_float("SPARKRELAY_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
+                                        _default("SPARKRELAY_DISAGGREGATION_BOOTSTRAP_TIMEOUT"), 0.1),
+            waiting_timeout=env_float("SPARKRELAY_DISAGGREGATION_WAITING_TIMEOUT",
+                                      _default("SPARKRELAY_DISAGGREGATION_WAITING_TIMEOUT"), 0.1),
+            heartbeat_interval=max(env_float("SPARKRELAY_DISAGGREGATION_HEARTBEAT_INTERVAL",
+                                             _default("SPARKRELAY_DISAGGREGATION_HEARTBEAT_INTERVAL"), 0.1), 0.1),
+            heartbeat_max_failures=env_int("SPARKRELAY_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",
+                                           _default("SPARKRELAY_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"), 1),
+            prefill_capture=env_bool("SPARKRELAY_DSPARK_PD_ENABLE_PREFILL_CAPTURE",
+                                     _default("SPARKRELAY_DSPARK_PD_ENABLE_PREFILL_CAPTURE")),
             target_layer_ids=env_int_list("SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS"),
-            tail_tokens=tail or 8,
+            tail_tokens=tail or _default("SPARKRELAY_DSPARK_PD_PREFILL_TAIL_TOKENS"),
             auth_token=env_str("SPARKRELAY_DISAGGREGATION_AUTH_TOKEN"),
             test_failure_prob=failure_prob,
         )

@@ -29,10 +29,12 @@ def base_body(path: str, max_tokens: int = 2) -> dict:
 
 PROMPT_FIELD = {GENERATE: "text", COMPLETIONS: "prompt", CHAT: "messages.0.content"}
 _OPENAI_NUMBERS = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "presence_penalty",
-                   "frequency_penalty", "bootstrap_room", "bootstrap_port", "stream_options.include_usage"]
+                   "frequency_penalty", "repetition_penalty", "bootstrap_room", "bootstrap_port",
+                   "stream_options.include_usage"]
 NUMERIC_FIELDS = {
     GENERATE: ["sampling_params." + f for f in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                                                "sampling_seed", "n", "stop_token_ids.0")]
+                                                "sampling_seed", "n", "stop_token_ids.0", "repetition_penalty",
+                                                "frequency_penalty", "presence_penalty")]
               + ["bootstrap_room", "bootstrap_port", "input_ids.0"],
     COMPLETIONS: _OPENAI_NUMBERS + ["best_of", "logprobs", "logit_bias.5", "stop_token_ids.0"],
     CHAT: _OPENAI_NUMBERS + ["max_completion_tokens", "top_logprobs", "logit_bias.5"],

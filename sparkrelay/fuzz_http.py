@@ -157,6 +157,22 @@ def final_state(client: httpx.Client, timeout: float = 10.0) -> tuple[int, Optio
     return health, state if isinstance(state, dict) else None
 
 
+def verdict(report: Report, health: int, state: Optional[dict]) -> tuple[bool, str]:
+    """(passed, the verdict line): no 5xx, no transport error, /health 200 afterwards, no KV left in use."""
+    why = [f"{n} {what}" for n, what in ((report.num_5xx, "5xx answers"),
+                                         (report.num_transport_errors, "transport errors (crashes or hangs)")) if n]
+    if len(report.failures) > report.num_5xx + report.num_transport_errors:  # e.g. schemathesis' own errors
+        why.append(f"{len(report.failures) - report.num_5xx - report.num_transport_errors} other failures")
+    if health != 200:
+        why.append(f"GET /health answered {health or 'nothing'} afterwards")
+    if state is not None and state.get("kv_used_tokens"):
+        why.append(f"{state['kv_used_tokens']} KV tokens still in use afterwards")
+    if why:
+        return False, "Verdict: FAIL: " + "; ".join(why)
+    return True, (f"Verdict: PASS ({report.total} requests: no 5xx, no transport error, /health 200 afterwards"
+                  + (", no KV left in use)" if state is not None else ")"))
+
+
 def _max_model_len(client: httpx.Client) -> int:
     try:
         return int(client.get("/v1/models").json()["data"][0]["max_model_len"])
@@ -186,7 +202,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(report.table())
             for f in report.failures[:50]:
                 print("FAILURE", f)
-            return 0 if not report.failures and client.get("/health").status_code == 200 else 1
+            ok, line = verdict(report, client.get("/health").status_code, None)
+            print(line)
+            return 0 if ok else 1
         if not args.no_hostile:
             send_hostile(client, report, hostile_requests())
             for path in ROUTES:
@@ -200,7 +218,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"after {time.monotonic() - start:.0f} s: GET /health -> {health}; engine: {kv}")
     for f in report.failures[:50]:
         print("FAILURE", f)
-    ok = not report.failures and health == 200 and (state is None or not state.get("kv_used_tokens"))
+    ok, line = verdict(report, health, state)
+    print(line)
     return 0 if ok else 1
 
 

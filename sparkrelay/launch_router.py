@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--request-timeout-secs", type=float, default=1800.0,
                         help="timeout of each upstream request, seconds (default: 1800)")
     parser.add_argument("--max-retries", "--retry-max-retries", dest="max_retries", type=int, default=2,
-                        help="retries after a transport error or 408/429/5xx, each with a new room (default: 2)")
+                        help="retries after a transport error or a 5xx that is not deterministic (never a 4xx or a schema mismatch), each with a new room (default: 2)")
     parser.add_argument("--log-level", choices=sorted(LOG_LEVELS), default="info")
     return parser
 

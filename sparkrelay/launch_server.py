@@ -1,42 +1,139 @@
 """`python -m sparkrelay.launch_server --model-path DIR [--port N ...]`: build the engine and serve HTTP.
 
-Flags are generated from sparkrelay.config; a bad flag or setting prints a message naming it and exits 2.
+Flags are generated from sparkrelay.config (grouped by config section, with their defaults); the environment
+variables come from sparkrelay.envs. A bad flag or setting, and a port another process holds, print a message
+naming the flag and exit 2, before the model loads. The HTTP socket is bound before the model loads too, so no
+other process can take the port meanwhile.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import socket
 import sys
 from typing import Optional
 
 from sparkrelay.config import Config, ConfigError, add_cli_args, config_from_args
+from sparkrelay.envs import env_help
+
+PROG = "python -m sparkrelay.launch_server"
+EPILOG = f"""\
+environment variables (PD disaggregation; the SPARKRELAY_ name wins when both it and its SGLANG_ alias are set):
+{env_help()}
+
+docs: README.md (quick start), docs/dspark_pd.md (PD + DSpark: how to run, every PD flag, the handoff modes),
+docs/reliability.md (failures, bind address, auth token), docs/architecture.md (code map). Model folders are
+local: nothing is downloaded (`huggingface-cli download ORG/NAME --local-dir DIR`, then --model-path DIR).
+"""
+
+
+class StartupError(RuntimeError):
+    """The server could not start after the engine was built."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, usage=f"{PROG} [--model-path DIR] [--port N] [options]",
+                                     description="Serve a model over HTTP (SGLang-native and OpenAI APIs).",
+                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cli_args(parser)
+    return parser
 
 
 def parse_config(argv: Optional[list[str]] = None) -> Config:
-    parser = argparse.ArgumentParser(prog="python -m sparkrelay.launch_server",
-                                     description="Serve a model over HTTP (SGLang-native and OpenAI APIs).")
-    add_cli_args(parser)
+    parser = build_parser()
     args = parser.parse_args(argv)  # unknown flag or bad value: argparse names it and exits 2
     try:
-        return config_from_args(args)
+        config = config_from_args(args)
+        check_ports(config)
     except ConfigError as e:
         parser.error(str(e))  # exits 2
+    return config
+
+
+def listened_ports(config: Config) -> list[tuple[str, str, str, int]]:
+    """(port flag, host flag, host, port) of every fixed port this server listens on (the rest are picked free)."""
+    out = [("--port", "--host", config.server.host, config.server.port)]
+    dc, pc = config.disagg, config.parallel
+    if dc.disaggregation_mode == "prefill":
+        out.append(("--disaggregation-bootstrap-port", "--disaggregation-bootstrap-host",
+                    dc.disaggregation_bootstrap_host, dc.disaggregation_bootstrap_port))
+    if pc.pp_size > 1 and pc.dist_init_port is not None:
+        from sparkrelay.pipeline.launch import RENDEZVOUS_HOST  # imports torch: only when there is a pipeline
+
+        out.append(("--dist-init-port", "", RENDEZVOUS_HOST, pc.dist_init_port))
+    return out
+
+
+def bind(flag: str, host_flag: str, host: str, port: int) -> socket.socket:
+    """A TCP socket bound (not yet listening) to host:port; ConfigError naming the flag at fault otherwise."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ConfigError(f"{host_flag} {host!r}: cannot resolve it ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT does not count
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"{flag} {port}: {host}:{port} is already in use (is another server running?); "
+                              f"choose another {flag}") from None
+        raise ConfigError(f"{flag} {port}: cannot bind {host}:{port} ({e.strerror}); check {host_flag or flag}") \
+            from None
+    return sock
+
+
+def check_ports(config: Config) -> None:
+    """Every fixed port is free and used by one flag only (ConfigError naming the flag otherwise)."""
+    seen: dict[int, str] = {}
+    for flag, host_flag, host, port in listened_ports(config):
+        if port in seen:
+            raise ConfigError(f"{flag} {port} is also {seen[port]}; give each its own port")
+        seen[port] = flag
+        bind(flag, host_flag, host, port).close()
+
+
+def _uvicorn_server(app, config: Config):
+    """uvicorn's Server, serving the socket bound before the model loaded; with a given socket uvicorn logs no
+    "Uvicorn running on" line (the one users wait for), so this one does, once listening."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                host = config.server.host
+                url = f"http://[{host}]:{config.server.port}" if ":" in host else f"http://{host}:{config.server.port}"
+                logging.getLogger("uvicorn.error").info("Uvicorn running on %s (Press CTRL+C to quit)", url)
+
+    return Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
+                                 log_level=config.server.log_level,
+                                 timeout_graceful_shutdown=5))  # a dying server does not wait on silent clients
 
 
 def serve(config: Config) -> None:
-    import uvicorn
 
     from sparkrelay.engine.disagg_engine import build_engine
     from sparkrelay.server.async_engine import AsyncEngine
     from sparkrelay.server.http_server import build_app
 
-    engine = build_engine(config)
+    sock = bind("--port", "--host", config.server.host, config.server.port)  # held while the model loads
+    try:
+        engine = build_engine(config)
+    except BaseException:
+        sock.close()
+        raise
     try:
         app = build_app(AsyncEngine(engine), config)
-        uvicorn.run(app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
-                    timeout_graceful_shutdown=5)  # a dying server does not wait on clients that never read
+        server = _uvicorn_server(app, config)
+        server.run(sockets=[sock])
+        if not server.started:
+            raise StartupError("the HTTP server did not start (its error is logged above)")
     finally:
+        sock.close()
         engine.close()  # pipeline stages, bootstrap server, transfer agents
 
 
@@ -46,7 +143,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         serve(config)
-    except (ConfigError, FileNotFoundError, OSError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, OSError, ValueError, StartupError) as e:
         print(f"error: cannot start the server: {e}", file=sys.stderr)
         return 1
     return 0

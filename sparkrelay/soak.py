@@ -2,7 +2,8 @@
 
     python -m sparkrelay.soak [--minutes 11] [--max-requests N] [--concurrency 8] [--pp-size 2]
                               [--handoff hidden] [--abort-fraction 0.1] [--stream-fraction 0.5]
-                              [--out benchmarks/results/soak.json] [--router sparkrelay]
+                              [--out benchmarks/results/soak.json] [--router sparkrelay|sglang]
+                              [--inject-transfer-failures P]
 
 A fixed pool of prompts cut from held-out stdlib text (mostly 8-64 tokens, some 500-1500), each with its own
 max_new_tokens (8-64), greedy, ignore_eos. Their aggregated DSpark outputs are computed first, in process, one
@@ -11,12 +12,15 @@ each sending a random prompt as /generate or /v1/completions, streamed or not, a
 the connection after the first chunk or after a short random delay). Every completed answer must equal its
 reference exactly (streamed chunks must be prefixes of it); anything else is `corrupted`. A non-2xx or a broken
 body is an error, counted by type; a request that got no answer at all is `lost`; an abort is neither.
+/v1/completions gets token ids as its prompt, or the prompt's text where the router takes only text there
+(sglang-router); /generate always gets token ids.
 
 Process memory (VmRSS, each server and its pipeline stage children) is sampled every `--sample-every` seconds;
 growth is the last window's mean against the first window's (window: a minute, or a third of a short run).
-After the load, the servers must drain to kv_used_tokens == 0. Exit status 0 only if nothing was corrupted or
-lost, every process grew less than `--max-growth-pct`, both servers drained (and their idle block-manager check
-passed), and every server is still alive.
+After the load, the servers must drain to kv_used_tokens == 0. Exit status 0 (`Verdict: PASS`) only if no
+request, in the warm-up or the load, ended in an error, was lost or corrupted, every process grew less than
+`--max-growth-pct`, both servers drained (and their idle block-manager check passed), and every server is still
+alive. `--inject-transfer-failures P` makes the prefill fail rooms (router retries off) to see the run fail.
 Writes the JSON (`--out`) and a markdown table next to it (.md).
 """
 
@@ -32,6 +36,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -44,6 +49,7 @@ from sparkrelay.soak_report import (  # noqa: F401  (percentile: re-exported for
     Result, error_type, http_error_message, latencies, markdown, memory_growth, percentile, tally, verdict)
 
 MODEL, DRAFTER = "models/tiny-qwen3", "models/tiny-qwen3-dspark"
+NO_RETRIES = {"sparkrelay": ["--max-retries", "0"], "sglang": ["--disable-retries"]}
 
 
 @dataclass
@@ -52,6 +58,7 @@ class Prompt:
     ids: list[int]
     max_new: int
     long: bool
+    text: str = ""  # encodes to exactly `ids`: the same prompt, for routes that take only text
     ref_ids: Optional[list[int]] = None
     ref_text: Optional[str] = None
 
@@ -75,6 +82,8 @@ def _proc_status(pid: int) -> Optional[dict]:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
         fds = len(os.listdir(f"/proc/{pid}/fd"))
     except OSError:
+        return None
+    if "VmRSS" not in fields:  # a zombie: it exited and its parent has not reaped it yet
         return None
     return {"rss_kib": int(fields["VmRSS"].split()[0]), "threads": int(fields["Threads"]), "fds": fds}
 
@@ -119,7 +128,9 @@ def build_pool(n: int, long_fraction: float, seed: int) -> list[Prompt]:
         long = i % max(1, n // max(1, n_long)) == 0 and sum(p.long for p in pool) < n_long
         length = rng.randint(500, 1500) if long else rng.randint(8, 64)
         assert offset + length <= len(ids), "not enough held-out text for the prompt pool"
-        pool.append(Prompt(i, ids[offset : offset + length], rng.randint(8, 64), long))
+        text = tok.decode(ids[offset : offset + length])
+        # A cut may split a merge: the prompt is what the text encodes to, so text and ids prompts are the same.
+        pool.append(Prompt(i, tok.encode(text), rng.randint(8, 64), long, text))
         offset += length
     return pool
 
@@ -140,12 +151,22 @@ def compute_references(pool: list[Prompt]) -> None:
 
 # -- one request ---------------------------------------------------------------------------------------------------
 
-def _body(p: Prompt, api: str, stream: bool) -> tuple[str, dict]:
+# Routes a router cannot take token-id prompts on (sglang-router 0.3.2 answers 422 to `prompt: [ids]` on
+# /v1/completions): the soak sends the prompt's text there instead.
+TEXT_ONLY = {("sglang", "openai")}
+
+
+def prompt_form(router: str, api: str) -> str:
+    """'ids' where (router, api) takes token ids, else 'text'."""
+    return "text" if (router, api) in TEXT_ONLY else "ids"
+
+
+def _body(p: Prompt, api: str, stream: bool, form: str = "ids") -> tuple[str, dict]:
     if api == "generate":
         sp = {"max_new_tokens": p.max_new, "temperature": 0.0, "ignore_eos": True}
         return "/generate", {"input_ids": p.ids, "sampling_params": sp, "stream": stream}
-    return "/v1/completions", {"prompt": p.ids, "max_tokens": p.max_new, "temperature": 0.0, "ignore_eos": True,
-                               "stream": stream}
+    return "/v1/completions", {"model": MODEL, "prompt": p.text if form == "text" else p.ids,
+                               "max_tokens": p.max_new, "temperature": 0.0, "ignore_eos": True, "stream": stream}
 
 
 def _check(p: Prompt, api: str, got) -> Optional[str]:
@@ -190,10 +211,12 @@ async def _read_stream(resp: httpx.Response, p: Prompt, api: str, r: Result, t0:
 
 
 async def send(client: httpx.AsyncClient, url: str, p: Prompt, api: str, stream: bool, abort: Optional[str],
-               abort_after: float, timeout: float, t_origin: float) -> Result:
-    """abort: None, 'first-chunk' (streams only) or 'deadline' (give up after `abort_after` s)."""
-    r = Result(f"{api}/{'stream' if stream else 'plain'}", p.index, p.long, time.perf_counter() - t_origin)
-    path, body = _body(p, api, stream)
+               abort_after: float, timeout: float, t_origin: float, form: str = "ids") -> Result:
+    """abort: None, 'first-chunk' (streams only) or 'deadline' (give up after `abort_after` s); form: the prompt
+    as 'ids' or 'text' (/v1/completions only)."""
+    kind = f"{api}{'-text' if api == 'openai' and form == 'text' else ''}/{'stream' if stream else 'plain'}"
+    r = Result(kind, p.index, p.long, time.perf_counter() - t_origin)
+    path, body = _body(p, api, stream, form)
     t0, answered = time.perf_counter(), False
     try:
         async with asyncio.timeout(abort_after if abort == "deadline" else timeout):
@@ -257,7 +280,7 @@ async def run_load(url: str, pool: list[Prompt], args, seconds: float, max_reque
             sent += 1
             d = draw(rng, pool, args)
             results.append(await send(client, url, d["p"], d["api"], d["stream"], d["abort"], d["abort_after"],
-                                      args.request_timeout, t_origin))
+                                      args.request_timeout, t_origin, prompt_form(args.router, d["api"])))
 
     async with httpx.AsyncClient(timeout=None, limits=limits, trust_env=False) as client:
         tasks = [asyncio.create_task(worker(i)) for i in range(args.concurrency)]
@@ -339,9 +362,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-growth-pct", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-logs", action="store_true", help="Keep the server logs even when the run passes.")
+    p.add_argument("--inject-transfer-failures", type=float, default=0.0, metavar="P",
+                   help="Check the checker: the prefill fails this share of rooms just before sending "
+                        "(SPARKRELAY_TEST_DISAGG_FAILURE_PROB) and the router's retries are off, so clients get "
+                        "errors and the run must end in FAIL.")
     p.add_argument("--out", default="benchmarks/results/soak.json")
     args = p.parse_args(argv)
-    for name in ("abort_fraction", "stream_fraction", "openai_fraction", "long_fraction"):
+    for name in ("abort_fraction", "stream_fraction", "openai_fraction", "long_fraction", "inject_transfer_failures"):
         if not 0 <= getattr(args, name) <= 1:
             p.error(f"--{name.replace('_', '-')} must be in [0, 1]")
     if args.minutes <= 0 or args.max_requests <= 0 or args.concurrency <= 0 or args.pool_size <= 0:
@@ -393,16 +420,36 @@ def print_log_tails(cluster: PDCluster) -> None:
         print(f"---- {s.name} log tail ({s.log_path}, kept) ----\n{s.log_tail(30)}", flush=True)
 
 
+def cluster_settings(args) -> PDSettings:
+    s = PDSettings(model=MODEL, drafter=DRAFTER, pp_size=args.pp_size, handoff=args.handoff, router=args.router)
+    if args.inject_transfer_failures:
+        s.prefill_env["SPARKRELAY_TEST_DISAGG_FAILURE_PROB"] = str(args.inject_transfer_failures)
+        s.router_args += NO_RETRIES[args.router]
+    return s
+
+
+def start_with_references(args, pool: list[Prompt], log_dir: str) -> PDCluster:
+    """Starts the deployment while this process computes the references (each takes tens of seconds)."""
+    t = time.perf_counter()
+    print(f"[soak] starting the {args.router} router + PP={args.pp_size} prefill + DSpark decode, and computing "
+          f"the references of {len(pool)} prompts ({sum(p.long for p in pool)} long) meanwhile ...", flush=True)
+    with ThreadPoolExecutor(1) as pool_thread:
+        refs = pool_thread.submit(compute_references, pool)
+        cluster = start_pd(cluster_settings(args), log_dir)
+        try:
+            refs.result()
+        except BaseException:
+            cluster.stop()
+            raise
+    print(f"[soak] deployment up and references ready in {time.perf_counter() - t:.0f} s", flush=True)
+    return cluster
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    t = time.perf_counter()
     pool = build_pool(args.pool_size, args.long_fraction, args.seed)
-    compute_references(pool)
-    print(f"[soak] references for {len(pool)} prompts ({sum(p.long for p in pool)} long) in "
-          f"{time.perf_counter() - t:.0f} s", flush=True)
     log_dir = tempfile.mkdtemp(prefix="sparkrelay-soak-")
-    cluster = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=args.pp_size, handoff=args.handoff,
-                                  router=args.router), log_dir)
+    cluster = start_with_references(args, pool, log_dir)
     try:
         report = soak(args, pool, cluster)
     except BaseException:

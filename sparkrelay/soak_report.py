@@ -94,13 +94,15 @@ def latencies(results: list[Result]) -> dict:
     return out
 
 
+def request_failures(t: dict, phase: str) -> list[str]:
+    """Reasons from one phase's tally: any error, lost or corrupted request fails the run. An abort the soak
+    itself made is none of these."""
+    return [f"{phase}: {t[k]} {k} request{'s' if t[k] != 1 else ''}" for k in ("error", "lost", "corrupted") if t[k]]
+
+
 def verdict(report: dict, max_growth: float) -> list[str]:
     """Reasons the run failed (empty: passed)."""
-    why = []
-    t = report["load"]
-    if t["corrupted"] or t["lost"] or report["warmup"]["corrupted"] or report["warmup"]["lost"]:
-        why.append(f"corrupted {t['corrupted']} lost {t['lost']} (warm-up: corrupted "
-                   f"{report['warmup']['corrupted']} lost {report['warmup']['lost']})")
+    why = request_failures(report["warmup"], "warm-up") + request_failures(report["load"], "load")
     for name, m in report["memory"]["growth"].items():
         if m["last_kib"] is None or m["growth_pct"] is None or m["growth_pct"] >= max_growth:
             why.append(f"memory of {name}: {m}")
@@ -113,6 +115,13 @@ def verdict(report: dict, max_growth: float) -> list[str]:
     if dead:
         why.append(f"servers exited: {dead}")
     return why
+
+
+def verdict_line(failures: list[str]) -> str:
+    if failures:
+        return "Verdict: FAIL: " + "; ".join(failures) + "."
+    return ("Verdict: PASS (no request ended in an error, was lost or differed from the aggregated output; memory "
+            "stayed bounded, both servers drained and stayed up).")
 
 
 def _f(x, scale=1.0, fmt="{:.0f}") -> str:
@@ -139,8 +148,10 @@ def markdown(report: dict) -> str:
                      f"{_f(g['last_kib'], 1 / 1024)} | {_f(g['growth_pct'], fmt='{:+.1f}')} | "
                      f"{_f(e.get('rss_kib'), 1 / 1024)} | {s.get('threads', '-')} → {e.get('threads', '-')} | "
                      f"{s.get('fds', '-')} → {e.get('fds', '-')} |")
-    lines += ["", "Errors by type: " + (json.dumps(t["errors_by_type"]) if t["errors_by_type"] else "none") + ".",
+    warm = report["warmup"].get("errors_by_type")
+    lines += ["", "Errors by type: " + (json.dumps(t["errors_by_type"]) if t["errors_by_type"] else "none") + "."
+              + (f" In the warm-up: {json.dumps(warm)}." if warm else ""),
               "After draining: " + "; ".join(f"{n} kv_used_tokens {st.get('kv_used_tokens')}"
                                              for n, st in report["drained"].items()) + ".",
-              f"Verdict: {'PASS' if not report['failures'] else 'FAIL: ' + '; '.join(report['failures'])}."]
+              verdict_line(report["failures"])]
     return "\n".join(lines) + "\n"

@@ -32,14 +32,16 @@ def schema(handoff="tail", tail=8, ids=(1, 3, 5, 6), partition=((0, 4), (4, 8)),
 def test_metadata_round_trip_and_tail_mask(n, tail):
     s = schema(tail=tail)
     layout = MetadataLayout.of(s)
-    assert layout.nbytes == 16 * 4 + 16 * 4 + 64 * 4 + tail * 64 * 4 + tail + 8 * 8  # odd tails: unaligned room
+    logprobs = 4 + 20 * 4 + 20 * 4  # the first token's logprob, its top 20 logprobs and ids
+    assert layout.nbytes == 16 * 4 + 16 * 4 + logprobs + 64 * 4 + tail * 64 * 4 + tail + 8 * 8  # odd tails: unaligned
     rows = torch.randn(n, 64)
     tail_rows, valid = build_tail(rows, tail)
     data = pack(layout, MetadataRow(first_token=77, room=(1 << 63) - 1, last_hidden=rows[-1], tail_hidden=tail_rows,
-                                    tail_valid=valid))
+                                    tail_valid=valid, first_logprob=-0.5, top_logprobs=[(-0.5, 77), (-1.25, 3)]))
     assert len(data) == layout.nbytes
     row = unpack(layout, data)
     assert (row.first_token, row.room) == (77, (1 << 63) - 1)
+    assert row.first_logprob == -0.5 and row.top_logprobs[:3] == [(-0.5, 77), (-1.25, 3), (0.0, 0)]
     k = min(n, tail)
     assert row.tail_valid.tolist() == [False] * (tail - k) + [True] * k  # right-aligned
     assert torch.equal(row.tail_hidden[tail - k :], rows[n - k :])
@@ -50,7 +52,7 @@ def test_metadata_round_trip_and_tail_mask(n, tail):
 
 def test_metadata_sizes_follow_the_schema():
     no_tail = MetadataLayout.of(schema(handoff="hidden"))
-    assert no_tail.nbytes == 16 * 4 * 2 + 8 * 8  # no tail fields outside tail mode
+    assert no_tail.nbytes == 16 * 4 * 2 + (4 + 20 * 4 + 20 * 4) + 8 * 8  # no tail fields outside tail mode
     with pytest.raises(ValueError, match="bytes"):
         unpack(MetadataLayout.of(schema(tail=4)), pack(MetadataLayout.of(schema(tail=8)), MetadataRow(
             1, 5, torch.zeros(64), torch.zeros(8, 64), torch.zeros(8, dtype=torch.bool))))

@@ -112,8 +112,9 @@ class RecordingSink:
                     "aux": aux, "draft_kv": draft_kv}
             torch.save(rows, self.dir / f"rows-{mb.step}-{mb.index}.pt")
 
-    def on_sampled(self, mb, tokens) -> None:
+    def on_sampled(self, mb, tokens, logprobs) -> None:
         assert self.last and len(tokens) == sum(s.sample for s in mb.seqs) and all(t >= 0 for t in tokens)
+        assert len(logprobs) == len(tokens)
 
     def release(self, rooms) -> None:
         with open(self.dir / f"released-{self.stage}.txt", "a") as f:

@@ -5,8 +5,8 @@ Each stub is a FastAPI app served by uvicorn in a thread on a free port. It reco
 path, raw body, headers); answers the generate routes with JSON (prefill: {"role": "prefill"}; decode: its role
 and the bootstrap_room it got) or, for "stream": true, a fixed SSE byte sequence sent in timed chunks; answers
 GET /health, /server_info and /v1/models, and POST /flush_cache; and fails the next requests with the statuses
-queued in `fail`. No KV moves and the two sides never wait for each other: only the router's wire contract
-(PD_PROTOCOL.md §1.4/§1.5) is tested. One module-scoped router runs as a real
+queued in `fail` (or (status, message, delay) tuples). No KV moves and the two sides never wait for each
+other: only the router's wire contract (PD_PROTOCOL.md §1.4/§1.5) is tested. One module-scoped router runs as a real
 `python -m sparkrelay.launch_router` subprocess; the others run in-process under uvicorn.
 """
 
@@ -51,8 +51,11 @@ class Stub:
     async def handle(self, request: Request) -> Response:
         body, path = await request.body(), request.url.path
         self.seen.append((request.method, path, body, dict(request.headers)))
-        if self.fail:
-            return JSONResponse({"error": {"message": f"{self.role} says no"}}, self.fail.pop(0))
+        if self.fail:  # a status, or (status, message, seconds to wait first)
+            f = self.fail.pop(0)
+            status, message, wait = f if isinstance(f, tuple) else (f, f"{self.role} says no", 0)
+            await asyncio.sleep(wait)
+            return JSONResponse({"error": {"message": message}}, status)
         if request.method == "GET":
             return Response() if path == "/health" else JSONResponse({"role": self.role, "path": path})
         if path == "/flush_cache":
@@ -166,7 +169,9 @@ def test_subprocess_router_port_null_and_proxies(stubs, subprocess_router):
     assert sent["bootstrap_host"] == "127.0.0.1" and sent["bootstrap_room"] > 0
     models = subprocess_router.get("/v1/models")
     assert models.status_code == 200 and models.json() == {"role": "prefill", "path": "/v1/models"}
-    assert subprocess_router.get("/server_info").json()["path"] == "/server_info"
+    info = subprocess_router.get("/server_info").json()  # both sides, each worker's own /server_info
+    assert [w["path"] for w in info["prefill"] + info["decode"]] == ["/server_info"] * 2
+    assert [w["url"] for w in info["prefill"] + info["decode"]] == [p.url, d.url] and info["role"] == "router"
     assert subprocess_router.get("/health_generate").status_code == 200
     assert subprocess_router.post("/nope", json={}).status_code == 404
 
@@ -298,3 +303,106 @@ def test_cli_needs_pd_mode():
     out = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
                          text=True, timeout=30)
     assert out.returncode == 2 and "only PD mode is supported" in out.stderr
+
+
+def attempts(stub: Stub) -> int:
+    return len(stub.generate_bodies())
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+@pytest.mark.parametrize("status", [400, 404, 408, 409, 422, 429])
+def test_4xx_is_never_retried(stubs, rc, side, status):
+    p, _, d = stubs
+    failing, other = (p, d) if side == "prefill" else (d, p)
+    failing.fail = [status]
+    r = rc.post("/generate", json={"text": "x"})
+    # the other side's request may be cancelled before it arrives; it is never sent twice
+    assert r.status_code == status and attempts(failing) == 1 and attempts(other) <= 1
+
+
+def test_schema_mismatch_is_not_retried(stubs, rc):
+    """A schema mismatch fails the same way with every room: one attempt, whatever its status and whichever side
+    reports first (the prefill's abort comes first here; the decode names the mismatch 0.3 s later)."""
+    p, _, d = stubs
+    mismatch = "schema mismatch: handoff: prefill='tail' decode='hidden'"
+    for fails in ([(500, mismatch, 0)], [(503, "aborted: " + mismatch, 0)]):
+        p.seen.clear(), d.seen.clear()
+        d.fail = list(fails)
+        assert rc.post("/generate", json={"text": "x"}).status_code == fails[0][0]
+        assert attempts(d) == 1 and attempts(p) <= 1
+    p.seen.clear(), d.seen.clear()
+    p.fail, d.fail = [(500, "the prefill request was aborted", 0)], [(409, mismatch, 0.3)]
+    r = rc.post("/generate", json={"text": "x"})
+    assert r.status_code == 502 and attempts(p) == attempts(d) == 1, r.text
+    p.seen.clear(), d.seen.clear()
+    p.fail = [(500, "transient", 0)]  # a plain 5xx is still retried, with a new room
+    assert rc.post("/generate", json={"text": "x"}).status_code == 200 and attempts(p) == attempts(d) == 2
+
+
+def test_errors_are_relayed_flat(stubs, rc):
+    p, _, d = stubs
+    p.fail = [(400, "`temperature` must be >= 0, got -1.0", 0)]
+    r = rc.post("/v1/completions", json={"prompt": "x", "temperature": -1})
+    assert r.status_code == 400
+    assert r.json() == {"error": {"message": "prefill server: `temperature` must be >= 0, got -1.0",
+                                  "type": "prefill_server_error", "code": 400}}
+    p.fail = [(422, "bad field", 0)]
+    r = rc.post("/v1/chat/completions", json={"messages": [], "stream": True})
+    assert r.status_code == 422 and r.headers["content-type"].startswith("text/event-stream")
+    events = [e.removeprefix(b"data: ") for e in r.content.split(b"\n\n") if e]
+    assert events[1:] == [b"[DONE]"] and b"\\" not in events[0]  # one flat JSON object, nothing escaped twice
+    assert json.loads(events[0]) == {"error": {"message": "prefill server: bad field", "type": "prefill_server_error",
+                                               "code": 422}}
+    d.fail = [(400, "decode says no", 0)]
+    assert rc.post("/generate", json={"text": "x"}).json() == {"error": {"message": "decode says no"}}
+    with router([(p.url, None)], [dead_url()], max_retries=0) as client:
+        error = client.post("/generate", json={"text": "x"}).json()["error"]
+        assert error["message"].startswith("decode server: ") and error["code"] == 502
+
+
+def test_server_info_shows_both_sides(stubs):
+    p, _, d = stubs
+    dead = dead_url()
+    with router([(p.url, 8998)], [d.url, dead]) as client:
+        info = client.get("/get_server_info").json()
+    assert info["role"] == "router" and info["router"]["prefill"] == [{"url": p.url, "bootstrap_port": 8998}]
+    assert info["router"]["decode"] == [d.url, dead] and info["router"]["max_retries"] == 2
+    assert info["prefill"] == [{"url": p.url, "role": "prefill", "path": "/server_info"}]
+    assert info["decode"][0] == {"url": d.url, "role": "decode", "path": "/server_info"}
+    assert info["decode"][1]["url"] == dead and "ConnectError" in info["decode"][1]["error"]
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The value of one sample in Prometheus text (0 when absent)."""
+    want = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+    for line in text.splitlines():
+        if line.startswith(name + want + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_router_metrics(stubs):
+    p, _, d = stubs
+    with router([(p.url, None)], [d.url]) as client:
+        first = client.get("/metrics")
+        assert first.status_code == 200 and first.headers["content-type"].startswith("text/plain")
+        assert metric(first.text, "sparkrelay_router:requests_total", route="/generate", status="200") == 0
+        for _ in range(3):
+            assert client.post("/generate", json={"text": "x"}).status_code == 200
+        p.fail = [503]
+        assert client.post("/generate", json={"text": "x"}).status_code == 200  # after one retry
+        d.fail = [400]
+        assert client.post("/generate", json={"text": "x"}).status_code == 400
+        with client.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as s:
+            assert s.read() == b"".join(SSE_CHUNKS)
+        text = client.get("/metrics").text
+    assert metric(text, "sparkrelay_router:requests_total", route="/generate", status="200") == 4
+    assert metric(text, "sparkrelay_router:requests_total", route="/generate", status="400") == 1
+    assert metric(text, "sparkrelay_router:requests_total", route="/v1/completions", status="200") == 1
+    assert metric(text, "sparkrelay_router:errors_total", route="/generate", side="decode") == 1
+    assert metric(text, "sparkrelay_router:retries_total", route="/generate") == 1
+    assert metric(text, "sparkrelay_router:upstream_attempts_total", route="/generate") == 6
+    assert metric(text, "sparkrelay_router:request_latency_seconds_count", route="/generate") == 5
+    assert metric(text, "sparkrelay_router:request_latency_seconds_count", route="/v1/completions") == 1
+    assert metric(text, "sparkrelay_router:request_latency_seconds_sum", route="/v1/completions") > 0.2  # stream
+    assert "sparkrelay_router:active_requests 0.0" in text

@@ -3,6 +3,10 @@
 Fields, in row order:
     output_ids        int32 [16]       [0] = the first token sampled by the prefill
     cached_tokens     int32 [16]       [0] = prompt tokens the prefill reused (0: no prefix cache)
+    first_logprob     float32 [1]      the first token's logprob (raw target logits; 0 unless the request asked)
+    top_logprobs      float32 [20]     its top logprobs, most likely first (as many as asked, zeros after)
+    top_ids           int32 [20]       their token ids (the decode reads as many as the request asked: the
+                                       prefill and the decode get the same request body)
     last_hidden       dtype [W]        tail mode: the last prompt position's aux row
     tail_hidden       dtype [tail, W]  tail mode: the last `tail` aux rows, right-aligned
     tail_valid        bool  [tail]     tail mode: which tail rows are real (a short prompt leaves leading rows 0)
@@ -12,11 +16,12 @@ W = len(target_layer_ids) * hidden_size. The tail fields have zero size unless t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from sparkrelay.disagg.schema import HandoffSchema
+from sparkrelay.engine.request import MAX_TOP_LOGPROBS
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,6 +37,9 @@ class MetadataLayout:
         return cls((
             ("output_ids", torch.int32, (16,)),
             ("cached_tokens", torch.int32, (16,)),
+            ("first_logprob", torch.float32, (1,)),
+            ("top_logprobs", torch.float32, (MAX_TOP_LOGPROBS,)),
+            ("top_ids", torch.int32, (MAX_TOP_LOGPROBS,)),
             ("last_hidden", dt, (w if tail_on else 0,)),
             ("tail_hidden", dt, (tail if tail_on else 0, w)),
             ("tail_valid", torch.bool, (tail if tail_on else 0,)),
@@ -58,6 +66,15 @@ class MetadataRow:
     tail_hidden: torch.Tensor   # [tail, W]
     tail_valid: torch.Tensor    # [tail] bool
     cached_tokens: int = 0
+    first_logprob: float = 0.0
+    top_logprobs: list[tuple[float, int]] = field(default_factory=list)  # up to MAX_TOP_LOGPROBS (logprob, id)
+
+
+def _padded(values: list, dtype: torch.dtype) -> torch.Tensor:
+    """[MAX_TOP_LOGPROBS]: the values, zeros after (ValueError when there are more)."""
+    if len(values) > MAX_TOP_LOGPROBS:
+        raise ValueError(f"metadata field top_logprobs: {len(values)} entries; the row holds {MAX_TOP_LOGPROBS}")
+    return torch.tensor(list(values) + [0] * (MAX_TOP_LOGPROBS - len(values)), dtype=dtype)
 
 
 def build_tail(rows: torch.Tensor, tail: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,6 +95,9 @@ def pack(layout: MetadataLayout, row: MetadataRow) -> bytes:
         "output_ids": torch.tensor([row.first_token] + [0] * 15, dtype=torch.int32),
         "cached_tokens": torch.tensor([row.cached_tokens] + [0] * 15, dtype=torch.int32),
         "last_hidden": row.last_hidden, "tail_hidden": row.tail_hidden, "tail_valid": row.tail_valid,
+        "first_logprob": torch.tensor([row.first_logprob], dtype=torch.float32),
+        "top_logprobs": _padded([v for v, _ in row.top_logprobs], torch.float32),
+        "top_ids": _padded([t for _, t in row.top_logprobs], torch.int32),
     }
     chunks = []
     for name, dtype, shape in layout.fields[:-1]:
@@ -101,4 +121,6 @@ def unpack(layout: MetadataLayout, data: bytes) -> MetadataRow:
         offset += size
     return MetadataRow(first_token=int(out["output_ids"][0]), room=int(out["bootstrap_room"][0]),
                        last_hidden=out["last_hidden"], tail_hidden=out["tail_hidden"],
-                       tail_valid=out["tail_valid"].clone(), cached_tokens=int(out["cached_tokens"][0]))
+                       tail_valid=out["tail_valid"].clone(), cached_tokens=int(out["cached_tokens"][0]),
+                       first_logprob=float(out["first_logprob"][0]),
+                       top_logprobs=list(zip(out["top_logprobs"].tolist(), out["top_ids"].tolist())))

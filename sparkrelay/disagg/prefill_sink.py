@@ -116,17 +116,18 @@ class PrefillSink:
                           for k, v in self.pool.layers.values()])  # [L, 2, n, kv, hd]
         return part_of("kv", tuple(self.pool.layers), kv)
 
-    def on_sampled(self, mb, tokens: list[int]) -> None:
-        """Last stage: the first token is known; pack the metadata row (room last) and send everything."""
+    def on_sampled(self, mb, tokens: list[int], logprobs: list) -> None:
+        """Last stage: the first token (and its logprobs, when asked) is known; pack the metadata row (room last)
+        and send everything."""
         sampled = [s for s in mb.seqs if s.sample]
-        for seq, token in zip(sampled, tokens):
+        for seq, token, entry in zip(sampled, tokens, logprobs):
             st = self.rooms.get(seq.room) if seq.room else None
             if st is None:
                 continue
-            st.parts.extend(self._last_parts(seq.room, st, token))
+            st.parts.extend(self._last_parts(seq.room, st, token, entry or (0.0, [])))
             self._send(seq.room, st)
 
-    def _last_parts(self, room: int, st: _Room, token: int) -> list[Part]:
+    def _last_parts(self, room: int, st: _Room, token: int, entry: tuple) -> list[Part]:
         s, dtype = self.schema, self.pool_dtype
         parts = []
         if s.handoff == "hidden":
@@ -135,10 +136,11 @@ class PrefillSink:
             parts.append(part_of("draft_kv", tuple(range(s.draft[0])), st.draft))
         if s.handoff == "tail":
             tail, valid = build_tail(st.aux, s.tail_tokens)
-            row = MetadataRow(token, room, st.aux[-1], tail, valid)
+            row = MetadataRow(token, room, st.aux[-1], tail, valid, first_logprob=entry[0], top_logprobs=entry[1])
         else:
             empty = torch.zeros(0, dtype=dtype)
-            row = MetadataRow(token, room, empty, empty.view(0, s.hidden_width), torch.zeros(0, dtype=torch.bool))
+            row = MetadataRow(token, room, empty, empty.view(0, s.hidden_width), torch.zeros(0, dtype=torch.bool),
+                              first_logprob=entry[0], top_logprobs=entry[1])
         meta = torch.frombuffer(bytearray(pack(self.layout, row)), dtype=torch.uint8)
         parts.append(part_of("meta", (), meta))
         return parts

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the metadata row carries the first token's logprobs
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from sparkrelay.envs import DisaggEnv
 from sparkrelay.models.attention import slot_index
 from sparkrelay.models.loader import read_config
 from sparkrelay.models.qwen3 import Qwen3Spec
-from sparkrelay.transfer.base import KVPoll, check_room
+from sparkrelay.transfer.base import SCHEMA_MISMATCH, KVPoll, check_room
 from sparkrelay.transfer.bootstrap import BootstrapServer
 from sparkrelay.transfer.zmq_backend import DecodeAgent
 
@@ -135,13 +135,15 @@ class PrefillEngine(_PDEngine):
         """A sampled first token ends the prefill's compute: the request waits, holding its blocks, until every
         stage has sent its part."""
         now = time.monotonic()
-        for seq, tokens, computed in zip(batch.seqs, result.tokens, result.computed):
+        for i, (seq, tokens, computed) in enumerate(zip(batch.seqs, result.tokens, result.computed)):
             req = seq.req
             req.num_computed = computed
             if not tokens:
                 continue
             req.first_token_time = now
             req.output_ids.append(tokens[0])
+            if req.logprobs is not None and result.logprobs:  # also in the metadata row, for the decode
+                req.logprobs.add_output(result.logprobs[i])
             self.counters["generation_tokens"] += 1
             self.scheduler.running.remove(req)  # blocks stay allocated until the transfer ends
             self.inflight[req.bootstrap_room] = self.inflight.get(req.bootstrap_room, set())
@@ -162,7 +164,8 @@ class PrefillEngine(_PDEngine):
             return
         if state == KVPoll.Failed:
             self.inflight.pop(room, None)
-            self._fail(req, f"KV transfer of room {room} failed on prefill stage {stage}: {reason}")
+            code = 400 if SCHEMA_MISMATCH in reason else 500  # 400: deterministic, the router must not retry
+            self._fail(req, f"KV transfer of room {room} failed on prefill stage {stage}: {reason}", code)
             return
         done = self.inflight.setdefault(room, set())
         done.add(stage)
@@ -228,6 +231,10 @@ class DecodeEngine(_PDEngine):
     def has_work(self) -> bool:
         return super().has_work() or bool(self.pending)
 
+    def validate_input_logprobs(self, n: int, start: int) -> None:
+        raise RequestError("logprob_start_len >= 0 (prompt logprobs) is not supported by a PD deployment (the "
+                           "prompt is scored on the prefill); use -1 (output logprobs only)")
+
     def step(self):
         self._prealloc()
         self._poll_transfers()
@@ -261,7 +268,8 @@ class DecodeEngine(_PDEngine):
             elif res.state == KVPoll.Failed:
                 self.pending.pop(p.req.rid, None)
                 self.agent.clear(p.req.bootstrap_room)
-                self._fail(p.req, f"KV transfer of room {p.req.bootstrap_room} failed: {res.reason}", 502)
+                code = 400 if res.permanent else 502  # 400: deterministic (a schema mismatch): a retry fails the same way
+                self._fail(p.req, f"KV transfer of room {p.req.bootstrap_room} failed: {res.reason}", code)
 
     def _commit(self, req: Request) -> None:
         room, n = req.bootstrap_room, len(req.prompt_ids)
@@ -287,6 +295,8 @@ class DecodeEngine(_PDEngine):
             self._release(req)
             return
         committed = self._append(req, [row.first_token])
+        if req.logprobs is not None:  # the prefill scored the first token (the same request asked it to)
+            req.logprobs.add_output([(row.first_logprob, row.top_logprobs[: req.params.top_logprobs_num])])
         self._emit(req, new_ids=req.output_ids[len(req.output_ids) - committed:])
         if req.is_finished:
             self._release(req)

@@ -174,6 +174,17 @@ class Engine:
                                f"cache capacity {self.max_total_tokens}")
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise RequestError(f"stop_token_ids out of vocabulary: {list(params.stop_token_ids)[:5]}")
+        if params.return_logprob and params.logprob_start_len >= 0:
+            self.validate_input_logprobs(n, params.logprob_start_len)
+
+    def validate_input_logprobs(self, n: int, start: int) -> None:
+        """Prompt logprobs are scored by this process's runner; a pipeline (--pp-size > 1, the prefill role)
+        returns only the sampled tokens' logprobs to rank 0."""
+        if start >= n:
+            raise RequestError(f"logprob_start_len {start} must be smaller than the prompt length ({n} tokens)")
+        if not isinstance(self.runner, ModelRunner):
+            raise RequestError("logprob_start_len >= 0 (prompt logprobs) is not supported with a pipeline "
+                               "(--pp-size > 1 or a prefill server); use -1 (output logprobs only)")
 
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                     bootstrap: Optional[Bootstrap] = None) -> None:
@@ -184,11 +195,11 @@ class Engine:
         req = Request(rid, list(prompt_ids), params, self.eos_token_ids, arrival_time=time.monotonic())
         self.requests[rid] = req
         self.counters["prompt_tokens"] += len(prompt_ids)
-        if params.max_new_tokens == 0:
+        if params.max_new_tokens == 0 and not (req.logprobs is not None and req.logprobs.input_start >= 0):
             req.finish({"type": "length", "length": 0})
             self._release(req)
             return
-        self.scheduler.add(req)
+        self.scheduler.add(req)  # max_new_tokens 0 with prompt logprobs: the prefill scores the prompt
 
     def abort(self, rid: str) -> None:
         req = self.requests.get(rid)
@@ -213,14 +224,22 @@ class Engine:
     def _postprocess(self, batch: Batch, result: RunResult) -> None:
         now = time.monotonic()
         rounds = result.rounds or [None] * len(batch.seqs)
-        for seq, tokens, computed, rnd in zip(batch.seqs, result.tokens, result.computed, rounds):
+        for i, (seq, tokens, computed, rnd) in enumerate(zip(batch.seqs, result.tokens, result.computed, rounds)):
             req = seq.req
             req.num_computed = computed
+            if result.prompt_logprobs and result.prompt_logprobs[i] is not None:
+                req.logprobs.add_input(*result.prompt_logprobs[i])
             if not tokens:
+                continue
+            if req.params.max_new_tokens == 0:  # only the prompt's logprobs were asked for
+                req.finish({"type": "length", "length": 0})
+                self._release(req)
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now
             committed = self._append(req, tokens)
+            if req.logprobs is not None and result.logprobs:
+                req.logprobs.add_output(result.logprobs[i][:committed])
             if rnd is not None:
                 self._record_round(req, rnd, committed)
             self._emit(req, new_ids=req.output_ids[len(req.output_ids) - committed :])
@@ -245,8 +264,9 @@ class Engine:
 
     def _emit(self, req: Request, new_ids: list[int]) -> None:
         tau = req.spec_committed / req.spec_verify_ct if req.spec_verify_ct else None
+        lp = req.logprobs.snapshot() if req.logprobs is not None else None
         self._ready.append(RequestOutput(req.rid, new_ids, list(req.output_ids), req.is_finished, req.finish_reason,
-                                         len(req.prompt_ids), req.output_text, req.spec_verify_ct, tau))
+                                         len(req.prompt_ids), req.output_text, req.spec_verify_ct, tau, lp))
 
     def _release(self, req: Request) -> None:
         if req.status == Status.FINISHED and not any(o.rid == req.rid and o.finished for o in self._ready):

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit; a PD metadata row carries this many for the first token
 
 
 class RequestError(ValueError):
@@ -26,6 +29,15 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    # vLLM's penalties (1.0 / 0.0: off): repetition on prompt + output tokens, frequency and presence on output only
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # SGLang's logprob fields: record the target's log-softmax of the chosen tokens (and the top ones); with
+    # logprob_start_len >= 0 also of the prompt tokens from that index (-1: output tokens only)
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,10 +59,29 @@ class SamplingParams:
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must be non-empty")
+        if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
+        if self.logprob_start_len < -1:
+            raise RequestError(f"logprob_start_len must be -1 (output only) or >= 0, got {self.logprob_start_len}")
+        if not self.repetition_penalty > 0:
+            raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+
+    @property
+    def logprobs_k(self) -> int:
+        """-1: no logprobs; else how many top logprobs to record per position (0: the chosen token's only)."""
+        return self.top_logprobs_num if self.return_logprob else -1
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Any penalty away from its default (requests without one never build a token history)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +126,13 @@ class Request:
     # `tail` handoff leaves earlier prompt positions without draft context)
     bootstrap_room: int = 0
     draft_ctx_start: int = 0
+    # logprobs (params.return_logprob): one entry per output token; per prompt position from logprob_start_len
+    logprobs: Optional["Logprobs"] = None
+
+    def __post_init__(self) -> None:
+        if self.params.return_logprob and self.logprobs is None:
+            start = self.params.logprob_start_len
+            self.logprobs = Logprobs(start, self.params.top_logprobs_num, self.prompt_ids[start:] if start >= 0 else [])
 
     @property
     def all_ids(self) -> list[int]:
@@ -118,6 +156,62 @@ class Request:
         self.finish_reason = reason
 
 
+TopLogprobs = list[tuple[float, int]]  # (logprob, token id), most likely first
+
+
+@dataclass
+class Logprobs:
+    """What a request records. output[i] / output_top[i]: output token i. input[j] / input_top[j]: prompt position
+    `input_start + j` (None at position 0, which has no logprob, as SGLang reports it)."""
+
+    input_start: int = -1
+    top: int = 0  # top logprobs per position (SGLang's top_logprobs_num; 0: no top lists in the answer)
+    input_ids: list[int] = field(default_factory=list)  # the prompt tokens from input_start on
+    output: list[float] = field(default_factory=list)
+    output_top: list[TopLogprobs] = field(default_factory=list)
+    input: list[Optional[float]] = field(default_factory=list)
+    input_top: list[Optional[TopLogprobs]] = field(default_factory=list)
+
+    def add_output(self, entries: list[tuple[float, TopLogprobs]]) -> None:
+        self.output.extend(lp for lp, _ in entries)
+        self.output_top.extend(top for _, top in entries)
+
+    def add_input(self, first: int, entries: list[tuple[float, TopLogprobs]]) -> None:
+        """Entries for prompt positions first, first + 1, ...; positions already recorded (a recomputed prompt)
+        are skipped, so each position is recorded once."""
+        if self.input_start < 0:
+            return
+        if not self.input and self.input_start == 0:
+            self.input.append(None)
+            self.input_top.append(None)
+        done = self.input_start + len(self.input)
+        for pos, (lp, top) in enumerate(entries, start=first):
+            if pos == done:
+                self.input.append(lp)
+                self.input_top.append(top)
+                done += 1
+
+    def snapshot(self) -> "Logprobs":
+        return Logprobs(self.input_start, self.top, self.input_ids, list(self.output), list(self.output_top),
+                        list(self.input), list(self.input_top))
+
+    def meta_info(self, output_ids: list[int], text_of: Optional[Callable[[int], str]] = None) -> dict:
+        """SGLang's meta_info fields: [logprob, token_id, text] triples (text None unless `text_of` is given),
+        and per position a list of them for the top logprobs (only when top logprobs were asked)."""
+        def triple(lp, tid):
+            return [lp, tid, text_of(tid) if text_of is not None else None]
+
+        def tops(top):
+            return None if top is None else [triple(v, t) for v, t in top]
+
+        meta = {"input_token_logprobs": [triple(lp, t) for lp, t in zip(self.input, self.input_ids)],
+                "output_token_logprobs": [triple(lp, t) for lp, t in zip(self.output, output_ids)]}
+        if self.top > 0:
+            meta["input_top_logprobs"] = [tops(top) for top in self.input_top]
+            meta["output_top_logprobs"] = [tops(top) for top in self.output_top]
+        return meta
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     """What the engine reports for a request after a step: the new tokens and, when finished, why."""
@@ -131,12 +225,16 @@ class RequestOutput:
     text: str = ""
     spec_verify_ct: int = 0
     spec_accept_length: Optional[float] = None  # committed tokens per verify round (tau), when speculative
+    logprobs: Optional[Logprobs] = None  # a snapshot of everything recorded so far (return_logprob only)
 
-    def meta_info(self, e2e_latency: float) -> dict:
-        """SGLang's meta_info (spec_* only when speculative decoding ran)."""
+    def meta_info(self, e2e_latency: float, text_of: Optional[Callable[[int], str]] = None) -> dict:
+        """SGLang's meta_info (spec_* only when speculative decoding ran; the logprob fields only when asked,
+        their token texts from `text_of` when given: return_text_in_logprobs)."""
         meta = {"id": self.rid, "prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.output_ids),
                 "finish_reason": self.finish_reason, "e2e_latency": e2e_latency}
         if self.spec_accept_length is not None:
             meta["spec_verify_ct"] = self.spec_verify_ct
             meta["spec_accept_length"] = self.spec_accept_length
+        if self.logprobs is not None:
+            meta |= self.logprobs.meta_info(self.output_ids, text_of)
         return meta

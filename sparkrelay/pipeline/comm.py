@@ -2,7 +2,7 @@
 
 Topology: rank k sends descriptors and payloads to rank k+1; the last rank sends the sampled tokens to rank 0.
 
-    rank 0 --(descriptor, payload)--> rank 1 --> ... --> rank N-1 --(tokens int64 [B])--> rank 0
+    rank 0 --(descriptor, payload)--> rank 1 --> ... --> rank N-1 --(tokens + logprobs float64 [B, W])--> rank 0
 
 Per micro-batch, in this fixed order (shapes: pipeline/descriptor.py and pipeline/capture.py):
     header [8] -> body [L] (L > 0) -> floats [B, 3] (B > 0) -> hidden [T, d] -> taps [T, k_prev*d] -> partial [T, d]
@@ -18,6 +18,7 @@ GPU (tensors staged through host memory); NCCL when every stage has its own GPU 
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from typing import Callable, Optional
 
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from sparkrelay.pipeline.capture import PayloadShape, StagePayload
 from sparkrelay.pipeline.descriptor import FLOAT_FIELDS, HEADER_LEN, STEP, MicroBatch, decode, encode, sizes
+from sparkrelay.pipeline.launch import LOOPBACK_IFNAME, RENDEZVOUS_HOST
 
 STEP_TIMEOUT = datetime.timedelta(seconds=600)  # gloo gives up on one message after this (a hung, live peer)
 
@@ -38,9 +40,11 @@ def make_group(store: dist.Store, rank: int, world: int, backend: str) -> dist.P
     """The pipeline's process group on `store` (blocks until all `world` ranks have joined)."""
     store = dist.PrefixStore("sparkrelay-pp", store)
     if backend == "nccl":
+        # NCCL's bootstrap and socket transport listen on the interface it picks (not the loopback) unless told
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_IFNAME)
         return dist.ProcessGroupNCCL(store, rank, world)
     opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=RENDEZVOUS_HOST)]  # pair listeners bind it
     opts._timeout = STEP_TIMEOUT
     return dist.ProcessGroupGloo(store, rank, world, opts)
 
@@ -91,18 +95,19 @@ class Channel:
         return mb, StagePayload(hidden, taps, partial)
 
     # -- last rank -> rank 0 ----------------------------------------------------------------------------------
-    def send_tokens(self, tokens: list[int]) -> None:
-        """Last rank: the micro-batch's tokens, int64 [B] (-1: the sequence does not sample)."""
-        t = torch.tensor(tokens, dtype=torch.int64).to(self.wire)
+    def send_tokens(self, rows: torch.Tensor) -> None:
+        """Last rank: the micro-batch's sampled rows, float64 [B, W] (column 0 the token, -1: no sample; then the
+        logprobs, W = descriptor.token_width)."""
+        t = rows.to(torch.float64).to(self.wire).contiguous()
         self._wait(self._post(self.group.send, t, 0))
 
-    def recv_tokens(self, counts: list[int]) -> list[list[int]]:
-        """Rank 0: the tokens of each micro-batch of the step ([B_i] each), in micro-batch order."""
-        bufs = [torch.empty(n, dtype=torch.int64, device=self.wire) for n in counts]
+    def recv_tokens(self, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """Rank 0: each micro-batch's rows ([B_i, W_i] float64, shapes from its descriptor), in micro-batch order."""
+        bufs = [torch.empty(b, w, dtype=torch.float64, device=self.wire) for b, w in shapes]
         works = [self._post(self.group.recv, b, self.last) for b in bufs]
         for w in works:
             self._wait(w)
-        return [b.cpu().tolist() for b in bufs]
+        return [b.cpu() for b in bufs]
 
     # -- helpers -------------------------------------------------------------------------------------------------
     def _recv(self, buf: torch.Tensor, on_device: bool = False) -> torch.Tensor:

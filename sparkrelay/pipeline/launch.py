@@ -1,12 +1,16 @@
 """Starting, watching and stopping the processes of stages 1..N-1 (stage 0 runs in the engine's own process).
 
-    rank 0: TCPStore server on 127.0.0.1:PORT -> spawn `python -m sparkrelay.pipeline.worker --rank r ...` for
-            r = 1..N-1 -> wait for `ready/r` in the store (a load error arrives as `error/r`; a process that
-            exits is noticed too) -> join the process group -> start the watchdog
+    rank 0: TCPStore server on 127.0.0.1:PORT (rendezvous_store) -> spawn `python -m sparkrelay.pipeline.worker
+            --rank r ...` for r = 1..N-1 -> wait for `ready/r` in the store (a load error arrives as `error/r`; a
+            process that exits is noticed too) -> join the process group -> start the watchdog
     worker: see pipeline/worker.py
 
 The launch record (config, dtype, partition, KV blocks, capture, sink factory, backend, threads, parent pid) goes
 in the SPARKRELAY_PP_LAUNCH environment variable as JSON, not on argv, so the config's api_key is not shown by `ps`.
+Every stage runs on this host, so every socket of the pipeline binds the loopback (RENDEZVOUS_HOST): the store's
+listening socket (torch's TCPStore server would listen on every interface whatever host it is given, so rank 0
+binds the socket itself and hands it over), gloo's pair listeners (pipeline/comm.py creates its device on this
+host) and NCCL's bootstrap (NCCL_SOCKET_IFNAME defaults to the loopback interface).
 The watchdog polls the processes; when one exits unasked it records "pipeline stage r (pid N) exited with code X"
 and kills the others, so every blocked send or receive on every rank fails at once instead of hanging.
 """
@@ -19,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
@@ -29,10 +34,28 @@ STOP_TIMEOUT_S = 10.0    # close(): a worker still alive this long after the shu
 PEER_LOST_EXIT = 3       # a worker's exit code when it stops because another rank went away (not a root cause)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+RENDEZVOUS_HOST = "127.0.0.1"  # the store and gloo's pairs listen here, and only here
+LOOPBACK_IFNAME = "lo"         # its interface, for NCCL (NCCL_SOCKET_IFNAME, when the user has not set it)
+
+
+def rendezvous_store(port: Optional[int], world: int) -> dist.TCPStore:
+    """Rank 0's TCPStore server on RENDEZVOUS_HOST:port (port None or 0: a free one; `store.port` says which).
+
+    The listening socket is bound here and handed to the store (`master_listen_fd`, which then owns and closes
+    it): given only a host, TCPStore listens on every interface. OSError naming --dist-init-port if it is taken."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does: a TIME_WAIT port is free
+    try:
+        sock.bind((RENDEZVOUS_HOST, port or 0))
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        what = f"--dist-init-port {port}" if port else "the pipeline rendezvous"
+        raise OSError(e.errno, f"{what}: cannot listen on {RENDEZVOUS_HOST}:{port or 0} ({e.strerror}); "
+                               "is another server using it?") from None
+    bound = sock.getsockname()[1]
+    return dist.TCPStore(RENDEZVOUS_HOST, bound, world, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=LOAD_TIMEOUT_S), master_listen_fd=sock.detach())
 
 
 def worker_env(launch_json: str) -> dict[str, str]:

@@ -23,11 +23,9 @@ import os
 import threading
 import weakref
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Callable, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 
 from sparkrelay.config import Config, ConfigError
 from sparkrelay.engine.request import Request
@@ -36,10 +34,11 @@ from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.qwen3 import Qwen3ForCausalLM
 from sparkrelay.pipeline.capture import CaptureSpec
 from sparkrelay.pipeline.comm import Channel, PeerLost, make_group
-from sparkrelay.pipeline.descriptor import SHUTDOWN, STEP, MicroBatch, SeqDesc
-from sparkrelay.pipeline.launch import LOAD_TIMEOUT_S, Workers, free_port
+from sparkrelay.pipeline.descriptor import SHUTDOWN, STEP, MicroBatch, SeqDesc, token_width
+from sparkrelay.pipeline.launch import Workers, rendezvous_store
 from sparkrelay.pipeline.partition import pp_partition
 from sparkrelay.pipeline.stage import PREFILL_SINK_FACTORY, STATUS_ADDRESS, build_stage, model_view, pool_view
+from sparkrelay.runner.logprobs import from_rows
 from sparkrelay.runner.model_runner import RunResult
 
 
@@ -102,9 +101,8 @@ class PipelineRunner:
                        status_address: str) -> None:
         cuda = self.device.type == "cuda"
         backend = "nccl" if cuda and config.model.device == "cuda" and torch.cuda.device_count() >= self.pp else "gloo"
-        port = config.parallel.dist_init_port or free_port()
-        self._store = dist.TCPStore("127.0.0.1", port, self.pp, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=LOAD_TIMEOUT_S))
+        self._store = rendezvous_store(config.parallel.dist_init_port, self.pp)  # on 127.0.0.1 only
+        port = self._store.port
         launch = {"config": config.flat(), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
                   "partition": self.partition, "num_blocks": pool.num_blocks, "capture": self.capture.to_dict(),
                   "sink_factory": sink_factory, "status_address": status_address, "backend": backend,
@@ -148,9 +146,11 @@ class PipelineRunner:
             seqs = batch.seqs
             runs = split_balanced([s.end - s.start for s in seqs], self.pp)
             step, released = next(self._steps), self._take_released()
-            tokens: list[list[int]] = []
+            tokens: list[torch.Tensor] = []  # per micro-batch [B_i, W_i] (Stage.run)
+            mbs = []
             for i, run in enumerate(runs):
                 mb = MicroBatch(STEP, step, i, len(runs), [self._desc(seqs[j]) for j in run], released if i == 0 else [])
+                mbs.append(mb)
                 ids = [t for j in run for t in seqs[j].req.all_ids[seqs[j].start : seqs[j].end]]
                 local = dataclasses.replace(mb, released=[])  # stage 0 dropped them in release() already
                 out = self.stage.run(local, input_ids=torch.tensor(ids, device=self.device))  # [T]
@@ -161,13 +161,11 @@ class PipelineRunner:
                     self.channel.send_step(mb, out)
             if self.channel is not None:
                 with self._comm():
-                    tokens = self.channel.recv_tokens([len(r) for r in runs])
+                    tokens = self.channel.recv_tokens([(len(m.seqs), token_width(m.seqs)) for m in mbs])
                     self.channel.flush()
             self.stats["steps"] += 1
             self.stats["micro_batches"] += len(runs)
-            flat = [t for mb_tokens in tokens for t in mb_tokens]  # runs are contiguous: batch order
-            assert all((t >= 0) == s.sample for t, s in zip(flat, seqs)), "a stage sampled the wrong sequences"
-            return RunResult([[t] if s.sample else [] for t, s in zip(flat, seqs)], [s.end for s in seqs])
+            return self._result(seqs, mbs, tokens)
 
     def close(self) -> None:
         """Send the shutdown descriptor (with pending releases), join the workers (kill what lingers). Idempotent."""
@@ -195,8 +193,22 @@ class PipelineRunner:
         if req.rid not in self._ids:
             self._ids[req.rid] = (next(self._req_counter), self.room_of(req))
         index, room = self._ids[req.rid]
+        history = req.all_ids[: s.end] if s.sample and p.penalized else []  # the last stage penalises with it
         return SeqDesc(index, room, s.start, s.end, len(req.prompt_ids), s.sample, p.greedy, p.top_k,
-                       -1 if p.seed is None else p.seed, list(req.block_ids), p.temperature, p.top_p, p.min_p)
+                       -1 if p.seed is None else p.seed, list(req.block_ids), p.temperature, p.top_p, p.min_p,
+                       p.repetition_penalty, p.frequency_penalty, p.presence_penalty, history, p.logprobs_k)
+
+    @staticmethod
+    def _result(seqs: list[ScheduledSeq], mbs: list[MicroBatch], rows: list[torch.Tensor]) -> RunResult:
+        """Each micro-batch's rows [B_i, W_i] -> tokens (and logprob entries) in batch order (runs are contiguous)."""
+        flat = [r for mb_rows in rows for r in mb_rows.tolist()]
+        descs = [d for mb in mbs for d in mb.seqs]
+        assert all((r[0] >= 0) == s.sample for r, s in zip(flat, seqs)), "a stage sampled the wrong sequences"
+        res = RunResult([[int(r[0])] if s.sample else [] for r, s in zip(flat, seqs)], [s.end for s in seqs])
+        if any(d.logprobs >= 0 for d in descs):
+            res.logprobs = [from_rows([r[1:]], [d.logprobs]) if s.sample and d.logprobs >= 0 else []
+                            for r, d, s in zip(flat, descs, seqs)]
+        return res
 
     def _take_released(self) -> list[tuple[int, int]]:
         out, self._released = self._released, []

@@ -4,7 +4,8 @@ on the last stage, sampling. The same class runs stage 0 inside the engine's pro
 Per micro-batch (all stages run the same descriptor, pipeline/descriptor.py):
     releases -> AttnMeta.build -> forward of the owned layers (taps at the owned target layer ids)
     -> capture (taps appended / partial fc share added, pipeline/capture.py) -> sink.after_forward
-    -> not last: StagePayload for the next stage;  last: sample -> sink.on_sampled -> tokens [B] (-1: no sample)
+    -> not last: StagePayload for the next stage;  last: sample (+ logprobs) -> sink.on_sampled
+       -> rows float64 [B, token_width]: the token (-1: no sample), then its logprobs when asked
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.dspark_context import ContextProjector, load_context_projector
 from sparkrelay.models.qwen3 import Qwen3ForCausalLM, StageOutput
 from sparkrelay.pipeline.capture import CaptureSpec, StagePayload
-from sparkrelay.pipeline.descriptor import MicroBatch, SeqDesc
+from sparkrelay.pipeline.descriptor import MicroBatch, SeqDesc, token_width
 from sparkrelay.pipeline.partition import stage_taps
-from sparkrelay.runner.sampler import SamplingBatch, sample
+from sparkrelay.runner.logprobs import Entry, to_rows, token_logprobs
+from sparkrelay.runner.sampler import PenaltyRows, SamplingBatch, apply_penalties, sample
 
 PREFILL_SINK_FACTORY = "sparkrelay.disagg.prefill_sink:make_stage_sink"
 # Where a stage's sink reports per-room status to rank 0: PipelineRunner(status_address=...), handed unchanged to
@@ -47,8 +49,9 @@ class StageSink(Protocol):
         all k taps [T, k*d] in target_layer_ids order, else None. draft_kv: last stage, mode partial: per draft
         layer (k [T, n_kv, hd], v [T, n_kv, hd]) at the rows' absolute positions, else None."""
 
-    def on_sampled(self, mb: MicroBatch, tokens: list[int]) -> None:
-        """Last stage, after sampling: one token per sampling sequence (those with .sample), in mb.seqs order."""
+    def on_sampled(self, mb: MicroBatch, tokens: list[int], logprobs: list) -> None:
+        """Last stage, after sampling: one token per sampling sequence (those with .sample), in mb.seqs order, and
+        its logprob entry (runner/logprobs.py `Entry`) where the sequence asked for logprobs, else None."""
 
     def release(self, rooms: list[int]) -> None:
         """Rank 0 released these requests (finished or aborted; room 0, i.e. none, is left out): drop their state.
@@ -150,9 +153,10 @@ class Stage:
 
     @torch.inference_mode()
     def run(self, mb: MicroBatch, input_ids: Optional[torch.Tensor] = None,
-            inp: Optional[StagePayload] = None) -> StagePayload | list[int]:
+            inp: Optional[StagePayload] = None) -> StagePayload | torch.Tensor:
         """Stage 0: input_ids [T]; later stages: the previous stage's payload. -> the next stage's payload, or on
-        the last stage the sampled tokens (one per sequence, -1 where it does not sample)."""
+        the last stage float64 [B, token_width]: column 0 the sampled token (-1 where the sequence does not
+        sample), then its logprob row (runner/logprobs.py `to_rows`) when some sequence asked for logprobs."""
         self.release(mb.released)
         if self.test_delay:
             time.sleep(self.test_delay)  # SPARKRELAY_TEST_PP_STAGE_DELAY: a slow stage, for fault tests
@@ -172,9 +176,38 @@ class Stage:
         if not self.is_last:
             return nxt
         tokens = self._sample(seqs, out.logits)
+        entries = self._logprobs(seqs, out.logits, tokens)
         if self.sink is not None:
-            self.sink.on_sampled(mb, [t for t, s in zip(tokens, seqs) if s.sample])
-        return tokens
+            self.sink.on_sampled(mb, [t for t, s in zip(tokens, seqs) if s.sample],
+                                 [e for e, s in zip(entries, seqs) if s.sample])
+        return self._rows(seqs, tokens, entries)
+
+    def _logprobs(self, seqs: list[SeqDesc], logits: torch.Tensor, tokens: list[int]) -> list[Optional[Entry]]:
+        """Per sequence: the sampled token's logprob entry from the raw logits [R, V] when it asked, else None."""
+        sampling = [s for s in seqs if s.sample]
+        asked = [j for j, s in enumerate(sampling) if s.logprobs >= 0]
+        out: list[Optional[Entry]] = [None] * len(seqs)
+        if not asked:
+            return out
+        chosen = [t for t, s in zip(tokens, seqs) if s.sample]
+        entries = iter(token_logprobs(logits.index_select(0, torch.tensor(asked, device=logits.device)),
+                                      [chosen[j] for j in asked], [sampling[j].logprobs for j in asked]))
+        where = [i for i, s in enumerate(seqs) if s.sample]
+        for j in asked:
+            out[where[j]] = next(entries)
+        return out
+
+    @staticmethod
+    def _rows(seqs: list[SeqDesc], tokens: list[int], entries: list[Optional[Entry]]) -> torch.Tensor:
+        """-> float64 [B, token_width]: the token (-1: no sample), then its logprob row when any asked."""
+        width = token_width(seqs)
+        out = torch.zeros(len(seqs), width, dtype=torch.float64)
+        out[:, 0] = torch.tensor(tokens, dtype=torch.float64)
+        k = (width - 2) // 2
+        for i, e in enumerate(entries):
+            if e is not None:
+                out[i, 1:] = to_rows([e], k)[0]
+        return out
 
     def _capture(self, inp: Optional[StagePayload], out: StageOutput) -> StagePayload:
         """Append this stage's taps ([T, k_prev*d] -> [T, (k_prev + k_s)*d]) or add its fc share to the partial."""
@@ -202,8 +235,15 @@ class Stage:
         return [next(drawn) if s.sample else -1 for s in seqs]
 
     def _draw(self, rows: list[SeqDesc], logits: torch.Tensor) -> list[int]:
+        """logits [R, V] (raw, left untouched) -> one token per row, from the penalised logits (as ModelRunner)."""
+        scores = logits
+        if any(s.penalized for s in rows):
+            scores = apply_penalties(logits, PenaltyRows(
+                [s.repetition_penalty for s in rows], [s.frequency_penalty for s in rows],
+                [s.presence_penalty for s in rows], [s.history[: s.prompt_len] for s in rows],
+                [s.history[s.prompt_len :] for s in rows]))
         if all(s.greedy for s in rows):
-            return logits.argmax(-1).tolist()
+            return scores.argmax(-1).tolist()
         dev = self.device
         sb = SamplingBatch(
             temperature=torch.tensor([s.temperature for s in rows], device=dev),
@@ -213,7 +253,7 @@ class Stage:
             greedy=torch.tensor([s.greedy for s in rows], device=dev),
             generators=[self._generator(s) for s in rows],
         )
-        return sample(logits, sb, self.shared_gen).tolist()
+        return sample(scores, sb, self.shared_gen).tolist()
 
     def _generator(self, s: SeqDesc) -> Optional[torch.Generator]:
         if s.seed == -1:

@@ -16,7 +16,6 @@ from urllib.parse import urlsplit
 
 MAX_ROOM = 2**63 - 1  # rooms are drawn from [1, MAX_ROOM]; 0 is never used
 MAX_BATCH = 1 << 16  # one room is drawn per sequence: a chat `n` of 10**12 must not draw forever
-RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
 GENERATE, COMPLETIONS, CHAT = "/generate", "/v1/completions", "/v1/chat/completions"
 
 

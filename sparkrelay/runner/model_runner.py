@@ -12,7 +12,8 @@ from sparkrelay.engine.scheduler import Batch
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.qwen3 import Qwen3ForCausalLM, StageOutput
-from sparkrelay.runner.sampler import SamplingBatch, sample
+from sparkrelay.runner.logprobs import Entry, token_logprobs
+from sparkrelay.runner.sampler import PenaltyRows, SamplingBatch, apply_penalties, sample
 
 
 @dataclass
@@ -23,6 +24,10 @@ class RunResult:
     tokens: list[list[int]]
     computed: list[int]
     rounds: list[Optional[tuple[int, int]]] = field(default_factory=list)
+    # return_logprob only (else empty): per sequence, one entry per token of `tokens`; and the prompt positions
+    # this forward scored, as (first position, entries)
+    logprobs: list[list[Entry]] = field(default_factory=list)
+    prompt_logprobs: list[Optional[tuple[int, list[Entry]]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -42,13 +47,20 @@ class ModelRunner:
         ids = [t for s in seqs for t in s.req.all_ids[s.start : s.end]]
         ends = torch.tensor([s.end - s.start for s in seqs]).cumsum(0) - 1  # [B] last fed row of each sequence
         rows = [i for i, s in enumerate(seqs) if s.sample]
-        out = self.forward(meta, ids, ends[rows])
+        scored = prompt_rows(seqs)  # input logprobs: extra logits rows after the sampling ones
+        extra = [start + j for _, _, start, n in scored for j in range(n)]
+        out = self.forward(meta, ids, torch.cat([ends[rows], torch.tensor(extra, dtype=torch.long)]))
         self.after_forward(meta, out)
-        next_ids = self.sample([seqs[i].req for i in rows], out.logits) if rows else []
+        logits = out.logits[: len(rows)]  # [R, V]
+        next_ids = self.sample([seqs[i].req for i in rows], logits) if rows else []
         tokens: list[list[int]] = [[] for _ in seqs]
         for i, t in zip(rows, next_ids):
             tokens[i] = [t]
-        return RunResult(tokens, [s.end for s in seqs])
+        res = RunResult(tokens, [s.end for s in seqs])
+        if any(s.req.params.return_logprob for s in seqs):
+            res.logprobs = output_logprobs([seqs[i].req for i in rows], rows, logits, next_ids, len(seqs))
+            res.prompt_logprobs = score_prompts(seqs, scored, out.logits[len(rows):])
+        return res
 
     def attn_meta(self, starts: list[int], ends: list[int], tables: list[list[int]]) -> AttnMeta:
         return AttnMeta.build(starts, ends, tables, self.pool.page_size, self.device)
@@ -61,10 +73,23 @@ class ModelRunner:
         """Hook for work on every fed row (the speculative runner writes the drafter's context here)."""
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        """logits [R, V] -> one token per request."""
+        """logits [R, V] (raw, left untouched) -> one token per request, drawn from the penalised logits."""
+        scores = self.penalised(reqs, logits)
         if all(r.params.greedy for r in reqs):
-            return logits.argmax(-1).tolist()
-        return sample(logits, self.sampling_batch(reqs), self.shared_gen).tolist()
+            return scores.argmax(-1).tolist()
+        return sample(scores, self.sampling_batch(reqs), self.shared_gen).tolist()
+
+    @staticmethod
+    def penalised(reqs: list[Request], logits: torch.Tensor, drafts: Optional[list[list[int]]] = None) -> torch.Tensor:
+        """logits [R, V] -> the same tensor when no request has a penalty, else penalised float32 logits [R, V].
+        Row i's history is reqs[i]'s prompt and output, then drafts[i] (drafts assumed accepted, DSpark verify)."""
+        if not any(r.params.penalized for r in reqs):
+            return logits
+        extra = drafts or [[] for _ in reqs]
+        rows = PenaltyRows([r.params.repetition_penalty for r in reqs], [r.params.frequency_penalty for r in reqs],
+                           [r.params.presence_penalty for r in reqs], [r.prompt_ids for r in reqs],
+                           [r.output_ids + d for r, d in zip(reqs, extra)])
+        return apply_penalties(logits, rows)
 
     def sampling_batch(self, reqs: list[Request], repeats: Optional[list[int]] = None) -> SamplingBatch:
         """Per-row sampling parameters; with `repeats`, request i fills repeats[i] consecutive rows."""
@@ -86,3 +111,48 @@ class ModelRunner:
         if req.rid not in self._generators:
             self._generators[req.rid] = torch.Generator(device=self.device).manual_seed(req.params.seed)
         return self._generators[req.rid]
+
+
+def output_logprobs(reqs: list[Request], rows: list[int], logits: torch.Tensor, next_ids: list[int],
+                    num_seqs: int) -> list[list[Entry]]:
+    """The sampled tokens' logprobs from the raw logits [R, V], for the requests that asked (empty lists else)."""
+    out: list[list[Entry]] = [[] for _ in range(num_seqs)]
+    asked = [j for j, r in enumerate(reqs) if r.params.return_logprob]
+    if asked:
+        idx = torch.tensor(asked, device=logits.device)
+        entries = token_logprobs(logits.index_select(0, idx), [next_ids[j] for j in asked],
+                                 [reqs[j].params.top_logprobs_num for j in asked])
+        for j, e in zip(asked, entries):
+            out[rows[j]] = [e]
+    return out
+
+
+def prompt_rows(seqs) -> list[tuple[int, int, int, int]]:
+    """Fed rows whose logits score a prompt token (logprob_start_len >= 0): per sequence (index, first scored
+    position, first flat row, count). Row of position p scores the token at p + 1; positions already recorded (a
+    recomputed prompt) are not scored again."""
+    out, offset = [], 0
+    for i, s in enumerate(seqs):
+        lp = s.req.logprobs
+        if lp is not None and lp.input_start >= 0:
+            first = max(s.start + 1, lp.input_start, 1, lp.input_start + len(lp.input))
+            last = min(s.end, len(s.req.prompt_ids) - 1)  # the last scored position (row p = last - 1)
+            if last >= first:
+                out.append((i, first, offset + first - 1 - s.start, last - first + 1))
+        offset += s.end - s.start
+    return out
+
+
+def score_prompts(seqs, scored: list[tuple[int, int, int, int]],
+                  logits: torch.Tensor) -> list[Optional[tuple[int, list[Entry]]]]:
+    """logits [E, V] of the rows `prompt_rows` chose -> per sequence (first position, entries) or None."""
+    out: list[Optional[tuple[int, list[Entry]]]] = [None] * len(seqs)
+    if not scored:
+        return out
+    targets = [seqs[i].req.prompt_ids[first + j] for i, first, _, n in scored for j in range(n)]
+    ks = [seqs[i].req.params.top_logprobs_num for i, _, _, n in scored for _ in range(n)]
+    entries, cursor = token_logprobs(logits, targets, ks), 0
+    for i, first, _, n in scored:
+        out[i] = (first, entries[cursor : cursor + n])
+        cursor += n
+    return out

@@ -1,4 +1,8 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Batched sampling: repetition / frequency / presence penalties, greedy, temperature, top-k, top-p, min-p,
+per-request seeds.
+
+Penalties act on the raw logits before anything else (vLLM's rule, Hugging Face's for repetition); a batch whose
+requests all leave them at their defaults never calls `apply_penalties`.
 
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1) is a draw from p), so a request with its own
 seed gets its noise from its own generator and draws the same tokens whatever batch it shares.
@@ -26,6 +30,48 @@ class SamplingBatch:
     @property
     def all_greedy(self) -> bool:
         return bool(self.greedy.all())
+
+
+@dataclass
+class PenaltyRows:
+    """Per-row penalties and token histories, [R] each: `prompts[i]` and `outputs[i]` are the tokens that precede
+    row i's next token (the prompt, then what was generated so far, drafts assumed accepted included)."""
+
+    repetition: list[float]
+    frequency: list[float]
+    presence: list[float]
+    prompts: list[list[int]]
+    outputs: list[list[int]]
+
+
+def _token_counts(histories: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """Token id histories (R lists) -> counts [R, V] float32."""
+    width = max((len(h) for h in histories), default=0)
+    ids = torch.full((len(histories), width), vocab, dtype=torch.int64)  # [R, W], padded with the spare id V
+    for i, h in enumerate(histories):
+        ids[i, : len(h)] = torch.tensor(h, dtype=torch.int64)
+    counts = torch.zeros(len(histories), vocab + 1, device=device)  # [R, V + 1]: column V soaks up the padding
+    counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, pr: PenaltyRows) -> torch.Tensor:
+    """logits [R, V] -> penalised float32 logits [R, V] (a new tensor; `logits` is left as it was).
+
+    repetition r, on every id seen in the prompt or the output: logit / r if logit > 0 else logit * r;
+    then frequency f and presence p, on output ids only: logit -= f * count + p * (count > 0).
+    A row at the defaults (1, 0, 0) comes back equal to its input."""
+    vocab, dev = logits.shape[1], logits.device
+    out_counts = _token_counts(pr.outputs, vocab, dev)  # [R, V]
+    seen = (_token_counts(pr.prompts, vocab, dev) > 0) | (out_counts > 0)  # [R, V]
+    # [R, 1]; an extreme r (1e-300, 1e300) would be 0 or inf in float32 and turn logits into inf / nan
+    rep = torch.tensor(pr.repetition, device=dev, dtype=torch.float64).clamp(1e-30, 1e30).float().unsqueeze(1)
+    rep = torch.where(seen, rep, torch.ones_like(rep))  # [R, V]: 1 where the id was never seen
+    x = logits.float()
+    x = torch.where(x > 0, x / rep, x * rep)
+    freq = torch.tensor(pr.frequency, device=dev, dtype=torch.float32).unsqueeze(1)  # [R, 1]
+    pres = torch.tensor(pr.presence, device=dev, dtype=torch.float32).unsqueeze(1)  # [R, 1]
+    return x - freq * out_counts - pres * (out_counts > 0).float()
 
 
 def filter_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

@@ -3,7 +3,8 @@
 One round for R running requests (row r: anchor = its last token, at position p_r):
   propose  -> drafts d_1..d_n (n_r after caps and confidence truncation) from the drafter
   verify   -> one target forward over [anchor, d_1..d_n] at positions p_r..p_r+n_r, taps captured
-  accept   -> spec/verify.py: a_r drafts accepted, next token (correction or bonus)
+  accept   -> spec/verify.py: a_r drafts accepted, next token (correction or bonus), judged on the target's
+              logits penalised the way plain decoding penalises them (verify row j: history + d_1..d_j)
   commit   -> target KV now valid for p_r..p_r+a_r; the drafter's context is written for those rows
 """
 
@@ -14,6 +15,7 @@ import torch
 from sparkrelay.engine.scheduler import Batch
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.qwen3 import StageOutput
+from sparkrelay.runner.logprobs import token_logprobs
 from sparkrelay.runner.model_runner import ModelRunner, RunResult
 from sparkrelay.runner.sampler import filter_probs
 from sparkrelay.spec.proposer import DSparkProposer
@@ -53,22 +55,45 @@ class SpecRunner(ModelRunner):
         drafts = prop.drafts.tolist()
         ids = [t for r, d, k in zip(reqs, drafts, n) for t in [r.all_ids[-1]] + d[:k]]
         out = self.forward(meta, ids, torch.arange(len(ids)))  # logits at every row: [T, V]
-        res = verify(prop.drafts, prop.num_drafts, prop.draft_probs, self._target_probs(reqs, n, out.logits),
-                     sb.greedy, sb.generators, self.shared_gen)
+        res = verify(prop.drafts, prop.num_drafts, prop.draft_probs,
+                     self._target_probs(reqs, n, drafts, out.logits), sb.greedy, sb.generators, self.shared_gen)
         accepted, nxt = res.accepted.tolist(), res.next_ids.tolist()
         self._commit_context(meta, out, n, accepted)
         tokens = [d[:a] + [t] for d, a, t in zip(drafts, accepted, nxt)]
         computed = [p + a + 1 for p, a in zip(starts, accepted)]
-        return RunResult(tokens, computed, list(zip(n, accepted)))
+        res = RunResult(tokens, computed, list(zip(n, accepted)))
+        if any(r.params.return_logprob for r in reqs):
+            res.logprobs = self._committed_logprobs(reqs, n, tokens, out.logits)
+        return res
+
+    @staticmethod
+    def _committed_logprobs(reqs, n: list[int], tokens: list[list[int]], logits: torch.Tensor) -> list:
+        """Logprobs of each request's committed tokens from the verify pass's raw target logits [T, V]: verify
+        row j of request r (the anchor, then d_1..) scored its committed token j; never the drafter's numbers."""
+        rows, ids, ks, offset = [], [], [], 0
+        for r, k, toks in zip(reqs, n, tokens):
+            if r.params.return_logprob:
+                rows += range(offset, offset + len(toks))
+                ids += toks
+                ks += [r.params.top_logprobs_num] * len(toks)
+            offset += k + 1
+        entries = iter(token_logprobs(logits.index_select(0, torch.tensor(rows, device=logits.device)), ids, ks))
+        return [[next(entries) for _ in toks] if r.params.return_logprob else [] for r, toks in zip(reqs, tokens)]
 
     def _caps(self, reqs, starts: list[int]) -> list[int]:
         """Drafts worth proposing: no more than the tokens the request may still emit, inside the context."""
         return [max(0, min(r.params.max_new_tokens - len(r.output_ids), self.context_length - p) - 1)
                 for r, p in zip(reqs, starts)]
 
-    def _target_probs(self, reqs, n: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """logits [T, V] of the verify rows -> p [R, N + 1, V], filtered as each request samples (padded rows 0)."""
+    def _target_probs(self, reqs, n: list[int], drafts: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
+        """logits [T, V] of the verify rows -> p [R, N + 1, V], penalised and filtered as each request samples
+        (padded rows 0). Verify row j of request r follows d_1..d_j, so its penalty history is the request's tokens
+        plus those drafts: exactly what plain decoding would have seen had they been accepted. The drafter itself
+        proposes from unpenalised logits; that only lowers acceptance, never changes what is committed."""
         reps = [k + 1 for k in n]
+        if any(r.params.penalized for r in reqs):  # else the raw logits, as before penalties existed
+            rows = [r for r, k in zip(reqs, reps) for _ in range(k)]
+            logits = self.penalised(rows, logits, [d[:j] for d, k in zip(drafts, reps) for j in range(k)])  # [T, V]
         if all(r.params.greedy for r in reqs):
             probs = logits  # greedy verification only compares argmaxes
         else:

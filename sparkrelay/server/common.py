@@ -9,7 +9,7 @@ import json
 from typing import AsyncIterator, Callable, Optional
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sparkrelay.config import Config
 from sparkrelay.engine.request import RequestOutput
@@ -37,6 +37,19 @@ def error_response(status: int, message: str) -> JSONResponse:
 
 def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def stream_error_response(status: int, message: str) -> Response:
+    """A streamed request's error as a 200 SSE body: the error event (with the real status as its `code`), then
+    [DONE]. A decode server answers so because routers relay its stream: sglang-router (0.3.2) rewrites any non-2xx
+    answer to a streamed request into a broken frame (`data: {'error': ...` cut at the original length)."""
+    return Response(sse(error_body(status, message)) + "data: [DONE]\n\n", 200, media_type="text/event-stream")
+
+
+def wants_stream_error(request: Request, config: Config) -> bool:
+    """Whether an error of this request goes out as `stream_error_response`: a decode server's streamed request
+    (`_parse` records `stream` in request.state)."""
+    return config.disagg.disaggregation_mode == "decode" and getattr(request.state, "stream", False) is True
 
 
 def failure(out: RequestOutput) -> Optional[str]:
@@ -93,8 +106,8 @@ class ServerState:
         async def body():
             async with contextlib.aclosing(self.outputs(stream)) as outs:
                 async for out in outs:
-                    if failure(out):
-                        yield sse(error_body(500, failure(out)))
+                    if failure(out):  # the error's own status (e.g. a 4xx schema mismatch), as JSON would
+                        yield sse(error_body((out.finish_reason or {}).get("status_code", 500), failure(out)))
                         break
                     for c in chunks(out):
                         yield sse(c)

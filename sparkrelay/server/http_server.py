@@ -31,8 +31,9 @@ from sparkrelay.config import Config
 from sparkrelay.engine.request import RequestError, RequestOutput, SamplingParams
 from sparkrelay.server import protocol as P
 from sparkrelay.server.async_engine import AsyncEngine, EngineStopped, GenerationItem
-from sparkrelay.server.common import ServerError, ServerState, error_response
-from sparkrelay.server.openai_api import openai_response
+from sparkrelay.server.common import (ServerError, ServerState, error_response, stream_error_response,
+                                      wants_stream_error)
+from sparkrelay.server.openai_api import openai_response, token_text
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +81,11 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 # ---------------------------------------------------------------- /generate
 
-def _generate_result(out: RequestOutput, start: float, index: Optional[int]) -> dict:
+def _generate_result(out: RequestOutput, start: float, index: Optional[int], text_of=None) -> dict:
+    """SGLang's answer; with return_logprob its meta_info holds every logprob so far (cumulative when streamed),
+    token texts from `text_of` (return_text_in_logprobs)."""
     res = {"text": out.text, "output_ids": list(out.output_ids),
-           "meta_info": out.meta_info(time.perf_counter() - start)}
+           "meta_info": out.meta_info(time.perf_counter() - start, text_of)}
     if index is not None:
         res["index"] = index
     return res
@@ -94,11 +97,12 @@ async def _generate(s: ServerState, req: P.GenerateRequest, request: Request):
     items = P.with_bootstrap(req, items)
     stream = await s.engine.submit(items)
     index = {it.rid: i for i, it in enumerate(items)}
+    text_of = token_text(s.tokenizer) if req.return_text_in_logprobs else None
     if req.stream:
-        return s.streaming(stream, lambda o: [_generate_result(o, start, index[o.rid] if batch else None)],
+        return s.streaming(stream, lambda o: [_generate_result(o, start, index[o.rid] if batch else None, text_of)],
                            lambda: [])
     finals = await s.collect(stream, request)
-    results = [_generate_result(finals[it.rid], start, None) for it in items]
+    results = [_generate_result(finals[it.rid], start, None, text_of) for it in items]
     return results if batch else results[0]
 
 
@@ -108,6 +112,8 @@ def _install_error_handlers(app: FastAPI, s: ServerState) -> None:
     def bad_request(req: Request, message: str):
         s.metrics.num_bad_requests.inc()
         logger.info("rejected %s %s: %s", req.method, req.url.path, message[:300])  # as often as the access log
+        if wants_stream_error(req, s.config):
+            return stream_error_response(400, message)
         return error_response(400, message)
 
     @app.exception_handler(RequestValidationError)
@@ -136,6 +142,23 @@ def _install_error_handlers(app: FastAPI, s: ServerState) -> None:
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
+def _resolved_settings(s: ServerState) -> dict:
+    """The settings whose flag default means "decide at start" (None, auto), as the engine resolved them, so
+    /server_info shows the figures in force (as SGLang's does), not the unresolved flags."""
+    e = s.engine.engine
+    proposer, workers = getattr(e, "proposer", None), getattr(getattr(e, "runner", None), "workers", None)
+    out = {"context_length": e.context_length, "max_total_tokens": e.max_total_tokens,
+           "tokenizer_path": s.config.model.tokenizer_path or s.config.model.model_path,
+           "served_model_name": s.model_name}
+    if getattr(e, "dtype", None) is not None:
+        out["dtype"] = str(e.dtype).removeprefix("torch.")
+    if proposer is not None:
+        out["speculative_num_draft_tokens"] = proposer.max_drafts
+    if workers is not None:
+        out["dist_init_port"] = workers.port
+    return out
+
+
 def _install_info_routes(app: FastAPI, s: ServerState) -> None:
     @app.get("/health")
     async def health():
@@ -152,7 +175,7 @@ def _install_info_routes(app: FastAPI, s: ServerState) -> None:
         return Response(status_code=200)
 
     def server_info():
-        flat = s.config.flat()
+        flat = s.config.flat() | _resolved_settings(s)
         for secret in ("api_key", "disaggregation_auth_token"):
             if flat.get(secret):
                 flat[secret] = "<redacted>"
@@ -191,6 +214,7 @@ async def _parse(model: type[BaseModel], request: Request):
                            f"{e.object[e.start:e.end]!r}, which is not valid Unicode") from e
     except ValueError as e:
         raise RequestError(f"malformed JSON body: {e}") from e
+    request.state.stream = isinstance(data, dict) and data.get("stream") is True  # how errors are answered
     try:
         return model.model_validate(data)
     except ValidationError as e:

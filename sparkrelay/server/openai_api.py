@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import time
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from sparkrelay.engine.request import RequestOutput
+from sparkrelay.engine.request import Logprobs, RequestOutput
 from sparkrelay.server import protocol as P
 from sparkrelay.server.async_engine import GenerationItem, OutputStream
 from sparkrelay.server.common import ServerState
@@ -56,8 +58,34 @@ def _openai_head(kind: str, oid: str, s: ServerState) -> dict:
     return {"id": oid, "object": kind, "created": int(time.time()), "model": s.model_name}
 
 
-def _choice(chat: bool, index: int, text: str, finish: Optional[str], stream: bool, first: bool = False) -> dict:
-    c: dict = {"index": index, "logprobs": None, "finish_reason": finish}
+def token_text(tokenizer) -> Callable[[int], str]:
+    """Token id -> its text alone (cached: the same ids recur in every position's top list)."""
+    return functools.lru_cache(maxsize=1 << 14)(lambda t: tokenizer.decode([t]))
+
+
+def _completion_logprobs(lp: Logprobs, ids: list[int], a: int, b: int, text_of, offset: int) -> dict:
+    """OpenAI's legacy completion logprobs of output tokens [a, b); text offsets from `offset` (the text already
+    sent). top_logprobs: per token a dict text -> logprob of the top `logprobs` tokens (None when 0), as vLLM."""
+    tokens = [text_of(t) for t in ids[a:b]]
+    offsets = list(itertools.accumulate((len(x) for x in tokens[:-1]), initial=offset))[: len(tokens)]
+    tops = [({text_of(t): v for v, t in top} if lp.top else None) for top in lp.output_top[a:b]]
+    return {"tokens": tokens, "token_logprobs": lp.output[a:b], "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(lp: Logprobs, ids: list[int], a: int, b: int, text_of) -> dict:
+    """OpenAI's chat logprobs of output tokens [a, b): {content: [{token, logprob, bytes, top_logprobs}]}."""
+    def entry(v: float, t: int) -> dict:
+        text = text_of(t)
+        return {"token": text, "logprob": v, "bytes": list(text.encode("utf-8"))}
+
+    content = [entry(v, t) | {"top_logprobs": [entry(tv, tt) for tv, tt in top]}
+               for v, t, top in zip(lp.output[a:b], ids[a:b], lp.output_top[a:b])]
+    return {"content": content}
+
+
+def _choice(chat: bool, index: int, text: str, finish: Optional[str], stream: bool, first: bool = False,
+            logprobs: Optional[dict] = None) -> dict:
+    c: dict = {"index": index, "logprobs": logprobs, "finish_reason": finish}
     if not chat:
         c["text"] = text
     elif not stream:
@@ -77,9 +105,21 @@ async def openai_response(s: ServerState, req, request: Request, chat: bool):
     finals = await s.collect(stream, request)
     outs = [finals[it.rid] for it in items]
     resp = _openai_head("chat.completion" if chat else "text_completion", oid, s)
-    resp["choices"] = [_choice(chat, i, o.text, _finish(o), False) for i, o in enumerate(outs)]
+    text_of = token_text(s.tokenizer)
+    resp["choices"] = [_choice(chat, i, o.text, _finish(o), False, logprobs=_logprobs(chat, o, 0, text_of, 0))
+                       for i, o in enumerate(outs)]
     resp["usage"] = _usage(outs, req.n)
     return resp
+
+
+def _logprobs(chat: bool, out: RequestOutput, a: int, text_of, offset: int) -> Optional[dict]:
+    """The choice's logprobs for output tokens [a, end) (None unless the request asked)."""
+    if out.logprobs is None:
+        return None
+    ids = list(out.output_ids)
+    if chat:
+        return _chat_logprobs(out.logprobs, ids, a, len(ids), text_of)
+    return _completion_logprobs(out.logprobs, ids, a, len(ids), text_of, offset)
 
 
 def _openai_stream(s: ServerState, req, stream: OutputStream, items: list[GenerationItem], index: dict,
@@ -89,6 +129,8 @@ def _openai_stream(s: ServerState, req, stream: OutputStream, items: list[Genera
     deltas = {it.rid: _Stable(it.params.stop) for it in items}
     started: set[str] = set()
     finals: dict[str, RequestOutput] = {}
+    text_of = token_text(s.tokenizer)
+    scored: dict[str, tuple[int, int]] = {}  # rid -> (output tokens whose logprobs were sent, their text length)
 
     def chunk(choices: list, with_usage=None) -> dict:
         c = _openai_head(kind, oid, s) | {"choices": choices}
@@ -101,7 +143,15 @@ def _openai_stream(s: ServerState, req, stream: OutputStream, items: list[Genera
             finals[out.rid] = out
         if not (text or finish or (chat and first)):
             return []
-        return [chunk([_choice(chat, index[out.rid], text, finish, True, first)])]
+        return [chunk([_choice(chat, index[out.rid], text, finish, True, first, stream_logprobs(out))])]
+
+    def stream_logprobs(out: RequestOutput) -> Optional[dict]:
+        """Logprobs of the tokens not yet sent in an earlier chunk (text offsets continue across chunks)."""
+        sent, offset = scored.get(out.rid, (0, 0))
+        lp = _logprobs(chat, out, sent, text_of, offset)
+        if lp is not None:
+            scored[out.rid] = (len(out.output_ids), offset + sum(len(text_of(t)) for t in out.output_ids[sent:]))
+        return lp
 
     def tail() -> list:
         outs = [finals[it.rid] for it in items if it.rid in finals]

@@ -1,8 +1,10 @@
 """HTTP request models (SGLang-native and OpenAI) and their translation into engine requests.
 
 Every translation error is a RequestError whose message names the offending field (HTTP 400).
-Unknown fields are rejected (extra="forbid") rather than silently ignored; the only fields accepted and ignored
-are OpenAI's `user` and the defaults sglang-router adds to /generate bodies. The PD bootstrap fields are
+Unknown fields are rejected (extra="forbid") rather than silently ignored. OpenAI's `user` is accepted and
+ignored; the SGLang fields that sglang-router adds to every body it forwards (`return_hidden_states`,
+`continue_final_message`, `separate_reasoning`, ... see SGLANG_EXTRAS) are accepted at their defaults and refused
+by name when they ask for something this server does not do. The PD bootstrap fields are
 accepted everywhere and attached to each engine item (`with_bootstrap`); an aggregated engine ignores them.
 """
 
@@ -14,7 +16,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sparkrelay.engine.request import Bootstrap, RequestError, SamplingParams
+from sparkrelay.engine.request import MAX_TOP_LOGPROBS, Bootstrap, RequestError, SamplingParams
 from sparkrelay.server.async_engine import GenerationItem
 
 
@@ -52,13 +54,16 @@ class GenerateSamplingParams(_Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     sampling_seed: Optional[int] = None
     seed: Optional[int] = None
     n: int = 1
 
 
 class GenerateRequest(_Routed):
-    # defaults sglang-router adds to every /generate body it forwards (accepted, not used)
+    # defaults sglang-router adds to every /generate body it forwards (SGLANG_EXTRAS: only the defaults are served)
     return_text_in_logprobs: bool = False
     log_metrics: bool = True
     return_hidden_states: bool = False
@@ -72,7 +77,9 @@ class GenerateRequest(_Routed):
     sampling_params: Union[GenerateSamplingParams, list[GenerateSamplingParams], None] = None
     rid: Union[str, list[str], None] = None
     stream: bool = False
-    return_logprob: Union[bool, list[bool]] = False
+    return_logprob: Union[bool, list[bool], None] = False
+    top_logprobs_num: Union[int, list[int], None] = 0
+    logprob_start_len: Union[int, list[int], None] = -1
 
 
 # ---------------------------------------------------------------- OpenAI
@@ -92,8 +99,9 @@ class _OpenAIRequest(_Routed):
     stop: Union[str, list[str], None] = None
     seed: Optional[int] = None
     user: Optional[str] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Optional[float] = 0.0  # null: the default, as OpenAI's schema allows
+    frequency_penalty: Optional[float] = 0.0
+    repetition_penalty: Optional[float] = 1.0  # vLLM / SGLang extension
     logit_bias: Optional[dict[str, float]] = None
     # SGLang extensions
     top_k: int = -1
@@ -102,6 +110,7 @@ class _OpenAIRequest(_Routed):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    return_hidden_states: bool = False  # SGLang extension, added by sglang-router (SGLANG_EXTRAS)
 
 
 class CompletionRequest(_OpenAIRequest):
@@ -109,7 +118,7 @@ class CompletionRequest(_OpenAIRequest):
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = None  # 0..20: the chosen token's logprob and this many top ones (null: off)
 
 
 class ContentPart(_Strict):
@@ -126,11 +135,16 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = None
-    logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None  # 0..20, with logprobs true
     tools: Optional[list[Any]] = None
     tool_choice: Any = None
     response_format: Optional[dict[str, Any]] = None
+    # SGLang extensions that sglang-router adds to every chat body. Without a reasoning parser (this server has
+    # none) SGLang ignores both reasoning flags, so either value is served the same way.
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 # ---------------------------------------------------------------- translation helpers
@@ -149,6 +163,19 @@ def _check_max_tokens(name: str, value: int, limits: Limits) -> None:
 def _check_n(n: int, limits: Limits) -> None:
     if not 1 <= n <= limits.max_n:
         raise RequestError(f"`n` must be in 1..{limits.max_n} (--max-n), got {n}")
+
+
+# SGLang request fields that sglang-router (0.3.2) adds to every body it forwards, with their defaults; this server
+# serves only the default of each (a non-default value is refused by name). `log_metrics`, `no_logs` and the two
+# reasoning flags change nothing here (no reasoning parser), so any value is accepted for them.
+SGLANG_EXTRAS = {"return_hidden_states": False, "background": False, "return_bytes": False, "return_entropy": False}
+
+
+def _check_extras(req: BaseModel) -> None:
+    for name, default in SGLANG_EXTRAS.items():
+        if getattr(req, name, default) != default:
+            raise RequestError(f"`{name}` = {getattr(req, name)!r} is not supported by this server "
+                               f"(only the default {default!r} is)")
 
 
 def _check_prompt(ids: list[int], where: str) -> list[int]:
@@ -200,9 +227,7 @@ def _generate_params(sp: GenerateSamplingParams, limits: Limits) -> SamplingPara
 
 def generate_items(req: GenerateRequest, tokenizer, limits: Limits, new_id) -> tuple[list[GenerationItem], bool]:
     """Engine items for a /generate request and whether the answer is a list (batch input)."""
-    if req.return_logprob not in (False, None) and any(
-            [req.return_logprob] if isinstance(req.return_logprob, bool) else req.return_logprob):
-        raise _unsupported("return_logprob")
+    _check_extras(req)
     prompts, batch = _generate_prompts(req, tokenizer)
     sps = req.sampling_params or GenerateSamplingParams()
     sps = sps if isinstance(sps, list) else [sps] * len(prompts)
@@ -210,21 +235,49 @@ def generate_items(req: GenerateRequest, tokenizer, limits: Limits, new_id) -> t
     rids = [rids] if isinstance(rids, str) else rids
     if len(sps) != len(prompts) or len(rids) != len(prompts):
         raise RequestError(f"batch of {len(prompts)} prompts needs as many `sampling_params` and `rid` entries")
-    items = [GenerationItem(r, p, _generate_params(s, limits)) for r, p, s in zip(rids, prompts, sps)]
+    logprobs = _generate_logprobs(req, len(prompts))
+    items = [GenerationItem(r, p, dataclasses.replace(_generate_params(s, limits), **lp))
+             for r, p, s, lp in zip(rids, prompts, sps, logprobs)]
     return items, batch
+
+
+def _generate_logprobs(req: GenerateRequest, n: int) -> list[dict[str, Any]]:
+    """SGLang's per-request logprob fields (a value, or a list with one per prompt) -> SamplingParams fields."""
+    fields = (("return_logprob", False), ("top_logprobs_num", 0), ("logprob_start_len", -1))
+    per = {name: _per_prompt(getattr(req, name), default, n, name) for name, default in fields}
+    for k in per["top_logprobs_num"]:
+        if not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"`top_logprobs_num` must be in 0..{MAX_TOP_LOGPROBS}, got {k}")
+    for k in per["logprob_start_len"]:
+        if k < -1:
+            raise RequestError(f"`logprob_start_len` must be -1 (output logprobs only) or >= 0, got {k}")
+    return [dict(zip(per, values)) for values in zip(*per.values())]
+
+
+def _per_prompt(value, default, n: int, name: str) -> list:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise RequestError(f"`{name}` has {len(value)} entries; the request has {n} prompts")
+        return [default if v is None else v for v in value]
+    return [default if value is None else value] * n
 
 
 # ---------------------------------------------------------------- OpenAI
 
+def _or(value: Optional[float], default: float) -> float:
+    return default if value is None else value
+
+
 def _openai_common(req: _OpenAIRequest, limits: Limits) -> dict[str, Any]:
-    if req.presence_penalty or req.frequency_penalty:
-        raise _unsupported("presence_penalty / frequency_penalty")
+    _check_extras(req)
     if req.logit_bias:
         raise _unsupported("logit_bias")
     _check_n(req.n, limits)
     return dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                 stop=req.stop or (), stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
-                skip_special_tokens=req.skip_special_tokens, no_stop_trim=req.no_stop_trim)
+                skip_special_tokens=req.skip_special_tokens, no_stop_trim=req.no_stop_trim,
+                repetition_penalty=_or(req.repetition_penalty, 1.0), frequency_penalty=_or(req.frequency_penalty, 0.0),
+                presence_penalty=_or(req.presence_penalty, 0.0))
 
 
 def _expand(prompts: list[list[int]], max_tokens: list[int], common: dict, n: int, seed: Optional[int],
@@ -243,11 +296,13 @@ def completion_items(req: CompletionRequest, tokenizer, limits: Limits, base_id:
         raise _unsupported("echo")
     if req.suffix:
         raise _unsupported("suffix")
-    if req.logprobs is not None:
-        raise _unsupported("logprobs")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"`logprobs` must be in 0..{MAX_TOP_LOGPROBS} (or null: off), got {req.logprobs}")
     if req.best_of not in (None, 1, req.n):
         raise _unsupported("best_of")
     common = _openai_common(req, limits)
+    if req.logprobs is not None:
+        common |= dict(return_logprob=True, top_logprobs_num=req.logprobs)
     p = req.prompt
     if isinstance(p, str):
         prompts = [_tokenize(tokenizer, p)]
@@ -270,21 +325,29 @@ def _message_dict(m: ChatMessage) -> dict[str, str]:
 
 def chat_prompt_ids(req: ChatCompletionRequest, tokenizer) -> list[int]:
     messages = [_message_dict(m) for m in req.messages]
+    cont = req.continue_final_message  # SGLang / vLLM: the reply extends the last (assistant) message
+    if cont and messages[-1]["role"] != "assistant":
+        raise RequestError("`continue_final_message` needs the last message to have role 'assistant'")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=not cont, tokenize=False,
+                                             **({"continue_final_message": True} if cont else {}))
     except Exception as e:  # a template may raise on roles or orders it does not support
         raise RequestError(f"chat template failed on `messages`: {e}") from e
     return _check_prompt(list(tokenizer.encode(text, add_special_tokens=False)), "templated chat prompt")
 
 
 def chat_items(req: ChatCompletionRequest, tokenizer, limits: Limits, base_id: str) -> list[GenerationItem]:
-    if req.logprobs or req.top_logprobs:
-        raise _unsupported("logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"`top_logprobs` must be in 0..{MAX_TOP_LOGPROBS}, got {req.top_logprobs}")
+    if req.top_logprobs and not req.logprobs:
+        raise RequestError("`top_logprobs` needs `logprobs: true`")
     if req.tools or req.tool_choice not in (None, "none"):
         raise _unsupported("tools")
     if req.response_format and req.response_format.get("type") != "text":
         raise _unsupported("response_format")
     common = _openai_common(req, limits)
+    if req.logprobs:
+        common |= dict(return_logprob=True, top_logprobs_num=req.top_logprobs or 0)
     ids = chat_prompt_ids(req, tokenizer)
     if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
         raise RequestError("`max_tokens` and `max_completion_tokens` disagree")
@@ -299,24 +362,42 @@ def chat_items(req: ChatCompletionRequest, tokenizer, limits: Limits, base_id: s
 
 # ---------------------------------------------------------------- PD bootstrap fields
 
-def _per_item(value, n: int, name: str) -> list:
-    if isinstance(value, list):
-        if len(value) != n:
-            raise RequestError(f"`{name}` has {len(value)} entries; the request has {n} sequences")
+_MAX_ROOM = 2**63 - 1
+
+
+def _sample_room(room: Optional[int], j: int) -> Optional[int]:
+    """Sample j's room, derived from its prompt's room as SGLang does (room + j), kept in 1..2^63-1."""
+    return room if room is None or j == 0 or not 1 <= room <= _MAX_ROOM else 1 + (room - 1 + j) % _MAX_ROOM
+
+
+def _per_item(value, n: int, samples: int, name: str) -> list:
+    """One value per item. Items are prompt-major with `samples` items per prompt; a single value or one value per
+    prompt is spread over the prompt's samples (rooms: prompt room + sample index, both sides derive the same)."""
+    prompts = n // samples
+    if isinstance(value, list) and len(value) not in (n, prompts):
+        raise RequestError(f"`{name}` has {len(value)} entries; the request has {n} sequences"
+                           + (f" ({prompts} prompts x n = {samples})" if samples > 1 else ""))
+    if isinstance(value, list) and len(value) == n:
         return value
-    if n > 1 and name == "bootstrap_room" and value is not None:
-        raise RequestError(f"a batch of {n} sequences needs `bootstrap_room` as a list with one room per sequence")
-    return [value] * n
+    per_prompt = value if isinstance(value, list) else [value] * prompts
+    if name == "bootstrap_room" and not isinstance(value, list) and prompts > 1 and value is not None:
+        raise RequestError(f"a batch of {prompts} prompts needs `bootstrap_room` as a list with one room per "
+                           f"sequence (or one per prompt, when n > 1)")
+    if name != "bootstrap_room":
+        return [v for v in per_prompt for _ in range(samples)]
+    return [_sample_room(r, j) for r in per_prompt for j in range(samples)]
 
 
 def with_bootstrap(req: _Routed, items: list[GenerationItem]) -> list[GenerationItem]:
-    """Attach the router's bootstrap fields to each item (arrays: one element per item, in order)."""
+    """Attach the router's bootstrap fields to each item: arrays with one element per item (in order) or per
+    prompt (n > 1: sample j of a prompt gets the prompt's room + j, as SGLang does), or one value for all."""
     if req.bootstrap_room is None and req.bootstrap_host is None:
         return items
-    n = len(items)
-    hosts = _per_item(req.bootstrap_host, n, "bootstrap_host")
-    ports = _per_item(req.bootstrap_port, n, "bootstrap_port")
-    rooms = _per_item(req.bootstrap_room, n, "bootstrap_room")
+    n, samples = len(items), getattr(req, "n", 1)
+    samples = samples if isinstance(samples, int) and samples >= 1 and n % samples == 0 else 1
+    hosts = _per_item(req.bootstrap_host, n, samples, "bootstrap_host")
+    ports = _per_item(req.bootstrap_port, n, samples, "bootstrap_port")
+    rooms = _per_item(req.bootstrap_room, n, samples, "bootstrap_room")
     if len(set(r for r in rooms if r is not None)) != len([r for r in rooms if r is not None]):
         raise RequestError("`bootstrap_room` repeats a room; every sequence needs its own")
     return [dataclasses.replace(it, bootstrap=Bootstrap(h or "", p, r)) if r is not None else it

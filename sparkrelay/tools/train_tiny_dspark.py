@@ -36,7 +36,9 @@ Stages, each resumable (rerun the same command): corpus ids -> generated pool ->
 `--ckpt-minutes` under `--work-dir`) -> export (bf16 DeepSpec folder) -> offline greedy acceptance length on
 held-out prompts (DSPARK.md §2.3 greedy rule, simulated along the target's greedy trajectory) -> train_report.json.
 
-Usage: python -m sparkrelay.tools.train_tiny_dspark [--target models/tiny-qwen3] [--out models/tiny-qwen3-dspark]
+Usage: python -m sparkrelay.tools.train_tiny_dspark [--target models/tiny-qwen3] [--out DIR]
+The drafter goes to `--out`, by default .cache/train_tiny_dspark/model (the work folder), never over the bundled,
+committed models/tiny-qwen3-dspark unless `--out models/tiny-qwen3-dspark` says so.
 """
 
 from __future__ import annotations
@@ -312,10 +314,11 @@ def acceptance(model: Qwen3DSparkModel, target, seqs: torch.Tensor, ends: torch.
             "committed_tokens": int((ends - p).sum())}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="models/tiny-qwen3")
-    p.add_argument("--out", default="models/tiny-qwen3-dspark")
+    p.add_argument("--out", default=None, help="drafter folder to write (default: WORK_DIR/model; "
+                                               "`--out models/tiny-qwen3-dspark` replaces the bundled drafter)")
     p.add_argument("--work-dir", default=".cache/train_tiny_dspark")
     p.add_argument("--train-minutes", type=float, default=45.0, help="training-loop budget (the lr schedule spans it)")
     p.add_argument("--max-steps", type=int, default=0, help="also stop after this many steps (0: time budget only)")
@@ -335,7 +338,17 @@ def main() -> None:
     p.add_argument("--eval-new", type=int, default=128)
     p.add_argument("--ckpt-minutes", type=float, default=3.0)
     p.add_argument("--log-every", type=int, default=10)
-    args = p.parse_args()
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.out = args.out or str(Path(args.work_dir) / "model")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     t_start = time.time()
     work = Path(args.work_dir)

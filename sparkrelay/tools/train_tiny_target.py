@@ -9,7 +9,9 @@ Stages, each resumable (rerun the same command to continue after an interruption
   4. export:    bf16 safetensors + config.json + tokenizer files + generation_config.json, and the held-out
                 loss in `train_report.json`.
 
-Usage: python -m sparkrelay.tools.train_tiny_target [--out models/tiny-qwen3] [--steps 600]
+Usage: python -m sparkrelay.tools.train_tiny_target [--out DIR] [--steps 500]
+The model goes to `--out`, by default .cache/train_tiny_target/model (the work folder), never over the bundled,
+committed models/tiny-qwen3 unless `--out models/tiny-qwen3` says so.
 """
 
 from __future__ import annotations
@@ -210,9 +212,10 @@ def export(work: Path, out: Path) -> None:
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="models/tiny-qwen3")
+    p.add_argument("--out", default=None, help="model folder to write (default: WORK_DIR/model; "
+                                               "`--out models/tiny-qwen3` replaces the bundled model)")
     p.add_argument("--work-dir", default=".cache/train_tiny_target")
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=256)
@@ -225,7 +228,17 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--ckpt-every", type=int, default=25)
-    args = p.parse_args()
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.out = args.out or str(Path(args.work_dir) / "model")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "tokenizer" / "tokenizer.json").exists():

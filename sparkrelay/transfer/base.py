@@ -75,10 +75,16 @@ ExpectedParts = Callable[[dict, int], dict[int, list[PartSpec]]]
 StatusCallback = Callable[[int, KVPoll, str], None]
 
 
+# Starts the reason of a room refused because the two servers' handoff schemas differ; it travels inside the
+# reasons both sides report (ABORT, STATUS), so each server can tell this deterministic failure from a transient one.
+SCHEMA_MISMATCH = "schema mismatch: "
+
+
 @dataclass(frozen=True)
 class PollResult:
     state: KVPoll
     reason: str = ""
+    permanent: bool = False  # Failed for a reason a retry cannot cure (the servers' configurations disagree)
 
 
 def check_room(room: object) -> Optional[str]:

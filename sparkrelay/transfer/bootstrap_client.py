@@ -9,12 +9,18 @@ import json
 import time
 import urllib.error
 import urllib.request
-from typing import Optional
+from typing import Callable, Optional
+
+Alive = Optional[Callable[[], bool]]  # False: nobody waits for the answer any more, stop retrying
 
 
 
 class BootstrapError(RuntimeError):
     """A bootstrap request the server refused for good (a 4xx other than 503), or a malformed answer."""
+
+
+class BootstrapCancelled(RuntimeError):
+    """Retrying stopped because nobody waits for the answer any more (every room that needed it ended)."""
 
 
 def _is_int(v: object) -> bool:
@@ -80,10 +86,13 @@ def register_rank(bootstrap_url: str, body: dict, retries: int = 5, token: Optio
                          f"{retries + 1} attempts: {last}")
 
 
-def _get_until(url: str, deadline: float, token: Optional[str] = None) -> dict:
-    """GET url, retrying 503 and connection errors until `deadline` (time.monotonic()); the JSON object."""
+def _get_until(url: str, deadline: float, token: Optional[str] = None, alive: Alive = None) -> dict:
+    """GET url, retrying 503 and connection errors until `deadline` (time.monotonic()) or until alive() is False;
+    the JSON object."""
     delay, last = 0.05, "no attempt"
     while True:
+        if alive is not None and not alive():
+            raise BootstrapCancelled(f"GET {url}: no room waits for the answer any more ({last})")
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError(f"GET {url}: not answered before the bootstrap deadline ({last})")
@@ -107,10 +116,10 @@ def _get_until(url: str, deadline: float, token: Optional[str] = None) -> dict:
         delay = min(delay * 2, 1.0)
 
 
-def fetch_prefill_info(url: str, deadline: float, token: Optional[str] = None) -> dict:
+def fetch_prefill_info(url: str, deadline: float, token: Optional[str] = None, alive: Alive = None) -> dict:
     """The server info (with "schema") from the bootstrap server at `url`; deadline is a time.monotonic()."""
     info = _get_until(f"{url}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
-                      deadline, token)
+                      deadline, token, alive)
     pp_size = info.get("pp_size")
     if not _is_int(pp_size) or not 1 <= pp_size <= 1024 or not isinstance(info.get("schema"), dict):
         raise BootstrapError(f"bootstrap server at {url} sent malformed server info (pp_size {pp_size!r}, "
@@ -118,10 +127,11 @@ def fetch_prefill_info(url: str, deadline: float, token: Optional[str] = None) -
     return info
 
 
-def fetch_rank(url: str, pp_rank: int, deadline: float, token: Optional[str] = None) -> tuple[str, int]:
+def fetch_rank(url: str, pp_rank: int, deadline: float, token: Optional[str] = None,
+               alive: Alive = None) -> tuple[str, int]:
     """(rank_ip, rank_port): the ZMQ PULL endpoint of prefill stage `pp_rank`."""
     entry = _get_until(f"{url}/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0"
-                       f"&target_pp_rank={pp_rank}", deadline, token)
+                       f"&target_pp_rank={pp_rank}", deadline, token, alive)
     ip, port = entry.get("rank_ip"), entry.get("rank_port")
     if not isinstance(ip, str) or not ip or not _is_int(port) or not 1 <= port <= 65535:
         raise BootstrapError(f"bootstrap server at {url} sent a malformed endpoint for pp_rank {pp_rank}: {entry}")

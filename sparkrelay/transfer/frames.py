@@ -345,8 +345,9 @@ class Inbox:
 
 
 class PushPool:
-    """PUSH sockets by (host, port), least recently used closed past `limit`. Owned by one thread only
-    (zmq sockets are not thread safe): the agents' sender threads."""
+    """Blocking PUSH sockets by (host, port), least recently used closed past `limit`. Owned by one thread only
+    (zmq sockets are not thread safe): the prefill agent's sender thread, whose sends of a room's data wait for
+    the decode to take them (the decode's control messages go through the non-blocking outbox.Outbox)."""
 
     def __init__(self, ctx: zmq.Context, send_timeout_s: float, auth: FrameAuth, limit: int = 1024) -> None:
         self.ctx, self.timeout_ms, self.auth, self.limit = ctx, int(send_timeout_s * 1000), auth, limit

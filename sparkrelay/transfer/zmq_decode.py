@@ -1,20 +1,27 @@
 """DecodeAgent: the decode side of the ZMQ transfer backend, one per decode server.
 
-    engine thread               bootstrap workers (4)                 sender thread (owns every PUSH)
-    begin(room, host, port) --> GET /route info (503: retry), compare
-                                schemas, expected_parts, stage
-                                endpoints (highest pp first)    -->   TRANSFER_INFO to every stage
+    engine thread               bootstrap workers (4)                 sender thread (owns every PUSH, never blocks)
+    begin(room, host, port) --> the prefill's record (cached, or GET
+                                /route info + every stage endpoint,
+                                one fetch per prefill at a time),
+                                compare schemas, expected_parts  -->  TRANSFER_INFO to every stage (outbox.py:
+                                                                      one queue per destination, 5 s each)
     listener thread (PULL): DATA / STATUS, each checked against the room's expected PartSpecs
-    monitor thread: waiting timeout (ABORT to the prefill) every 50 ms; GET /health per prefill every interval
-    poll(room) / take(room) after Success / abort(room) --> ABORT to every stage / clear(room)
+    monitor thread: waiting timeout (ABORT to the prefill) every 50 ms; GET /health per known prefill every interval
+    poll(room) / take(room) after Success / abort(room) --> ABORT with the reason to every stage / clear(room)
 
 Room state: Bootstrapping -> WaitingForInput (TRANSFER_INFO sent) -> Transferring (first DATA) -> Success
 (every stage's STATUS success, every expected part present), or Failed (always wins).
 
+Prefill records are dropped whenever a room fails against them (schema or auth mismatch, waiting timeout, STATUS
+failed, bad frame, undeliverable TRANSFER_INFO, lost heartbeat), so the next room reads /route again and a fixed
+or restarted prefill serves it. A prefill found dead (heartbeat, send timeout) or republished with other stage
+endpoints has its old endpoints retired: their sockets closed with linger 0, the messages queued for them dropped.
+
 With auth_token set, the bootstrap requests carry `Authorization: Bearer`, every message carries an HMAC tag
 (frames.FrameAuth), and a message without a valid tag is dropped and counted before it is parsed, never failing
 a room. A duplicate of a part already received (a replay: a real prefill sends each part once) is dropped too.
-Without a token a bad frame for a live room fails that room (PD_PROTOCOL.md §5 item 27).
+Without a token a bad frame for a live room fails that room.
 """
 
 from __future__ import annotations
@@ -30,18 +37,20 @@ from typing import Optional
 import zmq
 
 from sparkrelay.transfer import frames
-from sparkrelay.transfer.base import (ExpectedParts, KVPoll, Part, PartSpec, PollResult, SchemaCompare,
-                                      TransferError, check_room)
-from sparkrelay.transfer.bootstrap_client import bootstrap_url, check_health, fetch_prefill_info, fetch_rank
-from sparkrelay.transfer.decode_rooms import LIVE, Addr, Dest, PrefillRecord, RoomRecord, part_problem, success_problem
+from sparkrelay.transfer.base import (SCHEMA_MISMATCH, ExpectedParts, KVPoll, Part, PartSpec, PollResult,
+                                      SchemaCompare, TransferError, check_room)
+from sparkrelay.transfer.bootstrap_client import bootstrap_url, check_health
+from sparkrelay.transfer.decode_rooms import (LIVE, Addr, Dest, PrefillRecord, RoomRecord, part_problem, plan,
+                                              success_problem)
 from sparkrelay.transfer.frames import FrameError, start_loop
+from sparkrelay.transfer.outbox import MAX_QUEUED, Outbox
+from sparkrelay.transfer.prefill_book import PrefillBook
 
 logger = logging.getLogger(__name__)
 
 MAX_ROOMS = 1 << 16
 MAX_JOBS = 4 * MAX_ROOMS
-MAX_PREFILLS = 1024  # cached bootstrap addresses
-CONTROL_SEND_TIMEOUT_S = 5.0
+CONTROL_SEND_TIMEOUT_S = 5.0  # a stage that takes none of its queued control messages for this long loses them
 N_WORKERS = 4
 
 
@@ -62,13 +71,15 @@ class DecodeAgent(frames.AgentHealth):
         self._lock = threading.Lock()
         self._rooms: dict[int, RoomRecord] = {}
         self._waiting: OrderedDict[int, RoomRecord] = OrderedDict()  # by waiting_since; stale entries skipped
-        self._prefills: OrderedDict[Addr, PrefillRecord] = OrderedDict()
+        self._book = PrefillBook(self._token)
         self._work: queue.Queue = queue.Queue(MAX_ROOMS)  # (room, rec) to bootstrap
-        self._jobs: queue.Queue = queue.Queue(MAX_JOBS)  # ("send", dest, frames, room|None, rec|None) | ("drop", dests)
+        # ("send", dest, frames, tag) | ("drop", dests); tag: room (ABORT) or (room, rec) (TRANSFER_INFO)
+        self._jobs: queue.Queue = queue.Queue(MAX_JOBS)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._ctx: Optional[zmq.Context] = None
         self._next_heartbeat = 0.0
+        self._misses: dict[Addr, int] = {}  # failed heartbeats in a row, per prefill
         self._closed = False
 
     # ---- lifecycle ----
@@ -79,9 +90,9 @@ class DecodeAgent(frames.AgentHealth):
                              self._rejects)
         self.port = inbox.port
         frames.warn_if_exposed(self.bind_host, self._auth.enabled, "the decode transfer socket")
-        pool = frames.PushPool(self._ctx, CONTROL_SEND_TIMEOUT_S, self._auth)
+        out = Outbox(self._ctx, CONTROL_SEND_TIMEOUT_S, self._auth)
         self._threads = [start_loop("decode-listener", self._stop, lambda: self._listen_step(inbox), inbox.close),
-                         start_loop("decode-sender", self._stop, lambda: self._send_step(pool), pool.close),
+                         start_loop("decode-sender", self._stop, lambda: self._send_step(out), out.close),
                          start_loop("decode-monitor", self._stop, self._monitor_step)]
         self._threads += [start_loop(f"decode-bootstrap-{i}", self._stop, self._work_step) for i in range(N_WORKERS)]
         logger.info("decode: transfer agent on %s:%d", self.host, self.port)
@@ -132,7 +143,7 @@ class DecodeAgent(frames.AgentHealth):
             rec = self._rooms.get(room)
             if rec is None:
                 return PollResult(KVPoll.Failed, f"room {room} is not known to the decode (never begun, or cleared)")
-            return PollResult(rec.state, rec.reason)
+            return PollResult(rec.state, rec.reason, rec.permanent)
 
     def take(self, room: int) -> dict[int, dict[str, Part]]:
         """pp_rank -> name -> Part, once the room is Success; the agent drops its reference (one take per room)."""
@@ -169,20 +180,30 @@ class DecodeAgent(frames.AgentHealth):
     # ---- state changes ----
 
     def _fail(self, room: int, rec: RoomRecord, reason: str, notify: bool = True, skip: Optional[Dest] = None,
-              force: bool = False) -> None:
+              force: bool = False, permanent: bool = False) -> None:
         """Failed (wins over everything but an earlier Failed; over Success only when `force`), and an ABORT
-        with the reason to every stage endpoint the room knows unless notify is False."""
+        with the reason to every live stage endpoint of the room (still bootstrapping: of its prefill's cached
+        record, if any) unless notify is False."""
         with self._lock:
             if self._rooms.get(room) is not rec or rec.state == KVPoll.Failed:
                 return
             if rec.state == KVPoll.Success and not force:
                 return
-            rec.state, rec.reason, rec.received = KVPoll.Failed, reason, {}
-            dests = [d for d in rec.endpoints.values() if d != skip] if notify else []
+            rec.state, rec.reason, rec.received, rec.permanent = KVPoll.Failed, reason, {}, permanent
+            endpoints = dict(rec.endpoints)
         logger.warning("decode: room %d failed: %s", room, reason)
+        if notify and not endpoints:
+            known = self._book.cached(rec.addr)
+            endpoints = {} if known is None else known.endpoints
+        if notify and endpoints:
+            rec.told = True
+            self._send_abort(room, [d for d in endpoints.values() if d != skip], reason)
+
+    def _send_abort(self, room: int, dests: list[Dest], reason: str) -> None:
+        """ABORT(room, reason) to each of dests not retired, so the prefill's log and answer say why."""
         msg = frames.abort(room, reason)
-        for dest in dict.fromkeys(dests):
-            self._enqueue(("send", dest, msg, None, None))
+        for dest in self._book.live(dests):
+            self._enqueue(("send", dest, msg, room))
 
     def _enqueue(self, job: tuple) -> bool:
         try:
@@ -211,125 +232,125 @@ class DecodeAgent(frames.AgentHealth):
 
     def _bootstrap(self, room: int, rec: RoomRecord) -> None:
         if not self._current(room, rec) or rec.state != KVPoll.Bootstrapping:
-            return
-        host, port = rec.addr
-        url, deadline = bootstrap_url(host, port), rec.begun + self.bootstrap_timeout
+            return  # aborted before its turn (_fail told the stages of a cached prefill)
+        known = self._record(room, rec)
+        if known is None:
+            return  # parked behind another room's fetch of the same prefill, or failed
+        refusal, expected = self._refusal(known.info, rec)
+        with self._lock:
+            rec.endpoints = dict(known.endpoints)
+            current, failed = self._rooms.get(room) is rec, rec.state == KVPoll.Failed
+            if current and not failed and not refusal:
+                rec.expected, rec.received = expected, {pp: {} for pp in expected}
+                rec.state, rec.waiting_since = KVPoll.WaitingForInput, time.monotonic()
+                self._waiting[room] = rec
+        if failed and not rec.told:  # aborted while bootstrapping: the stages learn why now that they are known
+            self._send_abort(room, list(rec.endpoints.values()), rec.reason)
+        elif refusal and current:  # a mismatch: read /route again next time (the prefill may be fixed)
+            self._forget_prefill(rec.addr, dead=False)
+            self._fail(room, rec, refusal, permanent=True)  # with an ABORT naming both values to every stage
+        elif current:
+            msg = frames.transfer_info(room, self.host, self.port, rec.prompt_len, self._schema)
+            for pp in sorted(rec.endpoints, reverse=True):
+                if not self._enqueue(("send", rec.endpoints[pp], msg, (room, rec))):
+                    self._fail(room, rec, "decode send queue is full")
+
+    def _refusal(self, info: dict, rec: RoomRecord) -> tuple[str, dict[int, dict[str, PartSpec]]]:
+        """(why this decode refuses the prefill's rooms, or "", pp_rank -> name -> PartSpec)."""
+        if self._auth.enabled and info.get("auth_required") is not True:
+            host, port = rec.addr
+            return (f"the prefill's bootstrap server at {host}:{port} runs without --disaggregation-auth-token, "
+                    "this decode with one (it would drop every message of this decode): set the same "
+                    "--disaggregation-auth-token on both servers"), {}
+        return plan(self._compare, self._expected_parts, info, self._schema, rec.prompt_len, self.max_part_bytes)
+
+    # ---- prefill records ----
+
+    def _record(self, room: int, rec: RoomRecord) -> Optional[PrefillRecord]:
+        """The cached record of the room's prefill, else fetched by this worker; None when another worker is
+        fetching it (the room is parked and queued again once that fetch ends) or when the fetch failed."""
+        known, mine = self._book.claim(rec.addr, (room, rec))
+        if not mine:
+            return known
         try:
-            info = self._prefill_info(rec.addr, url, deadline)
+            return self._fetch(room, rec)
+        finally:
+            for item in self._book.release(rec.addr):
+                try:
+                    self._work.put_nowait(item)
+                except queue.Full:
+                    self._fail(*item, "decode bootstrap queue is full")
+
+    def _fetch(self, room: int, rec: RoomRecord) -> Optional[PrefillRecord]:
+        """GET /route until the room's bootstrap deadline, or until neither this room nor a room parked behind
+        it is live any more; endpoints the fresh record no longer lists are retired."""
+        (host, port), deadline = rec.addr, rec.begun + self.bootstrap_timeout
+
+        def wanted() -> bool:
+            waiting = [(room, rec), *self._book.parked(rec.addr)]
+            with self._lock:
+                return any(self._rooms.get(r) is w and w.state in LIVE for r, w in waiting)
+
+        try:
+            known, gone = self._book.fetch(rec.addr, deadline, wanted)
         except Exception as e:
             hint = f" (SPARKRELAY_DISAGGREGATION_BOOTSTRAP_TIMEOUT={self.bootstrap_timeout:g})" \
                 if isinstance(e, TimeoutError) else ""
             self._fail(room, rec, f"bootstrap with the prefill at {host}:{port} failed: {e}{hint}")
-            return
-        if self._auth.enabled and info.get("auth_required") is not True:
-            self._fail(room, rec, f"the prefill's bootstrap server at {host}:{port} runs without "
-                                  "--disaggregation-auth-token, this decode with one (it would drop every message "
-                                  "of this decode): set the same --disaggregation-auth-token on both servers")
-            return
-        refusal, expected = self._plan(info, rec.prompt_len)
-        if refusal:
-            self._fail(room, rec, refusal)  # no endpoints yet: the ABORT goes out once they are known
-        try:
-            endpoints = {pp: self._endpoint(rec.addr, url, pp, deadline) for pp in reversed(range(info["pp_size"]))}
-        except Exception as e:
-            self._fail(room, rec, f"could not resolve the stages of the prefill at {host}:{port}: {e}")
-            return
-        with self._lock:
-            if self._rooms.get(room) is not rec:
-                return
-            rec.endpoints = endpoints
-            failed = rec.state == KVPoll.Failed
-            if not failed:
-                rec.expected, rec.received = expected, {pp: {} for pp in expected}
-                rec.state, rec.waiting_since = KVPoll.WaitingForInput, time.monotonic()
-                self._waiting[room] = rec
-        if failed:  # schema mismatch or an abort while bootstrapping: tell every stage why
-            for dest in dict.fromkeys(endpoints.values()):
-                self._enqueue(("send", dest, frames.abort(room, rec.reason), None, None))
-            return
-        msg = frames.transfer_info(room, self.host, self.port, rec.prompt_len, self._schema)
-        for pp in sorted(endpoints, reverse=True):
-            if not self._enqueue(("send", endpoints[pp], msg, room, rec)):
-                self._fail(room, rec, "decode send queue is full")
+            return None
+        if gone:
+            logger.info("decode: the prefill at %s:%d now lists stage endpoints %s; retiring %s", host, port,
+                        sorted(known.endpoints.values()), gone)
+            self._enqueue(("drop", gone))
+        return known
 
-    def _plan(self, info: dict, prompt_len: int) -> tuple[str, dict[int, dict[str, PartSpec]]]:
-        """(refusal reason or "", pp_rank -> name -> PartSpec) for one room of this prefill."""
-        mismatches = frames.schema_mismatches(self._compare, info["schema"], self._schema)
-        if mismatches:
-            return "schema mismatch: " + "; ".join(mismatches), {}
-        try:
-            wanted = self._expected_parts(info["schema"], prompt_len)
-        except ValueError as e:
-            return str(e), {}
-        except Exception as e:
-            return f"expected_parts raised {type(e).__name__}: {e}", {}
-        expected: dict[int, dict[str, PartSpec]] = {pp: {} for pp in range(info["pp_size"])}
-        for pp, specs in wanted.items():
-            if pp not in expected:
-                return f"expected_parts names pp_rank {pp}, the prefill has pp_size {info['pp_size']}", {}
-            for spec in specs:
-                if spec.name in expected[pp]:
-                    return f"expected_parts lists part {spec.name!r} of pp_rank {pp} twice", {}
-                if spec.nbytes > self.max_part_bytes:
-                    return (f"part {spec.name!r} of pp_rank {pp} is {spec.nbytes} bytes, over max_part_bytes "
-                            f"{self.max_part_bytes}"), {}
-                expected[pp][spec.name] = spec
-        return "", expected
-
-    def _prefill_info(self, addr: Addr, url: str, deadline: float) -> dict:
-        with self._lock:
-            known = self._prefills.get(addr)
-            if known is not None:
-                self._prefills.move_to_end(addr)
-                return known.info
-        info = fetch_prefill_info(url, deadline, token=self._token)
-        with self._lock:
-            self._prefills.setdefault(addr, PrefillRecord(info))
-            while len(self._prefills) > MAX_PREFILLS:
-                self._prefills.popitem(last=False)
-        return info
-
-    def _endpoint(self, addr: Addr, url: str, pp_rank: int, deadline: float) -> Dest:
-        with self._lock:
-            known = self._prefills.get(addr)
-            if known is not None and pp_rank in known.endpoints:
-                return known.endpoints[pp_rank]
-        dest = fetch_rank(url, pp_rank, deadline, token=self._token)
-        with self._lock:
-            if addr in self._prefills:
-                self._prefills[addr].endpoints[pp_rank] = dest
-        return dest
-
-    def _forget_prefill(self, addr: Addr) -> list[Dest]:
-        with self._lock:
-            known = self._prefills.pop(addr, None)
-        dests = [] if known is None else list(known.endpoints.values())
-        if dests:
-            self._enqueue(("drop", dests))
-        return dests
+    def _forget_prefill(self, addr: Addr, dead: bool, listing: Optional[Dest] = None) -> None:
+        """A room failed against this prefill: the next room reads /route again (PrefillBook.forget)."""
+        gone = self._book.forget(addr, dead, listing)
+        if gone:
+            self._enqueue(("drop", gone))
 
     # ---- sender thread ----
 
-    def _send_step(self, pool: frames.PushPool) -> None:
+    def _send_step(self, out: Outbox) -> None:
+        """Hand new jobs to the outbox, then let queued messages go out: nothing here waits on one peer."""
+        for dest, tag in out.pump(2):
+            self._undelivered(dest, tag, f"no progress within {CONTROL_SEND_TIMEOUT_S:g} s (never connected, or "
+                                               "it stopped reading)", dead=True)
         try:
-            job = self._jobs.get(timeout=0.05)
+            job = self._jobs.get(timeout=0.0 if out.queues else 0.05)
         except queue.Empty:
             return
+        for _ in range(256):
+            self._run_job(out, job)
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run_job(self, out: Outbox, job: tuple) -> None:
         if job[0] == "drop":
             for dest in job[1]:
-                pool.drop(dest)
+                for tag in out.drop(dest):
+                    self._undelivered(dest, tag, "its prefill restarted or stopped answering")
             return
-        _, dest, msg, room, rec = job
-        try:
-            pool.send(dest, msg)
-        except zmq.ZMQError as e:
-            why = f"no progress within {CONTROL_SEND_TIMEOUT_S:g} s" if isinstance(e, zmq.Again) else str(e)
-            if room is None:
-                logger.warning("decode: could not send an ABORT to %s: %s", dest, why)
-                return
-            self._forget_prefill(rec.addr)  # its cached endpoints may be stale (a restarted prefill)
-            self._fail(room, rec, f"could not send TRANSFER_INFO to the prefill stage at {dest[0]}:{dest[1]}: "
-                                  f"{why}", skip=dest)
+        _, dest, msg, tag = job
+        if self._book.is_dead(dest):
+            self._undelivered(dest, tag, "its prefill restarted or stopped answering")
+        elif not out.put(dest, msg, tag):
+            self._undelivered(dest, tag, f"{MAX_QUEUED} messages already wait for it")
+
+    def _undelivered(self, dest: Dest, tag, why: str, dead: bool = False) -> None:
+        """A message given up. An ABORT (tag: its room) is only logged; a TRANSFER_INFO fails its room and, when
+        the stage never connected (dead), retires its prefill's record."""
+        if not isinstance(tag, tuple):
+            logger.warning("decode: ABORT of room %s not delivered to %s:%d: %s", tag, *dest, why)
+            return
+        room, rec = tag
+        if dead:
+            self._forget_prefill(rec.addr, dead=True, listing=dest)
+        self._fail(room, rec, f"could not send TRANSFER_INFO to the prefill stage at {dest[0]}:{dest[1]}: {why}",
+                   skip=dest)
 
     # ---- listener thread ----
 
@@ -367,6 +388,7 @@ class DecodeAgent(frames.AgentHealth):
                                "" if e.room is None else f" for unknown room {e.room}", e.reason)
             return
         self._rejects.note(kind, "decode: bad frame for room %d: %s", e.room, e.reason)
+        self._forget_prefill(rec.addr, dead=False)
         self._fail(e.room, rec, f"bad frame from the prefill: {e.reason}")
 
     def _on_data(self, head: dict, payload: bytes) -> None:
@@ -405,8 +427,10 @@ class DecodeAgent(frames.AgentHealth):
                     if len(rec.done) == len(rec.expected):
                         rec.state = KVPoll.Success
                     return
+        if status in (KVPoll.Failed, KVPoll.Success):  # the prefill failed the room: read /route again next time
+            self._forget_prefill(rec.addr, dead=False)
         if status == KVPoll.Failed:
-            self._fail(room, rec, f"prefill pp_rank {pp} failed: {reason}")
+            self._fail(room, rec, f"prefill pp_rank {pp} failed: {reason}", permanent=SCHEMA_MISMATCH in reason)
         elif status == KVPoll.Success:
             self._fail(room, rec, problem)
         else:
@@ -434,23 +458,28 @@ class DecodeAgent(frames.AgentHealth):
                 del self._waiting[room]
         t = self.waiting_timeout
         for room, rec, stages in late:
+            self._forget_prefill(rec.addr, dead=False)
             self._fail(room, rec, f"the prefill did not finish within {t:g} s "
                                   f"(SPARKRELAY_DISAGGREGATION_WAITING_TIMEOUT={t:g}); waiting for pp_rank(s) {stages}")
 
     def _heartbeat(self) -> None:
+        """GET /health of every cached prefill and of every prefill a room waits on; max_failures misses in a
+        row fail its rooms and retire its record (a restarted prefill is read afresh)."""
+        known = self._book.addrs()
         with self._lock:
-            addrs = {r.addr for r in self._rooms.values() if r.state in LIVE and r.addr in self._prefills}
+            addrs = set(known) | {r.addr for r in self._rooms.values()
+                                  if r.state in (KVPoll.WaitingForInput, KVPoll.Transferring)}
+            self._misses = {a: n for a, n in self._misses.items() if a in addrs}
         for addr in addrs:
             ok = check_health(bootstrap_url(*addr), timeout=min(1.0, self.heartbeat_interval))
             with self._lock:
-                known = self._prefills.get(addr)
-                if known is None:
+                self._misses[addr] = 0 if ok else self._misses.get(addr, 0) + 1
+                if self._misses[addr] < self.heartbeat_max_failures:
                     continue
-                known.misses = 0 if ok else known.misses + 1
-                if known.misses < self.heartbeat_max_failures:
-                    continue
-                victims = [(room, r) for room, r in self._rooms.items() if r.addr == addr and r.state in LIVE]
-            self._forget_prefill(addr)
+                del self._misses[addr]
+                victims = [(room, r) for room, r in self._rooms.items() if r.addr == addr and r.state in LIVE
+                           and r.state != KVPoll.Bootstrapping]  # bootstrapping rooms: the fetch's deadline
+            self._forget_prefill(addr, dead=True)
             for room, rec in victims:
                 self._fail(room, rec, f"lost connection with prefill at {addr[0]}:{addr[1]} "
                                       f"({self.heartbeat_max_failures} failed /health checks in a row)", notify=False)

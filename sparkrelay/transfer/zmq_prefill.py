@@ -33,7 +33,8 @@ from typing import Optional
 import zmq
 
 from sparkrelay.transfer import frames
-from sparkrelay.transfer.base import KVPoll, Part, PollResult, SchemaCompare, StatusCallback, check_room
+from sparkrelay.transfer.base import (SCHEMA_MISMATCH, KVPoll, Part, PollResult, SchemaCompare, StatusCallback,
+                                      check_room)
 from sparkrelay.transfer.bootstrap_client import register_rank
 from sparkrelay.transfer.frames import FrameError, start_loop
 
@@ -256,7 +257,7 @@ class PrefillAgent(frames.AgentHealth):
                 if rec.state == KVPoll.Failed:
                     reply = rec.reason  # failed before the decode showed up: tell it now
                 elif mismatches:
-                    reason = "schema mismatch: " + "; ".join(mismatches)
+                    reason = SCHEMA_MISMATCH + "; ".join(mismatches)
                 elif info["prompt_len"] != rec.prompt_len:
                     reason = (f"prompt_len mismatch: prefill={rec.prompt_len} decode={info['prompt_len']} "
                               "(the two servers tokenized the request differently)")

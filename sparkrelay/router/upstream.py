@@ -1,0 +1,113 @@
+"""One upstream exchange of the PD router: a Reply per worker, sending without raising, and waiting for both sides.
+
+Which failures are retried: only a transport failure or a 500/502/503/504 whose body does not say it is
+deterministic (a handoff schema mismatch fails the same way with any room). A 4xx from either side is the
+request's own fault (or a configuration mismatch) and is relayed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+import httpx
+
+RETRYABLE = frozenset({500, 502, 503, 504})
+DETERMINISTIC_MARKERS = ("schema mismatch",)  # words in an error body that no new room or worker pair can cure
+GRACE_SECS = 1.0  # after a retryable failure, how long the other side may take to say it was deterministic
+
+
+@dataclass
+class Reply:
+    """One upstream answer. status None: transport error or cancelled. `stream` is an open 2xx SSE body."""
+    status: Optional[int]
+    body: bytes = b""
+    media_type: str = "application/json"
+    error: str = ""
+    cancelled: bool = False
+    stream: Optional[httpx.Response] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+    @property
+    def failed(self) -> bool:
+        return not self.ok and not self.cancelled
+
+    @property
+    def retryable(self) -> bool:
+        """A failure that another attempt (new room, next pair) may cure: transport, or a 5xx not known to repeat."""
+        if self.status is None:
+            return not self.cancelled
+        return self.status in RETRYABLE and not any(m in self.body.decode("utf-8", "replace").lower()
+                                                    for m in DETERMINISTIC_MARKERS)
+
+    def describe(self) -> str:
+        return self.error if self.status is None else f"HTTP {self.status}"
+
+    def error_object(self) -> Optional[dict]:
+        """The worker's own `{"message", "type", "code"}` error object, if its body carries one."""
+        try:
+            parsed = json.loads(self.body)
+        except ValueError:
+            return None
+        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+            return parsed["error"]
+        if isinstance(parsed, dict) and isinstance(parsed.get("message") or parsed.get("detail"), str):
+            return {"message": parsed.get("message") or parsed.get("detail")}
+        return None
+
+    async def close(self) -> None:
+        if self.stream is not None:
+            await self.stream.aclose()
+
+
+async def send(client: httpx.AsyncClient, method: str, url: str, content: Optional[bytes] = None,
+               headers: Optional[dict] = None, stream: bool = False) -> Reply:
+    """Never raises on transport errors; with `stream`, a 2xx answer comes back unread in Reply.stream."""
+    try:
+        resp = await client.send(client.build_request(method, url, content=content, headers=headers), stream=True)
+    except httpx.HTTPError as e:
+        return Reply(None, error=f"{url}: {type(e).__name__}: {e}")
+    media = resp.headers.get("content-type", "application/json")
+    if stream and resp.is_success:
+        return Reply(resp.status_code, media_type=media, stream=resp)
+    try:
+        body = await resp.aread()
+    except httpx.HTTPError as e:
+        return Reply(None, error=f"{url}: {type(e).__name__}: {e}")
+    finally:
+        await resp.aclose()
+    return Reply(resp.status_code, body, media)
+
+
+def outcome(task: asyncio.Task) -> Reply:
+    return Reply(None, error="cancelled", cancelled=True) if task.cancelled() else task.result()
+
+
+async def both(p_task: asyncio.Task, d_task: asyncio.Task, grace: float = GRACE_SECS) -> tuple[Reply, Reply]:
+    """Wait for both sides. A failure cancels the other side (it would wait for KV that never comes); after a
+    retryable failure the other side gets `grace` seconds first, so a deterministic cause it reports is seen."""
+    pending = {p_task, d_task}
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            failed = [outcome(t) for t in done if outcome(t).failed]
+            if failed and pending and all(r.retryable for r in failed):
+                _, pending = await asyncio.wait(pending, timeout=grace)
+            if failed:
+                break
+    finally:
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return outcome(p_task), outcome(d_task)
+
+
+def should_retry(p: Reply, d: Reply) -> bool:
+    """Retry only when something failed and every failure is retryable (one deterministic failure is enough)."""
+    bad = [r for r in (p, d) if r.failed]
+    return bool(bad) and all(r.retryable for r in bad)
