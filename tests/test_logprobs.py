@@ -111,13 +111,27 @@ def test_logprob_start_len_and_top_zero(prompts):
         llm.engine.close()
 
 
-def test_pipeline_pp2_output_logprobs(prompts, plain_and_dspark):
-    """--pp-size 2: the last stage scores the sampled token and sends it back to rank 0 with the token."""
-    llm = LLM(MODEL, pp_size=2)
+def close_entries(a: list, b: list) -> bool:
+    """Two input/output logprob lists: the same token ids, values within TOL (None where the other is None)."""
+    return [e[1] for e in a] == [e[1] for e in b] and all(
+        (x is None and y is None) or (x is not None and y is not None and abs(x - y) < TOL)
+        for x, y in zip(values(a), values(b)))
+
+
+def close_tops(a: list, b: list) -> bool:
+    """Two top-logprob lists (per position a list, or None at position 0): the same values within TOL."""
+    return len(a) == len(b) and all((x is None and y is None) or (
+        x is not None and y is not None and len(x) == len(y)
+        and max((abs(u - v) for u, v in zip(values(x), values(y))), default=0) < TOL) for x, y in zip(a, b))
+
+
+def test_pipeline_pp2_logprobs(prompts, plain_and_dspark, hf):
+    """--pp-size 2: the last stage scores the sampled token and, for logprob_start_len >= 0, the prompt positions
+    of each chunk (chunked prefill: four chunks of 8), and sends them back to rank 0 with the tokens."""
+    llm = LLM(MODEL, pp_size=2, chunked_prefill_size=8)
     try:
         out = llm.generate(prompts[0], greedy(k=3))
-        with pytest.raises(RequestError, match="pipeline"):
-            llm.engine.add_request("x", prompts[0], greedy(start=0))
+        scored = {start: llm.generate(prompts, greedy(start=start)) for start in (0, 5)}
     finally:
         llm.engine.close()
     ref = plain_and_dspark[0][0]["meta_info"]
@@ -126,6 +140,65 @@ def test_pipeline_pp2_output_logprobs(prompts, plain_and_dspark):
                                            values(ref["output_token_logprobs"]))) < TOL
     for a, b in zip(out["meta_info"]["output_top_logprobs"], ref["output_top_logprobs"]):
         assert [e[1] for e in a][:2] == [e[1] for e in b][:2]
+    assert "input_token_logprobs" not in out["meta_info"] or out["meta_info"]["input_token_logprobs"] == []
+    for start, outs in scored.items():
+        for p, o, pp1 in zip(prompts, outs, plain_and_dspark[0]):
+            meta, want = o["meta_info"], pp1["meta_info"]  # PP=1 scored from 0: the same positions from `start`
+            assert o["output_ids"] == pp1["output_ids"]
+            assert [e[1] for e in meta["input_token_logprobs"]] == p[start:]
+            assert close_entries(meta["input_token_logprobs"], want["input_token_logprobs"][start:])
+            assert close_tops(meta["input_top_logprobs"], want["input_top_logprobs"][start:])
+            assert close_entries(meta["output_token_logprobs"], want["output_token_logprobs"])
+            hf_ref = hf_logprobs(hf, p)
+            got = [(i, v) for i, v in enumerate(values(meta["input_token_logprobs"]), start) if i > 0]
+            assert len(got) == len(p) - max(start, 1) and all(v is not None for _, v in got)
+            assert max(abs(v - hf_ref[i - 1, p[i]].item()) for i, v in got) < TOL
+
+
+def test_descriptor_carries_scored_prompt_tokens_only_when_asked():
+    """The prompt tokens a last stage scores ride in the descriptor body; a sequence that did not ask adds nothing,
+    and the reply shape grows by one row per scored position."""
+    from sparkrelay.pipeline.descriptor import STEP, MicroBatch, SeqDesc, decode, encode, reply_shape
+
+    plain = SeqDesc(0, 0, 0, 8, 20, False, True, -1, -1, [0, 1], 0.0, 1.0, 0.0)
+    asked = SeqDesc(1, 7, 8, 16, 20, True, True, -1, -1, [2, 3, 4], 0.0, 1.0, 0.0, logprobs=3, score_first=9,
+                    score_ids=[11, 12, 13, 14, 15, 16, 17, 18])
+    header, body, floats = encode(MicroBatch(STEP, 4, 0, 1, [plain], []))
+    assert body.numel() == 14 + 2 and reply_shape([plain]) == (1, 1)  # zero-cost without logprobs
+    mb = decode(*encode(MicroBatch(STEP, 5, 0, 1, [plain, asked], [(3, 9)])))
+    assert mb.seqs[0].score_ids == [] and mb.seqs[0].score_first == -1 and mb.released == [(3, 9)]
+    assert (mb.seqs[1].score_first, mb.seqs[1].score_ids, mb.seqs[1].logprobs) == (9, asked.score_ids, 3)
+    assert reply_shape(mb.seqs) == (2 + 8, 8)  # token rows 2 + 2k, prompt rows 1 + 2k
+
+
+def test_router_merges_prefill_inputs_plain_batched_and_split_sse():
+    import asyncio
+
+    from sparkrelay.router.logprobs import merge_json, merge_stream, prefill_inputs
+
+    ins = [[None, 5, None], [-1.5, 6, None]]
+    pre = json.dumps([{"meta_info": {"input_token_logprobs": ins}}, {"meta_info": {"input_token_logprobs": ins[1:]}}])
+    inputs = prefill_inputs(pre.encode(), stream=False)
+    dec = json.dumps([{"meta_info": {"input_token_logprobs": []}}, {"meta_info": {"input_token_logprobs": []}}])
+    merged = json.loads(merge_json(dec.encode(), inputs))
+    assert [m["meta_info"]["input_token_logprobs"] for m in merged] == [ins, ins[1:]]
+    sse_pre = b"".join(b"data: " + json.dumps({"index": i, "meta_info": {"input_token_logprobs": x}}).encode()
+                       + b"\n\n" for i, x in ((0, ins[:1]), (1, ins[1:]), (0, ins))) + b"data: [DONE]\n\n"
+    inputs = prefill_inputs(sse_pre, stream=True)
+    assert inputs == {0: {"input_token_logprobs": ins}, 1: {"input_token_logprobs": ins[1:]}}
+    events = [{"index": 1, "text": "a", "meta_info": {"input_token_logprobs": []}}, {"index": 0, "meta_info": {}}]
+    raw = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+    async def run() -> bytes:
+        async def pieces():  # split at every 7 bytes: events cross chunk boundaries
+            for i in range(0, len(raw), 7):
+                yield raw[i : i + 7]
+        return b"".join([c async for c in merge_stream(pieces(), inputs)])
+
+    out = asyncio.run(run())
+    got = [json.loads(e[6:]) for e in out.decode().split("\n\n") if e.startswith("data: {")]
+    assert got[0]["meta_info"]["input_token_logprobs"] == ins[1:] and got[0]["text"] == "a"
+    assert got[1]["meta_info"] == {"input_token_logprobs": ins} and out.endswith(b"data: [DONE]\n\n")
 
 
 # ---------------------------------------------------------------- HTTP shapes (real uvicorn, official client)
@@ -216,9 +289,10 @@ SGLANG_ROUTER = pytest.param("sglang", marks=[pytest.mark.slow, pytest.mark.skip
 
 
 @pytest.mark.parametrize("router", ["sparkrelay", SGLANG_ROUTER])
-def test_pd_output_logprobs_equal_aggregated(tmp_path, prompts, plain_and_dspark, router):
+def test_pd_logprobs_equal_aggregated(tmp_path, prompts, plain_and_dspark, router):
     """The prefill's last stage scores the first token and carries it in the metadata row; the decode scores
-    the rest from its verify passes; the router relays it all."""
+    the rest from its verify passes; with logprob_start_len >= 0 the prefill (PP=2) scores the prompt and the
+    router merges its input lists into the decode's answer, streamed and not."""
     from sparkrelay.cluster import PDSettings, start_pd
 
     settings = PDSettings(model=MODEL, drafter=DRAFTER, pp_size=2, handoff="hidden", router=router)
@@ -241,8 +315,25 @@ def test_pd_output_logprobs_equal_aggregated(tmp_path, prompts, plain_and_dspark
             first = meta["output_top_logprobs"][0]  # the prefill's, through the metadata row
             assert len(first) == 20 and first[0][1] == ref["output_ids"][0]
             assert values(first[:5]) == pytest.approx(values(ref["meta_info"]["output_top_logprobs"][0]), abs=TOL)
+        for start in (0, 5):
+            for p, ref in zip(prompts, plain_and_dspark[0]):
+                body = {"input_ids": p, "return_logprob": True, "top_logprobs_num": 5, "logprob_start_len": start,
+                        "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}}
+                status, out = post(cluster.url + "/generate", body)
+                assert status == 200, (out, cluster.prefill.log_tail(), cluster.decode.log_tail())
+                chunks = sse(cluster.url + "/generate", body | {"stream": True})
+                want = ref["meta_info"]
+                # sglang-router 0.3.2 merges the prefill's input_token_logprobs into a plain answer only (not
+                # input_top_logprobs, not streamed chunks); the sparkrelay router merges both lists, into every chunk
+                merged = [out["meta_info"]] + ([c["meta_info"] for c in chunks] if router == "sparkrelay" else [])
+                for meta in merged:
+                    assert close_entries(meta["input_token_logprobs"], want["input_token_logprobs"][start:])
+                    if router == "sparkrelay":
+                        assert close_tops(meta["input_top_logprobs"], want["input_top_logprobs"][start:])
+                assert out["output_ids"] == ref["output_ids"] and len(chunks) > 1
+                assert close_entries(chunks[-1]["meta_info"]["output_token_logprobs"], want["output_token_logprobs"])
         status, out = post(cluster.url + "/generate", {"input_ids": prompts[0], "return_logprob": True,
-                                                       "logprob_start_len": 0})
+                                                       "logprob_start_len": len(prompts[0])})
         assert status == 400 and "logprob_start_len" in json.dumps(out), out
     finally:
         cluster.stop()

@@ -138,6 +138,8 @@ class PrefillEngine(_PDEngine):
         for i, (seq, tokens, computed) in enumerate(zip(batch.seqs, result.tokens, result.computed)):
             req = seq.req
             req.num_computed = computed
+            if result.prompt_logprobs and result.prompt_logprobs[i] is not None:  # in this server's answer
+                req.logprobs.add_input(*result.prompt_logprobs[i])
             if not tokens:
                 continue
             req.first_token_time = now
@@ -230,10 +232,6 @@ class DecodeEngine(_PDEngine):
 
     def has_work(self) -> bool:
         return super().has_work() or bool(self.pending)
-
-    def validate_input_logprobs(self, n: int, start: int) -> None:
-        raise RequestError("logprob_start_len >= 0 (prompt logprobs) is not supported by a PD deployment (the "
-                           "prompt is scored on the prefill); use -1 (output logprobs only)")
 
     def step(self):
         self._prealloc()

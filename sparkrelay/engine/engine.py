@@ -178,13 +178,10 @@ class Engine:
             self.validate_input_logprobs(n, params.logprob_start_len)
 
     def validate_input_logprobs(self, n: int, start: int) -> None:
-        """Prompt logprobs are scored by this process's runner; a pipeline (--pp-size > 1, the prefill role)
-        returns only the sampled tokens' logprobs to rank 0."""
+        """Prompt logprobs are scored where the prompt runs: this runner, a pipeline's last stage, or (PD) the
+        prefill server; a decode server leaves them empty and the PD router fills them from the prefill's answer."""
         if start >= n:
             raise RequestError(f"logprob_start_len {start} must be smaller than the prompt length ({n} tokens)")
-        if not isinstance(self.runner, ModelRunner):
-            raise RequestError("logprob_start_len >= 0 (prompt logprobs) is not supported with a pipeline "
-                               "(--pp-size > 1 or a prefill server); use -1 (output logprobs only)")
 
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                     bootstrap: Optional[Bootstrap] = None) -> None:

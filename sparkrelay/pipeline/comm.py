@@ -2,7 +2,7 @@
 
 Topology: rank k sends descriptors and payloads to rank k+1; the last rank sends the sampled tokens to rank 0.
 
-    rank 0 --(descriptor, payload)--> rank 1 --> ... --> rank N-1 --(tokens + logprobs float64 [B, W])--> rank 0
+    rank 0 --(descriptor, payload)--> rank 1 --> ... --> rank N-1 --(tokens + logprobs float64 [B + E, W])--> rank 0
 
 Per micro-batch, in this fixed order (shapes: pipeline/descriptor.py and pipeline/capture.py):
     header [8] -> body [L] (L > 0) -> floats [B, 3] (B > 0) -> hidden [T, d] -> taps [T, k_prev*d] -> partial [T, d]
@@ -96,13 +96,15 @@ class Channel:
 
     # -- last rank -> rank 0 ----------------------------------------------------------------------------------
     def send_tokens(self, rows: torch.Tensor) -> None:
-        """Last rank: the micro-batch's sampled rows, float64 [B, W] (column 0 the token, -1: no sample; then the
-        logprobs, W = descriptor.token_width)."""
+        """Last rank: the micro-batch's reply, float64 [B + E, W] (descriptor.reply_shape): per sequence column 0
+        the token (-1: no sample) then its logprobs; then E rows of scored prompt positions (zero-cost: E = 0 and
+        W = 1 unless some sequence asked for logprobs)."""
         t = rows.to(torch.float64).to(self.wire).contiguous()
         self._wait(self._post(self.group.send, t, 0))
 
     def recv_tokens(self, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """Rank 0: each micro-batch's rows ([B_i, W_i] float64, shapes from its descriptor), in micro-batch order."""
+        """Rank 0: each micro-batch's reply ([B_i + E_i, W_i] float64, descriptor.reply_shape of its descriptor),
+        in micro-batch order."""
         bufs = [torch.empty(b, w, dtype=torch.float64, device=self.wire) for b, w in shapes]
         works = [self._post(self.group.recv, b, self.last) for b in bufs]
         for w in works:

@@ -34,12 +34,12 @@ from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.qwen3 import Qwen3ForCausalLM
 from sparkrelay.pipeline.capture import CaptureSpec
 from sparkrelay.pipeline.comm import Channel, PeerLost, make_group
-from sparkrelay.pipeline.descriptor import SHUTDOWN, STEP, MicroBatch, SeqDesc, token_width
+from sparkrelay.pipeline.descriptor import SHUTDOWN, STEP, MicroBatch, SeqDesc, reply_shape
 from sparkrelay.pipeline.launch import Workers, rendezvous_store
 from sparkrelay.pipeline.partition import pp_partition
 from sparkrelay.pipeline.stage import PREFILL_SINK_FACTORY, STATUS_ADDRESS, build_stage, model_view, pool_view
 from sparkrelay.runner.logprobs import from_rows
-from sparkrelay.runner.model_runner import RunResult
+from sparkrelay.runner.model_runner import RunResult, prompt_rows
 
 
 def default_room(req: Request) -> int:
@@ -146,10 +146,12 @@ class PipelineRunner:
             seqs = batch.seqs
             runs = split_balanced([s.end - s.start for s in seqs], self.pp)
             step, released = next(self._steps), self._take_released()
-            tokens: list[torch.Tensor] = []  # per micro-batch [B_i, W_i] (Stage.run)
+            tokens: list[torch.Tensor] = []  # per micro-batch [B_i + E_i, W_i] (Stage.run)
             mbs = []
             for i, run in enumerate(runs):
-                mb = MicroBatch(STEP, step, i, len(runs), [self._desc(seqs[j]) for j in run], released if i == 0 else [])
+                scored = {j: (first, n) for j, first, _, n in prompt_rows([seqs[j] for j in run])}
+                descs = [self._desc(seqs[j], *scored.get(pos, (-1, 0))) for pos, j in enumerate(run)]
+                mb = MicroBatch(STEP, step, i, len(runs), descs, released if i == 0 else [])
                 mbs.append(mb)
                 ids = [t for j in run for t in seqs[j].req.all_ids[seqs[j].start : seqs[j].end]]
                 local = dataclasses.replace(mb, released=[])  # stage 0 dropped them in release() already
@@ -161,7 +163,7 @@ class PipelineRunner:
                     self.channel.send_step(mb, out)
             if self.channel is not None:
                 with self._comm():
-                    tokens = self.channel.recv_tokens([(len(m.seqs), token_width(m.seqs)) for m in mbs])
+                    tokens = self.channel.recv_tokens([reply_shape(m.seqs) for m in mbs])
                     self.channel.flush()
             self.stats["steps"] += 1
             self.stats["micro_batches"] += len(runs)
@@ -188,7 +190,8 @@ class PipelineRunner:
             self.channel = self._store = None
 
     # -- helpers -------------------------------------------------------------------------------------------------
-    def _desc(self, s: ScheduledSeq) -> SeqDesc:
+    def _desc(self, s: ScheduledSeq, score_first: int = -1, score_count: int = 0) -> SeqDesc:
+        """The sequence's descriptor row; it scores prompt positions [score_first, score_first + score_count)."""
         req, p = s.req, s.req.params
         if req.rid not in self._ids:
             self._ids[req.rid] = (next(self._req_counter), self.room_of(req))
@@ -196,18 +199,29 @@ class PipelineRunner:
         history = req.all_ids[: s.end] if s.sample and p.penalized else []  # the last stage penalises with it
         return SeqDesc(index, room, s.start, s.end, len(req.prompt_ids), s.sample, p.greedy, p.top_k,
                        -1 if p.seed is None else p.seed, list(req.block_ids), p.temperature, p.top_p, p.min_p,
-                       p.repetition_penalty, p.frequency_penalty, p.presence_penalty, history, p.logprobs_k)
+                       p.repetition_penalty, p.frequency_penalty, p.presence_penalty, history, p.logprobs_k,
+                       score_first, req.prompt_ids[score_first : score_first + score_count])
 
     @staticmethod
     def _result(seqs: list[ScheduledSeq], mbs: list[MicroBatch], rows: list[torch.Tensor]) -> RunResult:
-        """Each micro-batch's rows [B_i, W_i] -> tokens (and logprob entries) in batch order (runs are contiguous)."""
-        flat = [r for mb_rows in rows for r in mb_rows.tolist()]
-        descs = [d for mb in mbs for d in mb.seqs]
+        """Each micro-batch's reply [B_i + E_i, W_i] -> tokens (and logprob entries, prompt ones included) in batch
+        order (runs are contiguous)."""
+        flat, descs, prompt = [], [], []
+        for mb, reply in zip(mbs, rows):
+            r = reply.tolist()
+            flat += r[: len(mb.seqs)]
+            descs += mb.seqs
+            cursor = len(mb.seqs)
+            for d in mb.seqs:
+                n = len(d.score_ids)
+                prompt.append((d.score_first, from_rows(r[cursor : cursor + n], [d.logprobs] * n)) if n else None)
+                cursor += n
         assert all((r[0] >= 0) == s.sample for r, s in zip(flat, seqs)), "a stage sampled the wrong sequences"
         res = RunResult([[int(r[0])] if s.sample else [] for r, s in zip(flat, seqs)], [s.end for s in seqs])
         if any(d.logprobs >= 0 for d in descs):
             res.logprobs = [from_rows([r[1:]], [d.logprobs]) if s.sample and d.logprobs >= 0 else []
                             for r, d, s in zip(flat, descs, seqs)]
+            res.prompt_logprobs = prompt
         return res
 
     def _take_released(self) -> list[tuple[int, int]]:

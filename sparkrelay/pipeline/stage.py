@@ -5,7 +5,8 @@ Per micro-batch (all stages run the same descriptor, pipeline/descriptor.py):
     releases -> AttnMeta.build -> forward of the owned layers (taps at the owned target layer ids)
     -> capture (taps appended / partial fc share added, pipeline/capture.py) -> sink.after_forward
     -> not last: StagePayload for the next stage;  last: sample (+ logprobs) -> sink.on_sampled
-       -> rows float64 [B, token_width]: the token (-1: no sample), then its logprobs when asked
+       -> rows float64 [B + E, W] (descriptor.reply_shape): the token (-1: no sample), then its logprobs when
+          asked; then one row per prompt position the descriptor asked to score (logprob_start_len >= 0)
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.dspark_context import ContextProjector, load_context_projector
 from sparkrelay.models.qwen3 import Qwen3ForCausalLM, StageOutput
 from sparkrelay.pipeline.capture import CaptureSpec, StagePayload
-from sparkrelay.pipeline.descriptor import MicroBatch, SeqDesc, token_width
+from sparkrelay.pipeline.descriptor import MicroBatch, SeqDesc, reply_shape, token_width
 from sparkrelay.pipeline.partition import stage_taps
-from sparkrelay.runner.logprobs import Entry, to_rows, token_logprobs
+from sparkrelay.runner.logprobs import Entry, Scored, score_rows, to_rows, token_logprobs
 from sparkrelay.runner.sampler import PenaltyRows, SamplingBatch, apply_penalties, sample
 
 PREFILL_SINK_FACTORY = "sparkrelay.disagg.prefill_sink:make_stage_sink"
@@ -155,15 +156,17 @@ class Stage:
     def run(self, mb: MicroBatch, input_ids: Optional[torch.Tensor] = None,
             inp: Optional[StagePayload] = None) -> StagePayload | torch.Tensor:
         """Stage 0: input_ids [T]; later stages: the previous stage's payload. -> the next stage's payload, or on
-        the last stage float64 [B, token_width]: column 0 the sampled token (-1 where the sequence does not
-        sample), then its logprob row (runner/logprobs.py `to_rows`) when some sequence asked for logprobs."""
+        the last stage float64 [B + E, W] (`_rows`): column 0 the sampled token (-1 where the sequence does not
+        sample), then its logprob row (runner/logprobs.py `to_rows`) when some sequence asked for logprobs; then
+        the rows of the prompt positions the descriptor asked to score."""
         self.release(mb.released)
         if self.test_delay:
             time.sleep(self.test_delay)  # SPARKRELAY_TEST_PP_STAGE_DELAY: a slow stage, for fault tests
         seqs = mb.seqs
         meta = AttnMeta.build([s.start for s in seqs], [s.end for s in seqs], [s.block_ids for s in seqs],
                               self.pool.page_size, self.device)
-        rows = self._logit_rows(seqs) if self.is_last else None
+        scored = self._scored(seqs) if self.is_last else []
+        rows = self._logit_rows(seqs, scored) if self.is_last else None
         out = self.model(meta, self.pool.layers, input_ids=input_ids, hidden=None if inp is None else inp.hidden,
                          logits_index=rows, taps=self.own_taps)
         nxt = self._capture(inp, out)
@@ -175,12 +178,16 @@ class Stage:
             self.sink.after_forward(mb, meta, out, aux, draft_kv)
         if not self.is_last:
             return nxt
-        tokens = self._sample(seqs, out.logits)
-        entries = self._logprobs(seqs, out.logits, tokens)
+        num_sampling = sum(s.sample for s in seqs)
+        logits = out.logits[:num_sampling]  # [R, V]; then [E, V] of the scored prompt rows
+        tokens = self._sample(seqs, logits)
+        entries = self._logprobs(seqs, logits, tokens)
         if self.sink is not None:
             self.sink.on_sampled(mb, [t for t, s in zip(tokens, seqs) if s.sample],
                                  [e for e, s in zip(entries, seqs) if s.sample])
-        return self._rows(seqs, tokens, entries)
+        prompt = score_rows(scored, [t for s in seqs for t in s.score_ids],
+                            [s.logprobs for s in seqs for _ in s.score_ids], out.logits[num_sampling:], len(seqs))
+        return self._rows(seqs, tokens, entries, prompt)
 
     def _logprobs(self, seqs: list[SeqDesc], logits: torch.Tensor, tokens: list[int]) -> list[Optional[Entry]]:
         """Per sequence: the sampled token's logprob entry from the raw logits [R, V] when it asked, else None."""
@@ -198,15 +205,24 @@ class Stage:
         return out
 
     @staticmethod
-    def _rows(seqs: list[SeqDesc], tokens: list[int], entries: list[Optional[Entry]]) -> torch.Tensor:
-        """-> float64 [B, token_width]: the token (-1: no sample), then its logprob row when any asked."""
-        width = token_width(seqs)
-        out = torch.zeros(len(seqs), width, dtype=torch.float64)
-        out[:, 0] = torch.tensor(tokens, dtype=torch.float64)
-        k = (width - 2) // 2
+    def _rows(seqs: list[SeqDesc], tokens: list[int], entries: list[Optional[Entry]],
+              prompt: list[Optional[tuple[int, list[Entry]]]]) -> torch.Tensor:
+        """-> float64 [B + E, W] (descriptor.reply_shape): the token (-1: no sample) then its logprob row when
+        any asked; then the scored prompt positions' rows, sequence by sequence."""
+        num_rows, width = reply_shape(seqs)
+        out = torch.zeros(num_rows, width, dtype=torch.float64)
+        out[: len(seqs), 0] = torch.tensor(tokens, dtype=torch.float64)
+        k = (token_width(seqs) - 2) // 2
         for i, e in enumerate(entries):
             if e is not None:
-                out[i, 1:] = to_rows([e], k)[0]
+                out[i, 1 : 2 + 2 * k] = to_rows([e], k)[0]
+        cursor = len(seqs)
+        for s, p in zip(seqs, prompt):
+            if p is not None:
+                rows = to_rows(p[1], s.logprobs)  # [n, 1 + 2k]
+                out[cursor : cursor + len(rows), : rows.shape[1]] = rows
+                cursor += len(rows)
+        assert cursor == num_rows, "scored prompt rows disagree with the descriptor"
         return out
 
     def _capture(self, inp: Optional[StagePayload], out: StageOutput) -> StagePayload:
@@ -223,10 +239,23 @@ class Stage:
                 partial = partial + self.projector.partial(torch.cat(own, dim=-1), self.own_taps)  # [T, d_draft]
         return StagePayload(out.hidden, taps, partial)
 
-    def _logit_rows(self, seqs: list[SeqDesc]) -> torch.Tensor:
-        """[R] the last fed row of each sampling sequence."""
+    @staticmethod
+    def _scored(seqs: list[SeqDesc]) -> list[Scored]:
+        """The prompt positions the descriptor asks this stage to score, as runner/model_runner.py `prompt_rows`
+        returns them: (index, first position, first flat row, count); the row of position p - 1 scores p."""
+        out, offset = [], 0
+        for i, s in enumerate(seqs):
+            if s.score_ids:
+                assert s.start < s.score_first <= s.end, "a scored prompt position outside the fed chunk"
+                out.append((i, s.score_first, offset + s.score_first - 1 - s.start, len(s.score_ids)))
+            offset += s.end - s.start
+        return out
+
+    def _logit_rows(self, seqs: list[SeqDesc], scored: list[Scored]) -> torch.Tensor:
+        """[R + E] the last fed row of each sampling sequence, then the rows scoring prompt positions."""
         ends = torch.tensor([s.end - s.start for s in seqs]).cumsum(0) - 1  # [B]
-        return ends[[i for i, s in enumerate(seqs) if s.sample]].to(self.device)
+        extra = torch.tensor([row + j for _, _, row, n in scored for j in range(n)], dtype=torch.long)  # [E]
+        return torch.cat([ends[[i for i, s in enumerate(seqs) if s.sample]], extra]).to(self.device)
 
     def _sample(self, seqs: list[SeqDesc], logits: torch.Tensor) -> list[int]:
         """logits [R, V] at the sampling sequences' last rows -> one token per sequence (-1: no sample)."""

@@ -8,6 +8,7 @@ Life of one generate request:
     before any byte reaches the client; a 4xx or a schema mismatch is relayed at once
     client <-- decode's status and body (JSON, or SSE bytes relayed unchanged as they arrive); an error is relayed
     flat: the failing worker's own error object, its message prefixed with the side ("prefill server: ...")
+    /generate with return_logprob: the prefill's prompt logprobs are merged into the decode's answer (`logprobs.py`)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from sparkrelay.router.admin import add_admin_routes
+from sparkrelay.router.logprobs import merge_json, merge_stream, prefill_inputs, wants_merge
 from sparkrelay.router.metrics import RouterMetrics
 from sparkrelay.router.rewrite import (CHAT, COMPLETIONS, GENERATE, BadRequest, PrefillWorker, RouterConfig,
                                        batch_size, decode_error, draw_rooms, error_body, is_json, parse_object,
@@ -99,13 +101,15 @@ def _failure(p: Reply, d: Reply) -> Optional[tuple[int, dict, str]]:
     return None
 
 
-def _relay(d: Reply, done: Callable[[], None]) -> StreamingResponse:
+def _relay(d: Reply, done: Callable[[], None], inputs: Optional[dict] = None) -> StreamingResponse:
+    """The decode's SSE stream, as it arrives; with `inputs` (prefill_inputs) each event gets the prompt logprobs."""
     upstream = d.stream
     assert upstream is not None
 
     async def chunks() -> AsyncIterator[bytes]:
         try:
-            async for chunk in upstream.aiter_bytes():
+            source = upstream.aiter_bytes()
+            async for chunk in (source if inputs is None else merge_stream(source, inputs)):
                 yield chunk
         except httpx.HTTPError as e:
             log.warning("decode stream broke: %s: %s", type(e).__name__, e)
@@ -134,10 +138,13 @@ async def _route(router: Router, request: Request, start: float) -> tuple[Respon
         return JSONResponse(error_body(message, "invalid_request_error", 400), 400), 400, "router"
     failure = _failure(p, d)
     if failure is None:
+        inputs = prefill_inputs(p.body, stream) if wants_merge(path, body) else None
         if stream:
             status = d.status or 200
-            return _relay(d, lambda: router.metrics.finished(path, status, time.monotonic() - start)), status, ""
-        return Response(d.body, d.status or 200, media_type=d.media_type), d.status or 200, ""
+            return _relay(d, lambda: router.metrics.finished(path, status, time.monotonic() - start),
+                          inputs), status, ""
+        out = d.body if inputs is None else merge_json(d.body, inputs)
+        return Response(out, d.status or 200, media_type=d.media_type), d.status or 200, ""
     await d.close()
     code, payload, side = failure
     log.warning("%s failed: %s %s", path, code, payload["error"].get("message"))

@@ -3,6 +3,8 @@ penalties and top-k/p filtering), float32, of the chosen token and of the k most
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from sparkrelay.engine.request import TopLogprobs
@@ -39,3 +41,20 @@ def to_rows(entries: list[Entry], k: int) -> torch.Tensor:
 def from_rows(rows: list[list[float]], ks: list[int]) -> list[Entry]:
     """Rows of `to_rows` (each 1 + 2k floats) and each row's own k -> entries."""
     return [(r[0], [(r[1 + 2 * j], int(r[2 + 2 * j])) for j in range(n)]) for r, n in zip(rows, ks)]
+
+
+Scored = tuple[int, int, int, int]  # prompt logprobs of one sequence: (index, first position, first flat row, count)
+
+
+def score_rows(scored: list[Scored], targets: list[int], ks: list[int], logits: torch.Tensor,
+               num_seqs: int) -> list[Optional[tuple[int, list[Entry]]]]:
+    """logits [E, V] of the `scored` rows (in order), targets [E] the prompt tokens they score, ks [E] each row's
+    top-k -> per sequence (first position, entries) or None."""
+    out: list[Optional[tuple[int, list[Entry]]]] = [None] * num_seqs
+    if not scored:
+        return out
+    entries, cursor = token_logprobs(logits, targets, ks), 0
+    for i, first, _, n in scored:
+        out[i] = (first, entries[cursor : cursor + n])
+        cursor += n
+    return out

@@ -12,7 +12,7 @@ from sparkrelay.engine.scheduler import Batch
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.qwen3 import Qwen3ForCausalLM, StageOutput
-from sparkrelay.runner.logprobs import Entry, token_logprobs
+from sparkrelay.runner.logprobs import Entry, Scored, score_rows, token_logprobs
 from sparkrelay.runner.sampler import PenaltyRows, SamplingBatch, apply_penalties, sample
 
 
@@ -127,7 +127,7 @@ def output_logprobs(reqs: list[Request], rows: list[int], logits: torch.Tensor, 
     return out
 
 
-def prompt_rows(seqs) -> list[tuple[int, int, int, int]]:
+def prompt_rows(seqs) -> list[Scored]:
     """Fed rows whose logits score a prompt token (logprob_start_len >= 0): per sequence (index, first scored
     position, first flat row, count). Row of position p scores the token at p + 1; positions already recorded (a
     recomputed prompt) are not scored again."""
@@ -143,16 +143,8 @@ def prompt_rows(seqs) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def score_prompts(seqs, scored: list[tuple[int, int, int, int]],
-                  logits: torch.Tensor) -> list[Optional[tuple[int, list[Entry]]]]:
+def score_prompts(seqs, scored: list[Scored], logits: torch.Tensor) -> list[Optional[tuple[int, list[Entry]]]]:
     """logits [E, V] of the rows `prompt_rows` chose -> per sequence (first position, entries) or None."""
-    out: list[Optional[tuple[int, list[Entry]]]] = [None] * len(seqs)
-    if not scored:
-        return out
     targets = [seqs[i].req.prompt_ids[first + j] for i, first, _, n in scored for j in range(n)]
     ks = [seqs[i].req.params.top_logprobs_num for i, _, _, n in scored for _ in range(n)]
-    entries, cursor = token_logprobs(logits, targets, ks), 0
-    for i, first, _, n in scored:
-        out[i] = (first, entries[cursor : cursor + n])
-        cursor += n
-    return out
+    return score_rows(scored, targets, ks, logits, len(seqs))
