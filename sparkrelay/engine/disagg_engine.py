@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import msgpack
-import torch
 import zmq
 
 from sparkrelay.config import Config, ConfigError
@@ -266,7 +265,8 @@ class DecodeEngine(_PDEngine):
             elif res.state == KVPoll.Failed:
                 self.pending.pop(p.req.rid, None)
                 self.agent.clear(p.req.bootstrap_room)
-                code = 400 if res.permanent else 502  # 400: deterministic (a schema mismatch): a retry fails the same way
+                # 400: deterministic (a schema mismatch), a retry fails the same way
+                code = 400 if res.permanent else 502
                 self._fail(p.req, f"KV transfer of room {p.req.bootstrap_room} failed: {res.reason}", code)
 
     def _commit(self, req: Request) -> None:

@@ -101,8 +101,8 @@ class Engine:
         sp = self.config.spec
         head = self.model.lm_head.weight
         try:
-            drafter = load_dspark(sp.speculative_draft_model_path, self.model.spec, self.dtype, self.config.model.device,
-                                  share_embedding_from=self.model.model.embed_tokens.weight, share_lm_head_from=head)
+            drafter = load_dspark(sp.speculative_draft_model_path, self.model.spec, self.dtype,
+                                  self.config.model.device, share_embedding_from=self.model.model.embed_tokens.weight, share_lm_head_from=head)
         except ValueError as e:
             raise ConfigError(f"--speculative-draft-model-path {sp.speculative_draft_model_path}: {e}") from e
         cap = sp.speculative_num_draft_tokens or drafter.spec.block_size

@@ -29,7 +29,7 @@ import ipaddress
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import Callable, Optional
 
 import msgpack
@@ -342,53 +342,6 @@ class Inbox:
             pass
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
-
-
-class PushPool:
-    """Blocking PUSH sockets by (host, port), least recently used closed past `limit`. Owned by one thread only
-    (zmq sockets are not thread safe): the prefill agent's sender thread, whose sends of a room's data wait for
-    the decode to take them (the decode's control messages go through the non-blocking outbox.Outbox)."""
-
-    def __init__(self, ctx: zmq.Context, send_timeout_s: float, auth: FrameAuth, limit: int = 1024) -> None:
-        self.ctx, self.timeout_ms, self.auth, self.limit = ctx, int(send_timeout_s * 1000), auth, limit
-        self.socks: OrderedDict[tuple[str, int], zmq.Socket] = OrderedDict()
-
-    def send(self, dest: tuple[str, int], frames: list) -> None:
-        """Sends the frames (plus their tag when auth is on); zmq.Again when the peer did not take the message
-        within the send timeout."""
-        frames = self.auth.seal(frames)
-        sock = self.socks.get(dest)
-        if sock is None:
-            sock = self.socks[dest] = self._connect(dest)
-            while len(self.socks) > self.limit:
-                self.socks.popitem(last=False)[1].close(linger=0)
-        self.socks.move_to_end(dest)
-        try:
-            sock.send_multipart(frames, copy=False)
-        except zmq.ZMQError:
-            self.drop(dest)
-            raise
-
-    def _connect(self, dest: tuple[str, int]) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.setsockopt(zmq.SNDHWM, 64)  # a dead peer holds at most this many messages
-        sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # block (then time out) instead of queueing for a peer never reached
-        if ":" in dest[0]:
-            sock.setsockopt(zmq.IPV6, 1)
-        sock.connect(tcp_endpoint(*dest))
-        return sock
-
-    def drop(self, dest: tuple[str, int]) -> None:
-        sock = self.socks.pop(dest, None)
-        if sock is not None:
-            sock.close(linger=0)
-
-    def close(self) -> None:
-        for sock in self.socks.values():
-            sock.close()
-        self.socks.clear()
 
 
 def start_loop(name: str, stop: threading.Event, step: Callable[[], None],

@@ -1,15 +1,19 @@
-"""Outbox: non-blocking PUSH sends with one queue per destination, for the decode agent's sender thread.
+"""Outbox: non-blocking PUSH sends with one queue per destination, for both agents' sender threads.
 
     put(dest, frames, tag) --> zmq takes it now (NOBLOCK)          --> gone to the peer's pipe
                            `-> zmq cannot (no connection yet, or   --> waits in dest's own queue; pump() polls
                                the peer's SNDHWM reached)              POLLOUT and sends it in order, or gives the
                                                                        queue up once dest took nothing for
                                                                        timeout_s (returned as expired)
+    put(..., notify=True)  --> its tag lands in take_sent() once zmq took the message (a room's last frame)
+    discard(dest, match)   --> queued messages whose tag matches are removed unsent (an aborted room)
     drop(dest)             --> socket closed with linger 0, its queued messages returned (a forgotten peer)
 
 A peer that is dead or stalled therefore only delays its own messages, never another peer's: there is no
 blocking send. Sockets use IMMEDIATE, so zmq queues nothing for a peer it never reached: such messages wait
-here, where they are counted and expire. Owned by one thread (zmq sockets are not thread safe).
+here, where they are counted and expire. Frames are queued as given (zmq sends them with copy=False), so a
+slow peer holds references to buffers its sender already owns, never copies. Owned by one thread (zmq sockets
+are not thread safe).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -32,11 +36,14 @@ MAX_QUEUED = 1024  # per destination: more than this and put() refuses
 class Queued:
     frames: list
     tag: Any  # the caller's, returned with an expired or dropped message
+    notify: bool = False  # report the tag through take_sent() once zmq takes the message
 
 
 class Outbox:
-    def __init__(self, ctx: zmq.Context, timeout_s: float, auth: FrameAuth, limit: int = 1024) -> None:
-        self.ctx, self.timeout_s, self.auth, self.limit = ctx, timeout_s, auth, limit
+    def __init__(self, ctx: zmq.Context, timeout_s: float, auth: FrameAuth, limit: int = 1024,
+                 max_queued: int = MAX_QUEUED) -> None:
+        self.ctx, self.timeout_s, self.auth, self.limit, self.max_queued = ctx, timeout_s, auth, limit, max_queued
+        self.sent: list[Any] = []  # tags of notify=True messages zmq has taken, until take_sent()
         self.socks: OrderedDict[Dest, zmq.Socket] = OrderedDict()  # least recently used first
         self.queues: dict[Dest, deque[Queued]] = {}  # only destinations with something waiting
         self.progress: dict[Dest, float] = {}  # when each queue was made or last sent something (monotonic)
@@ -45,22 +52,41 @@ class Outbox:
     def pending(self) -> int:
         return sum(len(q) for q in self.queues.values())
 
-    def put(self, dest: Dest, frames: list, tag: Any = None) -> bool:
+    def put(self, dest: Dest, frames: list, tag: Any = None, notify: bool = False) -> bool:
         """Send now if zmq takes the message, else queue it behind dest's earlier ones. False (nothing sent or
-        queued) when dest already has MAX_QUEUED messages waiting."""
+        queued) when dest already has max_queued messages waiting."""
         frames = self.auth.seal(frames)
         sock = self._socket(dest)
         q = self.queues.get(dest)
         if q is None and self._try_send(sock, frames):
+            self._sent(Queued(frames, tag, notify))
             return True
         if q is None:
             q = self.queues[dest] = deque()
             self.progress[dest] = time.monotonic()
             self.poller.register(sock, zmq.POLLOUT)
-        if len(q) >= MAX_QUEUED:
+        if len(q) >= self.max_queued:
             return False
-        q.append(Queued(frames, tag))
+        q.append(Queued(frames, tag, notify))
         return True
+
+    def take_sent(self) -> list[Any]:
+        """Tags of the notify=True messages zmq took since the last call, in the order they went."""
+        sent, self.sent = self.sent, []
+        return sent
+
+    def discard(self, dest: Dest, match: Callable[[Any], bool]) -> int:
+        """Remove dest's queued messages whose tag matches, unsent; how many."""
+        q = self.queues.get(dest)
+        if not q:
+            return 0
+        keep = deque(m for m in q if not match(m.tag))
+        gone = len(q) - len(keep)
+        q.clear()
+        q.extend(keep)
+        if not q:
+            self._unqueue(dest)
+        return gone
 
     def pump(self, timeout_ms: int) -> list[tuple[Dest, Any]]:
         """Waits up to timeout_ms for any queue's peer to take messages, sends what it can in order, and returns
@@ -72,7 +98,7 @@ class Outbox:
         for dest in list(self.queues):
             sock, q = self.socks[dest], self.queues[dest]
             while q and sock in ready and self._try_send(sock, q[0].frames):
-                q.popleft()
+                self._sent(q.popleft())
                 self.progress[dest] = now
             if q and now - self.progress[dest] > self.timeout_s:
                 expired += [(dest, m.tag) for m in q]
@@ -96,6 +122,11 @@ class Outbox:
         self.socks.clear()
         self.queues.clear()
         self.progress.clear()
+        self.sent.clear()
+
+    def _sent(self, m: Queued) -> None:
+        if m.notify:
+            self.sent.append(m.tag)
 
     def _try_send(self, sock: zmq.Socket, frames: list) -> bool:
         try:

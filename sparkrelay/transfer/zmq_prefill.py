@@ -1,6 +1,6 @@
 """PrefillAgent: the prefill side of the ZMQ transfer backend, one per prefill pipeline stage.
 
-    engine thread             listener thread (PULL)                    sender thread (owns every PUSH)
+    engine thread             listener thread (PULL)                    sender thread (owns the outbox.Outbox)
     add_room(room, len)  -->  TRANSFER_INFO(room) validated, stored -->  DATA x N, then STATUS success
     send(room, parts)    -->  (either order; the sender starts once both are there)
     abort(room, reason)  -->  STATUS failed ---------------------------> decode
@@ -8,6 +8,10 @@
                               bootstrap timeout (checked every 50 ms) -> Failed, STATUS failed to the decode
 
 Room state: Bootstrapping -> WaitingForInput (TRANSFER_INFO ok) -> Transferring (pushing) -> Success, or Failed.
+Sends never block: each decode has its own queue in the outbox, so a slow or dead decode only delays its own
+rooms. A room is Success once zmq took its STATUS success (after all its DATA); a decode that takes nothing for
+SEND_TIMEOUT_S fails every room queued for it and is marked dead until it sends a TRANSFER_INFO again. An
+aborted room's frames still queued are dropped unsent.
 on_status(room, Success|Failed, reason) is called once per room, from an agent thread, or from abort() in the
 caller's thread; never from inside add_room() or send(), and never with the agent's lock held.
 
@@ -37,10 +41,12 @@ from sparkrelay.transfer.base import (SCHEMA_MISMATCH, KVPoll, Part, PollResult,
                                       check_room)
 from sparkrelay.transfer.bootstrap_client import register_rank
 from sparkrelay.transfer.frames import FrameError, start_loop
+from sparkrelay.transfer.outbox import Outbox
 
 logger = logging.getLogger(__name__)
 
 SEND_TIMEOUT_S = 30.0  # a decode that takes no data for this long is marked dead
+MAX_QUEUED = 1 << 16  # messages waiting per decode; they reference the rooms' parts, which exist anyway
 MAX_ROOMS = 1 << 16
 MAX_EARLY = 4096  # TRANSFER_INFO / ABORT that arrived before add_room
 MAX_JOBS = 4 * MAX_ROOMS
@@ -101,9 +107,9 @@ class PrefillAgent(frames.AgentHealth):
         inbox = frames.Inbox(self._ctx, self.bind_host, frames.MAX_CONTROL_BYTES, name, self._rejects)
         self.port = inbox.port
         frames.warn_if_exposed(self.bind_host, self._auth.enabled, f"prefill pp_rank {self.pp_rank}'s transfer socket")
-        pool = frames.PushPool(self._ctx, SEND_TIMEOUT_S, self._auth)
+        out = Outbox(self._ctx, SEND_TIMEOUT_S, self._auth, max_queued=MAX_QUEUED)
         self._threads = [start_loop(f"{name}-listener", self._stop, lambda: self._listen_step(inbox), inbox.close),
-                         start_loop(f"{name}-sender", self._stop, lambda: self._send_step(pool), pool.close)]
+                         start_loop(f"{name}-sender", self._stop, lambda: self._send_step(out), out.close)]
         try:
             register_rank(self.bootstrap_url, self._registration(), token=self._token)
         except Exception:
@@ -215,8 +221,9 @@ class PrefillAgent(frames.AgentHealth):
             rec.state, rec.reason, rec.parts = KVPoll.Failed, reason, None
             dest = rec.dest
         logger.warning("prefill pp_rank %d: room %d failed: %s", self.pp_rank, room, reason)
-        if tell_decode and dest is not None:
-            self._enqueue(("status", dest, frames.status(room, self.pp_rank, KVPoll.Failed, reason)))
+        if dest is not None:  # the sender drops the room's frames still queued, then tells the decode
+            msg = frames.status(room, self.pp_rank, KVPoll.Failed, reason) if tell_decode else None
+            self._enqueue(("status", dest, msg, room))
         if not defer or not self._enqueue(("notify", room, KVPoll.Failed, reason)):
             self._notify(room, KVPoll.Failed, reason)
 
@@ -268,7 +275,7 @@ class PrefillAgent(frames.AgentHealth):
             self._rejects.note("replay", "prefill pp_rank %d: room %d: duplicate TRANSFER_INFO from %s ignored",
                                self.pp_rank, room, dest)
         elif reply is not None:
-            self._enqueue(("status", dest, frames.status(room, self.pp_rank, KVPoll.Failed, reply)))
+            self._enqueue(("status", dest, frames.status(room, self.pp_rank, KVPoll.Failed, reply), room))
         elif reason or full:
             self._fail(room, reason or "prefill send queue is full", defer=defer)
 
@@ -361,34 +368,44 @@ class PrefillAgent(frames.AgentHealth):
             reason = (f"prefill pp_rank {self.pp_rank} never admitted room {info['room']} within {timeout:g} s "
                       f"(SPARKRELAY_DISAGGREGATION_BOOTSTRAP_TIMEOUT)")
             self._enqueue(("status", (info["decode_host"], info["decode_port"]),
-                           frames.status(info["room"], self.pp_rank, KVPoll.Failed, reason)))
+                           frames.status(info["room"], self.pp_rank, KVPoll.Failed, reason), info["room"]))
 
     # ---- sender thread ----
+    # Outbox tags: ("data", room, rec) a DATA frame, ("done", room, rec) the STATUS success (reported once zmq
+    # took it), ("status", room, None) a STATUS failed.
 
-    def _send_step(self, pool: frames.PushPool) -> None:
+    def _send_step(self, out: Outbox) -> None:
+        """Hand new jobs to the outbox, let queued frames go out, settle rooms: nothing here waits on one decode."""
+        expired = out.pump(2)
+        if expired:
+            self._expired(expired)
+        self._settle(out.take_sent())
         try:
-            job = self._jobs.get(timeout=0.05)
+            job = self._jobs.get(timeout=0.0 if out.queues else 0.05)
         except queue.Empty:
             return
+        for _ in range(256):
+            self._run_job(out, job)
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+        self._settle(out.take_sent())
+
+    def _run_job(self, out: Outbox, job: tuple) -> None:
         if job[0] == "room":
-            self._push_room(pool, job[1], job[2])
+            self._push_room(out, job[1], job[2])
         elif job[0] == "notify":
             self._notify(*job[1:])
         else:
-            _, dest, msg = job
+            _, dest, msg, room = job
+            out.discard(dest, lambda tag: tag[1] == room and tag[0] != "status")
             with self._lock:
-                if dest in self._dead:
-                    return  # its last send timed out; another would only stall every other room
-            try:
-                pool.send(dest, msg)
-            except zmq.ZMQError as e:
-                logger.warning("prefill pp_rank %d: could not send a STATUS to %s: %s", self.pp_rank, dest, e)
+                if msg is None or dest in self._dead:
+                    return  # its last send timed out; the STATUS could only wait and expire
+            self._put(out, dest, msg, ("status", room, None))
 
-    def _push_room(self, pool: frames.PushPool, room: int, rec: _Room) -> None:
-        def live() -> bool:
-            with self._lock:
-                return self._rooms.get(room) is rec and rec.state != KVPoll.Failed
-
+    def _push_room(self, out: Outbox, room: int, rec: _Room) -> None:
         with self._lock:
             if self._rooms.get(room) is not rec or rec.state == KVPoll.Failed:
                 return
@@ -400,25 +417,46 @@ class PrefillAgent(frames.AgentHealth):
         if self.failure_prob and random.Random(room).random() < self.failure_prob:  # the same draw on every stage
             self._fail(room, INJECTED_FAILURE)
             return
+        msgs = [(frames.data(room, self.pp_rank, p), ("data", room, rec)) for p in parts]
+        msgs.append((frames.status(room, self.pp_rank, KVPoll.Success), ("done", room, rec)))
+        for msg, tag in msgs:
+            if not self._put(out, dest, msg, tag):
+                return
+
+    def _put(self, out: Outbox, dest: Dest, msg: list, tag: tuple) -> bool:
+        """Queue or send one message; a refused one fails its room (False)."""
         try:
-            for part in parts:
-                if not live():
-                    return  # aborted mid-way; the abort already told the decode
-                pool.send(dest, frames.data(room, self.pp_rank, part))
-            if not live():
-                return
-            pool.send(dest, frames.status(room, self.pp_rank, KVPoll.Success))
+            if out.put(dest, msg, tag, notify=tag[0] == "done"):
+                return True
+            why = f"{MAX_QUEUED} messages already wait for it"
         except zmq.ZMQError as e:
-            if isinstance(e, zmq.Again):
-                with self._lock:
-                    self._dead[dest] = time.monotonic()
-                    while len(self._dead) > 1024:
-                        self._dead.pop(next(iter(self._dead)))
-            self._fail(room, f"sending to the decode at {dest[0]}:{dest[1]} failed: "
-                             f"{'no progress within %g s' % SEND_TIMEOUT_S if isinstance(e, zmq.Again) else e}")
-            return
+            why = str(e)
+        if tag[0] == "status":
+            logger.warning("prefill pp_rank %d: could not send a STATUS to %s:%d: %s", self.pp_rank, *dest, why)
+        else:
+            self._fail(tag[1], f"sending to the decode at {dest[0]}:{dest[1]} failed: {why}")
+        return False
+
+    def _settle(self, sent: list[tuple]) -> None:
+        """A room whose STATUS success zmq took (after all its DATA) is Success, unless it failed meanwhile."""
+        for _, room, rec in sent:
+            with self._lock:
+                if self._rooms.get(room) is not rec or rec.state == KVPoll.Failed:
+                    continue
+                rec.state, rec.parts = KVPoll.Success, None
+            self._notify(room, KVPoll.Success, "")
+
+    def _expired(self, expired: list[tuple[Dest, tuple]]) -> None:
+        """A decode took nothing for SEND_TIMEOUT_S: it is dead until its next TRANSFER_INFO, its rooms fail."""
         with self._lock:
-            if self._rooms.get(room) is not rec or rec.state == KVPoll.Failed:
-                return
-            rec.state, rec.parts = KVPoll.Success, None
-        self._notify(room, KVPoll.Success, "")
+            for dest, _ in expired:
+                self._dead[dest] = time.monotonic()
+            while len(self._dead) > 1024:
+                self._dead.pop(next(iter(self._dead)))
+        for dest, (kind, room, _) in expired:
+            if kind == "status":
+                logger.warning("prefill pp_rank %d: STATUS of room %d not delivered to %s:%d (no progress within "
+                               "%g s)", self.pp_rank, room, *dest, SEND_TIMEOUT_S)
+            else:
+                self._fail(room, f"sending to the decode at {dest[0]}:{dest[1]} failed: no progress within "
+                                 f"{SEND_TIMEOUT_S:g} s")
