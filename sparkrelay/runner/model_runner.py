@@ -49,7 +49,10 @@ class ModelRunner:
         rows = [i for i, s in enumerate(seqs) if s.sample]
         scored = prompt_rows(seqs)  # input logprobs: extra logits rows after the sampling ones
         extra = [start + j for _, _, start, n in scored for j in range(n)]
-        out = self.forward(meta, ids, torch.cat([ends[rows], torch.tensor(extra, dtype=torch.long)]))
+        logits_rows = ends[rows]
+        if extra:  # only a request with logprob_start_len >= 0 scores prompt rows
+            logits_rows = torch.cat([logits_rows, torch.tensor(extra, dtype=torch.long)])
+        out = self.forward(meta, ids, logits_rows)
         self.after_forward(meta, out)
         logits = out.logits[: len(rows)]  # [R, V]
         next_ids = self.sample([seqs[i].req for i in rows], logits) if rows else []
