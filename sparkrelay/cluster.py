@@ -36,6 +36,15 @@ class Server:
         except OSError:
             return ""
 
+    def wait_for_log(self, text: str, timeout: float = 10.0, n: int = 2000) -> bool:
+        """True once `text` is in the last `n` lines of the log: a peer's message may land after the reply."""
+        deadline = time.monotonic() + timeout
+        while text not in self.log_tail(n):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def stop(self, timeout: float = 15.0) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
