@@ -5,5 +5,5 @@ cd "$(dirname "$0")/.."
 echo "[demo.sh] set-up first (quick when already done) ..."
 bash scripts/setup.sh
 . .venv/bin/activate
-echo "[demo.sh] running python -m sparkrelay.demo${*:+ $*} (a few minutes on CPU) ..."
-python -m sparkrelay.demo "$@"
+echo "[demo.sh] running python -m sparkrelay.tools.demo${*:+ $*} (a few minutes on CPU) ..."
+python -m sparkrelay.tools.demo "$@"

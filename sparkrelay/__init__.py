@@ -11,7 +11,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from sparkrelay.engine.request import SamplingParams
+        from sparkrelay.scheduler.request import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

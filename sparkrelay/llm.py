@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from sparkrelay.config import Config
 from sparkrelay.engine.engine import Engine
-from sparkrelay.engine.request import SamplingParams
+from sparkrelay.scheduler.request import SamplingParams
 
 Prompt = Union[str, list[int]]
 

@@ -1,38 +1,13 @@
-"""Shared fixtures: the bundled model, and small random Qwen3 checkpoints built on the fly."""
+"""Fixtures shared by every test folder: the bundled pair, a small random Qwen3, and a served HTTP app."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-BUNDLED = ROOT / "models" / "tiny-qwen3"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def tokenizer_source() -> Path:
-    if (BUNDLED / "tokenizer.json").is_file():
-        return BUNDLED
-    return ROOT / ".cache" / "train_tiny_target" / "tokenizer"
-
-
-def make_random_qwen3(folder: Path, seed: int = 0, **overrides) -> Path:
-    """Save a random-weight Qwen3ForCausalLM (transformers) with the bundled tokenizer into `folder`."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    fields = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
-                  max_position_embeddings=2048, rope_theta=10000.0)
-    fields.update(overrides)
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**fields)).eval()
-    model.save_pretrained(folder, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        shutil.copy(tokenizer_source() / name, folder / name)
-    return folder
+from testkit.http import build_tiny_model, make_app
+from testkit.models import BUNDLED, BUNDLED_DRAFTER, make_random_qwen3
 
 
 @pytest.fixture(scope="session")
@@ -47,17 +22,27 @@ def bundled_model_dir() -> Path:
     return BUNDLED
 
 
-BUNDLED_DRAFTER = ROOT / "models" / "tiny-qwen3-dspark"
-
-
 @pytest.fixture(scope="session")
 def bundled_drafter_dir() -> Path:
     assert (BUNDLED_DRAFTER / "config.json").is_file(), f"the bundled drafter {BUNDLED_DRAFTER} is missing"
     return BUNDLED_DRAFTER
 
 
-def code_prompts(tokenizer, n: int, seed_text: str) -> list[list[int]]:
-    """n varied-length prompts (3 to 62 tokens) cut from a text."""
-    ids = tokenizer.encode(seed_text)
-    step = max(1, (len(ids) - 64) // n)
-    return [ids[step * i : step * i + 3 + (i * 11) % 60] for i in range(n)]
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    """(TestClient, AsyncEngine) of one app for the whole module."""
+    from fastapi.testclient import TestClient
+
+    app, async_engine = make_app(tiny_model_dir)
+    with TestClient(app) as client:
+        yield client, async_engine
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return served[0]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparkrelay.disagg.schema import HandoffSchema
-from sparkrelay.engine.request import MAX_TOP_LOGPROBS
+from sparkrelay.scheduler.request import MAX_TOP_LOGPROBS
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -4,7 +4,7 @@ Every stage keeps, per room, what it must hand off and sends it through its own 
     all stages   the K/V of its own layers for the whole prompt, gathered once the last chunk is computed
     last stage   + the aux rows [n, W] (hidden / tail) or the draft K/V (draft-kv), filled chunk by chunk at
                  absolute positions, and the metadata row, packed once the first token is sampled (room last)
-Each agent's terminal status (Success / Failed + reason) goes to rank 0's status socket as a msgpack map
+Each agent's terminal status (Success / Failed + reason) goes to rank 0's status socket as a `StageReport` (disagg/stage_report.py)
 {room, stage, state, reason}; rank 0 finishes the prefill request when every stage has reported.
 """
 
@@ -15,9 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
-import msgpack
 import torch
-import zmq
 
 from sparkrelay.config import Config
 from sparkrelay.disagg.handoff import build_schema, part_of
@@ -30,6 +28,7 @@ from sparkrelay.models.loader import read_config
 from sparkrelay.models.qwen3 import Qwen3Spec
 from sparkrelay.transfer.base import KVPoll, Part
 from sparkrelay.transfer.zmq_backend import PrefillAgent
+from sparkrelay.disagg.stage_report import StageReport, StageReportOutbox
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +49,7 @@ class PrefillSink:
         self.layout = MetadataLayout.of(schema)
         self.rooms: dict[int, _Room] = {}
         self._lock = threading.Lock()
-        self._status = zmq.Context.instance().socket(zmq.PUSH)
-        self._status.setsockopt(zmq.LINGER, 1000)
-        self._status.connect(status_address)
+        self._status = StageReportOutbox(status_address)
         dc = config.disagg
         url = f"http://{dc.disaggregation_bootstrap_host}:{dc.disaggregation_bootstrap_port}"
         self.agent = PrefillAgent(stage, len(partition), schema.to_dict(), compare, url, dc.disaggregation_bootstrap_host,
@@ -65,7 +62,7 @@ class PrefillSink:
         """Agent threads report a terminal state: forward it to rank 0, drop what this stage kept for the room."""
         with self._lock:
             self.rooms.pop(room, None)
-            self._status.send(msgpack.packb({"room": room, "stage": self.stage, "state": int(state), "reason": reason}))
+            self._status.send(StageReport(room, self.stage, state, reason))
 
     # -- the StageSink hooks ----------------------------------------------------------------------------------------
     def after_forward(self, mb, meta, out, aux: Optional[torch.Tensor], draft_kv) -> None:
@@ -162,7 +159,7 @@ class PrefillSink:
 
     def close(self) -> None:
         self.agent.close()
-        self._status.close(0)
+        self._status.close()
 
 
 def make_stage_sink(config: Config, stage: int, partition: list[tuple[int, int]], pool: KVPool,

@@ -21,14 +21,12 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-import msgpack
-import zmq
-
 from sparkrelay.config import Config, ConfigError
 from sparkrelay.disagg.handoff import build_schema, expected_parts, inject_context, read_meta, write_kv
 from sparkrelay.disagg.schema import HandoffSchema, compare
+from sparkrelay.disagg.stage_report import StageReportInbox
 from sparkrelay.engine.engine import Engine, resolve_dtype
-from sparkrelay.engine.request import Bootstrap, Request, RequestError, SamplingParams, Status
+from sparkrelay.scheduler.request import Bootstrap, Request, RequestError, SamplingParams, Status
 from sparkrelay.envs import DisaggEnv
 from sparkrelay.models.attention import slot_index
 from sparkrelay.models.loader import read_config
@@ -95,10 +93,8 @@ class PrefillEngine(_PDEngine):
     def __init__(self, config: Config) -> None:
         self.env = DisaggEnv.read()
         self.schema = _schema(config, self.env)
-        self._status = zmq.Context.instance().socket(zmq.PULL)
-        self._status.setsockopt(zmq.LINGER, 0)
-        port = self._status.bind_to_random_port("tcp://127.0.0.1")
-        self.status_address = f"tcp://127.0.0.1:{port}"  # every stage's sink reports here (read by the runner)
+        self._status = StageReportInbox()
+        self.status_address = self._status.address  # every stage's sink reports here (read by the runner)
         dc = config.disagg
         self.bootstrap = BootstrapServer(dc.disaggregation_bootstrap_host, dc.disaggregation_bootstrap_port,
                                          config.parallel.pp_size, self.schema.to_dict(), config.server.port,
@@ -150,14 +146,10 @@ class PrefillEngine(_PDEngine):
             self.inflight[req.bootstrap_room] = self.inflight.get(req.bootstrap_room, set())
 
     def _poll_status(self, wait: bool) -> None:
-        if wait and self.inflight and not self._status.poll(IDLE_WAIT_S * 1000):
+        if wait and self.inflight and not self._status.wait(IDLE_WAIT_S):
             return
-        while True:
-            try:
-                msg = msgpack.unpackb(self._status.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            self._on_status(int(msg["room"]), int(msg["stage"]), KVPoll(int(msg["state"])), str(msg["reason"]))
+        for r in self._status.drain():
+            self._on_status(r.room, r.stage, r.state, r.reason)
 
     def _on_status(self, room: int, stage: int, state: KVPoll, reason: str) -> None:
         req = self.by_room.get(room)
@@ -189,7 +181,7 @@ class PrefillEngine(_PDEngine):
     def close(self) -> None:
         super().close()
         self.bootstrap.stop()
-        self._status.close(0)
+        self._status.close()
 
 
 @dataclass

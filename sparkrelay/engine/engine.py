@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 
 from sparkrelay.config import Config, ConfigError
-from sparkrelay.engine.block_manager import BlockManager
-from sparkrelay.engine.request import Bootstrap, Request, RequestError, RequestOutput, SamplingParams, Status
-from sparkrelay.engine.scheduler import Batch, Scheduler
-from sparkrelay.engine.stop import StopChecker
+from sparkrelay.scheduler.block_manager import BlockManager
+from sparkrelay.scheduler.request import Bootstrap, Request, RequestError, RequestOutput, SamplingParams, Status
+from sparkrelay.scheduler.scheduler import Batch, Scheduler
+from sparkrelay.scheduler.stop import StopChecker
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.loader import read_config
 from sparkrelay.models.dspark import load_dspark

@@ -28,8 +28,8 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from sparkrelay.config import Config, ConfigError
-from sparkrelay.engine.request import Request
-from sparkrelay.engine.scheduler import Batch, ScheduledSeq
+from sparkrelay.scheduler.request import Request
+from sparkrelay.scheduler.scheduler import Batch, ScheduledSeq
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.qwen3 import Qwen3ForCausalLM
 from sparkrelay.pipeline.capture import CaptureSpec

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from sparkrelay.engine.request import TopLogprobs
+from sparkrelay.scheduler.request import TopLogprobs
 
 Entry = tuple[float, TopLogprobs]  # (logprob of the chosen token, top-k (logprob, id) most likely first)
 

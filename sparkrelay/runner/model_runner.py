@@ -7,8 +7,8 @@ from typing import Optional
 
 import torch
 
-from sparkrelay.engine.request import Request
-from sparkrelay.engine.scheduler import Batch
+from sparkrelay.scheduler.request import Request
+from sparkrelay.scheduler.scheduler import Batch
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.qwen3 import Qwen3ForCausalLM, StageOutput

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from sparkrelay.engine.scheduler import Batch
+from sparkrelay.scheduler.scheduler import Batch
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.qwen3 import StageOutput
 from sparkrelay.runner.logprobs import token_logprobs

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
-from sparkrelay.engine.request import Bootstrap, RequestError, RequestOutput, SamplingParams
+from sparkrelay.scheduler.request import Bootstrap, RequestError, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sparkrelay.config import Config
-from sparkrelay.engine.request import RequestOutput
+from sparkrelay.scheduler.request import RequestOutput
 from sparkrelay.server import protocol as P
 from sparkrelay.server.async_engine import AsyncEngine, OutputStream
 from sparkrelay.server.metrics import Metrics

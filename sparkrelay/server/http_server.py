@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import sparkrelay
 from sparkrelay.config import Config
-from sparkrelay.engine.request import RequestError, RequestOutput, SamplingParams
+from sparkrelay.scheduler.request import RequestError, RequestOutput, SamplingParams
 from sparkrelay.server import protocol as P
 from sparkrelay.server.async_engine import AsyncEngine, EngineStopped, GenerationItem
 from sparkrelay.server.common import (ServerError, ServerState, error_response, stream_error_response,

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from sparkrelay.engine.request import Logprobs, RequestOutput
+from sparkrelay.scheduler.request import Logprobs, RequestOutput
 from sparkrelay.server import protocol as P
 from sparkrelay.server.async_engine import GenerationItem, OutputStream
 from sparkrelay.server.common import ServerState

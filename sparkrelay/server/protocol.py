@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sparkrelay.engine.request import MAX_TOP_LOGPROBS, Bootstrap, RequestError, SamplingParams
+from sparkrelay.scheduler.request import MAX_TOP_LOGPROBS, Bootstrap, RequestError, SamplingParams
 from sparkrelay.server.async_engine import GenerationItem
 
 

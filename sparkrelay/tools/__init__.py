@@ -1,1 +1,1 @@
-"""Offline tools: training the bundled models."""
+"""Commands that are not serving: benchmarks, soak, fuzzing, training, the demo and its local cluster."""

@@ -1,0 +1,141 @@
+"""Continuous batching with chunked prefill and recompute preemption (plain Python, no torch).
+
+Each step is either a prefill batch (prefill first, as SGLang does by default) or a decode batch:
+  prefill: running requests still mid-prefill, then waiting requests in arrival order, each given a chunk of
+           its uncomputed tokens while the step's token budget and free KV blocks last;
+  decode:  every running request feeds its last sampled token (plus `decode_lookahead - 1` reserved slots,
+           used by speculative decoding); when blocks run out the newest running request is preempted: its
+           blocks are freed and it goes back to the front of the waiting queue to be recomputed later.
+Running out of blocks therefore delays or preempts a request; it never crashes or corrupts one.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from sparkrelay.scheduler.block_manager import BlockManager
+from sparkrelay.scheduler.request import Request, Status
+
+
+@dataclass
+class ScheduledSeq:
+    """Feed tokens [start, end) of `req`; sample after them when `end` reaches the request's last token."""
+
+    req: Request
+    start: int
+    end: int
+
+    @property
+    def sample(self) -> bool:
+        return self.end == self.req.num_tokens
+
+
+@dataclass
+class Batch:
+    kind: str  # "prefill" | "decode"
+    seqs: list[ScheduledSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.end - s.start for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_running: int, token_budget: int, decode_lookahead: int = 1) -> None:
+        self.blocks = blocks
+        self.max_running = max_running
+        self.token_budget = token_budget
+        self.decode_lookahead = decode_lookahead
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- membership -----------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Request) -> None:
+        """Drop a finished or aborted request and free its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.blocks.free(req.rid)
+        req.block_ids = []
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        while self.running or self.waiting:
+            batch = self._schedule_prefill()
+            if batch.seqs:
+                return batch
+            batch = self._schedule_decode()
+            if batch.seqs:
+                return batch
+            if not self.running:
+                return None  # waiting requests that do not fit yet; nothing runs (cannot happen when admission checks capacity)
+            self._preempt(self.running[-1])
+        return None
+
+    def _schedule_prefill(self) -> Batch:
+        budget, seqs = self.token_budget, []
+        mid_prefill = [r for r in self.running if r.num_uncomputed > 1]
+        for req in mid_prefill:
+            seq = self._chunk(req, budget)
+            if seq is not None:
+                seqs.append(seq)
+                budget -= seq.end - seq.start
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self._chunk(self.waiting[0], budget)
+            if seq is None:
+                break  # arrival order: a later request does not overtake one that does not fit
+            req = self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            seqs.append(seq)
+            budget -= seq.end - seq.start
+        return Batch("prefill", seqs)
+
+    def _chunk(self, req: Request, budget: int) -> ScheduledSeq | None:
+        """The largest chunk of `req`'s uncomputed tokens that fits the budget and the free blocks."""
+        ps = self.blocks.page_size
+        capacity = (len(self.blocks.table(req.rid)) + self.blocks.num_free) * ps
+        end = min(req.num_tokens, req.num_computed + budget, capacity)
+        if end <= req.num_computed:
+            return None
+        self.blocks.allocate(req.rid, end)
+        req.block_ids = self.blocks.table(req.rid)
+        return ScheduledSeq(req, req.num_computed, end)
+
+    def _schedule_decode(self) -> Batch:
+        seqs = []
+        for req in list(self.running):
+            if req not in self.running or req.num_uncomputed != 1:
+                continue
+            need = req.num_tokens - 1 + self.decode_lookahead
+            while not self.blocks.can_allocate(req.rid, need) and self.running[-1] is not req:
+                self._preempt(self.running[-1])
+            if not self.blocks.can_allocate(req.rid, need):
+                self._preempt(req)
+                continue
+            self.blocks.allocate(req.rid, need)
+            req.block_ids = self.blocks.table(req.rid)
+            seqs.append(ScheduledSeq(req, req.num_tokens - 1, req.num_tokens))
+        seqs = [s for s in seqs if s.req in self.running]
+        return Batch("decode", seqs)
+
+    def _preempt(self, req: Request) -> None:
+        """Free `req`'s blocks and queue it first in line; its prompt and outputs are recomputed later."""
+        self.running.remove(req)
+        self.blocks.free(req.rid)
+        req.block_ids = []
+        req.num_computed = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)

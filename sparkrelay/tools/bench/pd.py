@@ -1,0 +1,184 @@
+"""PD vs aggregated DSpark on the bundled pair: TTFT, decode throughput, acceptance length and handoff bytes per
+request for each handoff mode over prompt lengths, and `tail`'s acceptance as a function of the tail length.
+
+    python -m sparkrelay.tools.bench.pd [--lengths 32,128,512,1024,2048] [--per-length 3] [--pp-size 2]
+                                  [--tails 1,2,4,8,16,64,256] [--out benchmarks/results]
+
+Every deployment is started through the real entry points (sparkrelay.tools.cluster); requests go one at a time
+(streamed /generate, greedy) so TTFT and acceptance are not mixed with queueing. Writes bench_pd.json,
+bench_pd.md and bench_pd.png. Ends with a verdict; exit status 1 if a PD mode's greedy tokens differ from the
+aggregated server's, `hidden` or `draft-kv` accepts differently, or two tail lengths give different tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from sparkrelay.tools.cluster import PDSettings, free_port, handoff_bytes, server_argv, start, start_pd, stream_generate
+from sparkrelay.tools.corpus import read_texts, stdlib_files
+
+MODEL, DRAFTER = "models/tiny-qwen3", "models/tiny-qwen3-dspark"
+
+
+def prompts_by_length(lengths: list[int], per_length: int) -> dict[int, list[list[int]]]:
+    from transformers import AutoTokenizer
+
+    text = "\n".join(read_texts(stdlib_files()[1]))[:2_000_000]
+    ids = AutoTokenizer.from_pretrained(MODEL).encode(text)
+    out, offset = {}, 0
+    for n in lengths:
+        out[n] = []
+        for _ in range(per_length):
+            out[n].append(ids[offset : offset + n])
+            offset += n
+    return out
+
+
+def run_deployment(name: str, url: str, decode_url: str | None, prompts: dict, max_new: int) -> list[dict]:
+    stream_generate(url, prompts[min(prompts)][0], 4)  # warm-up (and router registration)
+    rows = []
+    for n, group in prompts.items():
+        before = handoff_bytes(decode_url) if decode_url else (0, 0)
+        runs = [stream_generate(url, p, max_new) for p in group]
+        after = handoff_bytes(decode_url) if decode_url else (0, 0)
+        rows.append({"deployment": name, "prompt_len": n, "handoff_bytes": (after[0] - before[0]) / len(group),
+                     "context_bytes": (after[1] - before[1]) / len(group),
+                     **{k: sum(r[k] for r in runs) / len(runs) for k in ("ttft_s", "decode_tok_s", "accept_length")},
+                     "outputs": [r["output_ids"] for r in runs]})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "outputs"}), flush=True)
+    return rows
+
+
+def bench_modes(args, prompts: dict, log_dir: str) -> list[dict]:
+    rows = []
+    port = free_port()
+    agg = start("aggregated", server_argv(MODEL, port, ["--speculative-algorithm", "DSPARK",
+                                                       "--speculative-draft-model-path", DRAFTER]), port, log_dir)
+    try:
+        rows += run_deployment("aggregated", agg.url, None, prompts, args.max_new_tokens)
+    finally:
+        agg.stop()
+    for mode in ("hidden", "draft-kv", "tail"):
+        cluster = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=args.pp_size, handoff=mode), log_dir)
+        try:
+            rows += run_deployment(f"PD {mode}", cluster.url, cluster.decode.url, prompts, args.max_new_tokens)
+        finally:
+            cluster.stop()
+    return rows
+
+
+def bench_tails(args, log_dir: str) -> list[dict]:
+    prompts = prompts_by_length([args.tail_prompt_len], args.per_length * 2)
+    rows = []
+    for tail in args.tails:
+        env = {"SPARKRELAY_DSPARK_PD_PREFILL_TAIL_TOKENS": str(tail)}
+        cluster = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=args.pp_size, handoff="tail", env=env),
+                           log_dir)
+        try:
+            got = run_deployment(f"tail {tail}", cluster.url, cluster.decode.url, prompts, args.max_new_tokens)[0]
+            rows.append({"tail": tail, **got})
+        finally:
+            cluster.stop()
+    return rows
+
+
+def verdict(modes: list[dict], tails: list[dict]) -> list[str]:
+    """Reasons to fail: a PD mode's greedy tokens differ from the aggregated server's for the same prompts, `hidden`
+    or `draft-kv` (whose drafter sees the whole prompt) accepts differently, or two tail lengths give different
+    tokens for the same prompts (the tail changes the drafter's guesses, never the target's answer)."""
+    ref = {r["prompt_len"]: r for r in modes if r["deployment"] == "aggregated"}
+    why = []
+    for r in modes:
+        agg = ref.get(r["prompt_len"])
+        if agg is None or r is agg:
+            continue
+        if r["outputs"] != agg["outputs"]:
+            why.append(f"{r['deployment']}, {r['prompt_len']}-token prompts: tokens differ from aggregated")
+        full = r["deployment"] in ("PD hidden", "PD draft-kv")
+        if full and abs(r["accept_length"] - agg["accept_length"]) > 1e-9:
+            why.append(f"{r['deployment']}, {r['prompt_len']}-token prompts: accept length {r['accept_length']:.3f} "
+                       f"!= aggregated {agg['accept_length']:.3f}")
+    why += [f"tail {r['tail']}: tokens differ from tail {tails[0]['tail']}" for r in tails[1:]
+            if r["outputs"] != tails[0]["outputs"]]
+    return why
+
+
+def verdict_line(why: list[str]) -> str:
+    if why:
+        return "Verdict: FAIL: " + "; ".join(why)
+    return ("Verdict: PASS (every PD mode gave the aggregated server's greedy tokens, hidden and draft-kv its "
+            "acceptance; every tail length the same tokens)")
+
+
+def write_report(modes: list[dict], tails: list[dict], out: Path, args) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_pd.json").write_text(json.dumps({"args": vars(args), "modes": modes, "tails": tails}, indent=1))
+    lines = [f"PP={args.pp_size} prefill, {args.per_length} prompts per length, {args.max_new_tokens} new tokens, "
+             "greedy, one request at a time, bundled tiny pair on CPU.", "",
+             "| deployment | prompt len | TTFT ms | decode tok/s | accept len | KiB/request: all | of which DSpark context + row |",
+             "|---|---|---|---|---|---|---|"]
+    for r in modes:
+        lines.append(f"| {r['deployment']} | {r['prompt_len']} | {1000 * r['ttft_s']:.0f} | {r['decode_tok_s']:.1f} | "
+                     f"{r['accept_length']:.2f} | {r['handoff_bytes'] / 1024:,.0f} | {r['context_bytes'] / 1024:,.1f} |")
+    lines += ["", f"`tail` acceptance vs tail length ({args.tail_prompt_len}-token prompts):", "",
+              "| tail rows | accept len | metadata row KiB/request |", "|---|---|---|"]
+    lines += [f"| {r['tail']} | {r['accept_length']:.2f} | {r['context_bytes'] / 1024:,.1f} |" for r in tails]
+    lines += ["", verdict_line(verdict(modes, tails))]
+    (out / "bench_pd.md").write_text("\n".join(lines) + "\n")
+    _plot(modes, tails, out / "bench_pd.png")
+    print("\n".join(lines))
+
+
+def _plot(modes: list[dict], tails: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name in dict.fromkeys(r["deployment"] for r in modes):
+        rs = [r for r in modes if r["deployment"] == name]
+        x = [r["prompt_len"] for r in rs]
+        axes[0].plot(x, [1000 * r["ttft_s"] for r in rs], marker="o", label=name)
+        axes[1].plot(x, [r["accept_length"] for r in rs], marker="o", label=name)
+    for ax, title in zip(axes[:2], ("TTFT (ms)", "acceptance length")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_title(title)
+        ax.legend()
+    if tails:
+        axes[2].plot([r["tail"] for r in tails], [r["accept_length"] for r in tails], marker="o")
+        axes[2].set_xscale("log", base=2)
+    axes[2].set_xlabel("tail rows")
+    axes[2].set_title("tail: acceptance length")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sparkrelay.tools.bench.pd", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", default="32,128,512,1024,2048")
+    ap.add_argument("--per-length", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--pp-size", type=int, default=2)
+    ap.add_argument("--tails", default="1,2,4,8,16,64,256")
+    ap.add_argument("--tail-prompt-len", type=int, default=512)
+    ap.add_argument("--skip-tails", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.tails = [int(x) for x in args.tails.split(",")]
+    with tempfile.TemporaryDirectory() as logs:
+        modes = bench_modes(args, prompts_by_length(args.lengths, args.per_length), logs)
+        tails = [] if args.skip_tails else bench_tails(args, logs)
+    write_report(modes, tails, Path(args.out), args)
+    return 1 if verdict(modes, tails) else 0  # the verdict line ends the printed report
+
+
+if __name__ == "__main__":
+    sys.exit(main())

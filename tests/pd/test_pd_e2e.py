@@ -1,0 +1,114 @@
+"""End to end PD on the bundled pair, through the real entry points: a prefill server (--pp-size N, no drafter),
+a DSpark decode server and a router, all subprocesses on 127.0.0.1.
+
+Greedy, 20 prompts (one longer than 1,000 tokens, one shorter than the tail): every topology and handoff mode
+must produce exactly the aggregated DSpark tokens; `hidden` and `draft-kv` must also give exactly the aggregated
+acceptance per request (same verify rounds, same accept length). `tail` acceptance is reported, not asserted
+equal (the drafter sees only the last rows of the prompt).
+
+The default run (CI) does PP=2 + hidden through sparkrelay's router; the full matrix and sglang-router are
+marked slow (`pytest -m slow tests/pd/test_pd_e2e.py`). Every route (native and OpenAI, streamed, n = 2) through
+both routers against the aggregated server: tests/pd/test_sglang_router_routes.py (default run).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from sparkrelay.tools.cluster import PDSettings, start_pd
+from sparkrelay.scheduler.request import SamplingParams
+from sparkrelay.llm import LLM
+
+from testkit.pd import DRAFTER, MAX_NEW, MODEL, generate, post  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    text = open("sparkrelay/scheduler/scheduler.py").read() + open("sparkrelay/models/qwen3.py").read()
+    ids = tok.encode(text)
+    out = [ids[40 * i : 40 * i + 9 + (i * 13) % 90] for i in range(18)]
+    out.append(ids[500:505])          # shorter than the default tail (8)
+    out.append(ids[1000:2100])        # longer than 1,000 tokens
+    assert len(out[-1]) > 1000 and len(out[-2]) < 8
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(prompts) -> list[dict]:
+    """Aggregated DSpark, one prompt at a time (batch 1, as the PD requests are sent)."""
+    llm = LLM(MODEL, speculative_algorithm="DSPARK", speculative_draft_model_path=DRAFTER)
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+    out = [llm.generate(p, params) for p in prompts]
+    llm.engine.close()
+    return out
+
+
+def run_pd(tmp_path, prompts, also=None, **settings) -> list[dict]:
+    """Each prompt through the deployment, one at a time; `also(url)` runs against it before it stops."""
+    cluster = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, **settings), str(tmp_path))
+    try:
+        results = []
+        for i, ids in enumerate(prompts):
+            status, out = generate(cluster.url, ids, retries_until=time.monotonic() + (30 if i == 0 else 0))
+            assert status == 200, (status, out, cluster.decode.log_tail(), cluster.prefill.log_tail())
+            results.append(out)
+        if also is not None:
+            also(cluster.url)
+        return results
+    finally:
+        cluster.stop()
+
+
+def check_against(reference: list[dict], results: list[dict], exact_acceptance: bool) -> list[float]:
+    taus = []
+    for i, (ref, got) in enumerate(zip(reference, results)):
+        assert got["output_ids"] == ref["output_ids"], f"prompt {i}: PD tokens differ from aggregated DSpark"
+        m, r = got["meta_info"], ref["meta_info"]
+        assert m["spec_verify_ct"] >= 1 and m["spec_accept_length"] >= 1.0
+        if exact_acceptance:
+            assert (m["spec_verify_ct"], m["spec_accept_length"]) == (r["spec_verify_ct"], r["spec_accept_length"]), \
+                f"prompt {i}: acceptance {m['spec_verify_ct']}/{m['spec_accept_length']} vs aggregated " \
+                f"{r['spec_verify_ct']}/{r['spec_accept_length']}"
+        taus.append(m["spec_accept_length"])
+    return taus
+
+
+def test_pd_pp2_hidden_through_router(tmp_path, prompts, reference):
+    """CI's end-to-end PD test: PP=2 prefill (no drafter) + DSpark decode + sparkrelay router."""
+    def openai_route(url):  # the OpenAI routes carry the bootstrap fields too (PD_PROTOCOL.md §5 item 6)
+        status, out = post(url + "/v1/completions", {"prompt": prompts[3], "max_tokens": MAX_NEW, "temperature": 0})
+        assert status == 200 and out["choices"][0]["text"] == reference[3]["text"], out
+
+    # chunked prefill on the prefill side: the >1,000-token prompt is captured in 256-token chunks at absolute
+    # positions (PD_PROTOCOL.md §5 item 21)
+    results = run_pd(tmp_path, prompts, also=openai_route, pp_size=2, handoff="hidden", router="sparkrelay",
+                     prefill_args=["--chunked-prefill-size", "256"])
+    check_against(reference, results, exact_acceptance=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["hidden", "draft-kv", "tail"])
+def test_pd_matrix(tmp_path, prompts, reference, pp, mode, record_property):
+    results = run_pd(tmp_path, prompts, pp_size=pp, handoff=mode, router="sparkrelay")
+    taus = check_against(reference, results, exact_acceptance=mode != "tail")
+    mean = sum(taus) / len(taus)
+    ref = sum(r["meta_info"]["spec_accept_length"] for r in reference) / len(reference)
+    record_property("mean_accept_length", mean)
+    print(f"\nPP={pp} {mode}: mean accept length {mean:.3f} (aggregated {ref:.3f})")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None, reason="sglang-router is not installed")
+def test_pd_through_sglang_router(tmp_path, prompts, reference):
+    results = run_pd(tmp_path, prompts, pp_size=2, handoff="hidden", router="sglang")
+    check_against(reference, results, exact_acceptance=True)

@@ -1,0 +1,120 @@
+"""Transfer agents on loopback for the tests: a bootstrap server, prefill stages and a decode, with fake parts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import socket
+import threading
+import time
+
+import msgpack
+import zmq
+
+from sparkrelay.transfer import frames, zmq_prefill
+from sparkrelay.transfer.base import KVPoll, Part, PartSpec, PollResult, TransferError
+from sparkrelay.transfer.bootstrap import BootstrapError, BootstrapServer, http_request, register_rank
+from sparkrelay.transfer.zmq_backend import DecodeAgent, PrefillAgent
+
+SCHEMA = {"version": 1, "page_size": 16, "dtype": "bfloat16", "num_layers": 4, "hidden": 8, "pp_size": 2}
+HOST = "127.0.0.1"
+SAME = object()  # Cluster(decode_token=SAME): the decode uses the prefill's token
+
+
+def compare(a: dict, b: dict) -> list[str]:
+    return [f"{k}: prefill={a.get(k)!r} decode={b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def expected_parts(schema: dict, prompt_len: int) -> dict[int, list[PartSpec]]:
+    """Each stage sends its layers' KV [layers, 2, prompt_len, hidden]; the last stage also a meta row."""
+    if prompt_len <= 0:
+        raise ValueError(f"prompt_len {prompt_len}: nothing to transfer")
+    pp, per = schema["pp_size"], schema["num_layers"] // schema["pp_size"]
+    out = {s: [PartSpec("kv", tuple(range(s * per, (s + 1) * per)), "bfloat16", (per, 2, prompt_len, schema["hidden"]))]
+           for s in range(pp)}
+    out[pp - 1].append(PartSpec("meta", (), "int64", (4,)))
+    return out
+
+
+def make_parts(pp_rank: int, room: int, prompt_len: int = 5) -> list[Part]:
+    rng = random.Random(room * 10 + pp_rank)
+    return [Part(spec, rng.randbytes(spec.nbytes)) for spec in expected_parts(SCHEMA, prompt_len)[pp_rank]]
+
+
+def wait_for(pred, timeout: float = 5.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Cluster:
+    def __init__(self, bootstrap_timeout=10.0, waiting_timeout=10.0, hb_interval=0.2, hb_failures=2,
+                 decode_schema=None, decode_compare=compare, max_part_bytes=1 << 20, n_prefills=2, token=None,
+                 decode_token=SAME, failure_prob=0.0):
+        self.token, self.failure_prob = token, failure_prob
+        self.server = BootstrapServer(HOST, 0, 2, SCHEMA, 30000, SCHEMA["page_size"], SCHEMA["dtype"], token)
+        self.server.start()
+        self.statuses: dict[tuple[int, int], list[tuple[KVPoll, str]]] = {}
+        self._lock = threading.Lock()
+        self.prefills = [self.make_prefill(pp, bootstrap_timeout) for pp in range(n_prefills)]
+        for p in self.prefills:
+            p.start()
+        self.decode = DecodeAgent(decode_schema or SCHEMA, decode_compare, expected_parts, HOST, bootstrap_timeout,
+                                  waiting_timeout, hb_interval, hb_failures, self.server.port, max_part_bytes,
+                                  token if decode_token is SAME else decode_token)
+        self.decode.start()
+
+    def make_prefill(self, pp: int, bootstrap_timeout: float) -> PrefillAgent:
+        def on_status(room, state, reason):
+            with self._lock:
+                self.statuses.setdefault((pp, room), []).append((state, reason))
+        return PrefillAgent(pp, 2, SCHEMA, compare, self.server.url, HOST, bootstrap_timeout, on_status,
+                            auth_token=self.token, failure_prob=self.failure_prob)
+
+    def threads_alive(self) -> bool:
+        return (self.decode.threads_alive() and all(p.threads_alive() for p in self.prefills)
+                and self.server.threads_alive())
+
+    def close(self):
+        self.decode.close()
+        for p in self.prefills:
+            p.close()
+        self.server.stop()
+
+    def add(self, room: int, prompt_len: int = 5):
+        for p in self.prefills:
+            p.add_room(room, prompt_len)
+
+    def send(self, room: int, pp: int, prompt_len: int = 5):
+        self.prefills[pp].send(room, make_parts(pp, room, prompt_len))
+
+    def decode_state(self, room: int, state: KVPoll, timeout: float = 5.0):
+        return wait_for(lambda: self.decode.poll(room).state == state and self.decode.poll(room), timeout,
+                        f"decode room {room} -> {state.name} (now {self.decode.poll(room)})")
+
+    def prefill_state(self, pp: int, room: int, state: KVPoll, timeout: float = 5.0):
+        p = self.prefills[pp]
+        return wait_for(lambda: p.poll(room).state == state and p.poll(room), timeout,
+                        f"prefill {pp} room {room} -> {state.name} (now {p.poll(room)})")
+
+    def run_good_room(self, room: int):
+        self.add(room)
+        self.decode.begin(room, HOST, self.server.port, 5)
+        self.send(room, 0)
+        self.send(room, 1)
+        self.decode_state(room, KVPoll.Success)
+        got = self.decode.take(room)
+        for pp in (0, 1):
+            assert {n: p.data for n, p in got[pp].items()} == {p.spec.name: p.data for p in make_parts(pp, room)}
+            self.prefill_state(pp, room, KVPoll.Success)
+
+
+def route(server: BootstrapServer, dp="-1", cp="-1", tp="-1", pp="-1", **extra) -> tuple[int, bytes]:
+    params = dict(prefill_dp_rank=dp, prefill_cp_rank=cp, target_tp_rank=tp, target_pp_rank=pp, **extra)
+    query = "&".join(f"{k}={v}" for k, v in params.items() if v is not None)
+    return http_request("GET", f"{server.url}/route?{query}")

@@ -1,0 +1,117 @@
+"""DSpark decoding through the engine: greedy outputs equal plain greedy decoding token for token (batch sizes
+1 and 8, with and without the confidence threshold, every Markov head type), and the metrics are reported."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from testkit.models import BUNDLED, PROMPT_SOURCE, code_prompts
+from sparkrelay import LLM, SamplingParams
+from sparkrelay.models.dspark_checkpoint import write_random_checkpoint
+
+NUM_PROMPTS, NEW_TOKENS = 50, 32
+GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+SOURCE = PROMPT_SOURCE  # a fixed text: the prompts (and the margins tuned on them) never change with the code
+
+
+@pytest.fixture(scope="module")
+def reference():
+    plain = LLM(str(BUNDLED))
+    prompts = code_prompts(plain.tokenizer, NUM_PROMPTS, SOURCE)
+    return prompts, [o["output_ids"] for o in plain.generate(prompts, GREEDY)]
+
+
+def drafter_dir(kind, tmp_path_factory, request):
+    if kind == "bundled":
+        return request.getfixturevalue("bundled_drafter_dir")
+    folder = tmp_path_factory.mktemp(f"draft_{kind}") / "d"
+    return write_random_checkpoint(folder, BUNDLED, markov_head_type=kind, target_layer_ids=[-1, 2, 6])
+
+
+def spec_llm(folder, threshold=0.0, **kw):
+    return LLM(str(BUNDLED), speculative_algorithm="DSPARK", speculative_draft_model_path=str(folder),
+               speculative_dspark_confidence_threshold=threshold, **kw)
+
+
+def generate_in_batches(llm, prompts, batch):
+    out = []
+    for i in range(0, len(prompts), batch):
+        out += [o["output_ids"] for o in llm.generate(prompts[i : i + batch], GREEDY)]
+    return out
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("threshold", [0.0, 0.6])
+def test_bundled_drafter_is_lossless(reference, bundled_drafter_dir, batch, threshold):
+    prompts, expected = reference
+    llm = spec_llm(bundled_drafter_dir, threshold)
+    assert generate_in_batches(llm, prompts, batch) == expected
+    stats = llm.engine.stats()
+    assert stats["spec_accept_length"] > 1.0  # drafts do get accepted: the multi-token commit path ran
+    if threshold > 0:
+        assert stats["spec_mean_proposal"] < llm.engine.proposer.max_drafts  # the threshold truncated blocks
+    llm.engine.check()
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+
+
+@pytest.fixture(scope="module", params=["vanilla", "gated", "rnn"])
+def random_drafter(request, tmp_path_factory):
+    return drafter_dir(request.param, tmp_path_factory, request)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_random_drafters_of_every_head_type_are_lossless(reference, random_drafter, batch, threshold):
+    prompts, expected = reference
+    llm = spec_llm(random_drafter, threshold=threshold)
+    assert generate_in_batches(llm, prompts, batch) == expected
+
+
+def test_meta_info_and_stop_inside_accepted_drafts(reference, bundled_drafter_dir):
+    prompts, expected = reference
+    llm = spec_llm(bundled_drafter_dir)
+    out = llm.generate(prompts[0], GREEDY)
+    meta = out["meta_info"]
+    assert meta["spec_verify_ct"] >= 1 and meta["spec_accept_length"] == NEW_TOKENS / meta["spec_verify_ct"] or \
+        meta["spec_accept_length"] == pytest.approx((NEW_TOKENS - 1) / meta["spec_verify_ct"])
+    # stop on a token that lands in the middle of a round; nothing past it is returned
+    ref = expected[0]
+    stop = ref[10]
+    cut = ref.index(stop) + 1
+    out = llm.generate(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, stop_token_ids=(stop,)))
+    assert out["output_ids"] == ref[:cut]
+    out = llm.generate(prompts[0], SamplingParams(max_new_tokens=7, temperature=0, ignore_eos=True))
+    assert out["output_ids"] == ref[:7]
+
+
+def test_sampling_with_dspark_is_seeded(reference, bundled_drafter_dir):
+    prompts, _ = reference
+    llm = spec_llm(bundled_drafter_dir)
+    p = SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.95, seed=5, ignore_eos=True)
+    a = llm.generate(prompts[:3], p)
+    b = llm.generate(prompts[:3], p)
+    assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
+    assert all(len(o["output_ids"]) == 24 for o in a)
+
+
+def test_chunked_prefill_and_preemption_with_dspark(reference, bundled_drafter_dir):
+    prompts, expected = reference
+    llm = spec_llm(bundled_drafter_dir, page_size=4, chunked_prefill_size=16, max_total_tokens=512,
+                   max_running_requests=12)
+    assert generate_in_batches(llm, prompts[:24], 24) == expected[:24]
+    assert llm.engine.scheduler.num_preemptions > 0
+    llm.engine.check()
+
+
+def test_bad_drafter_is_refused_at_start_up(tmp_path):
+    import json
+
+    from sparkrelay.config import ConfigError
+
+    folder = write_random_checkpoint(tmp_path / "d", BUNDLED, target_layer_ids=[1, 6])
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["target_layer_ids"] = [1, 7]  # 7: the target's last layer
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"--speculative-draft-model-path .*target_layer_ids \[1, 7\]"):
+        spec_llm(folder)
