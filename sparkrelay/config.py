@@ -43,6 +43,9 @@ class ModelConfig:
 class CacheConfig:
     page_size: int = _f(16, "Tokens per KV cache page (block).")
     max_total_tokens: Optional[int] = _f(None, "KV cache capacity in tokens (default: 64 full-context requests or 2^17, whichever is smaller).", ftype=int)
+    disable_radix_cache: bool = _f(True, "SGLang's switch, accepted and always in force: there is no prefix (radix) "
+                                         "cache yet, so every prompt is prefilled in full (default: true; "
+                                         "--enable-radix-cache is refused).")
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class ParallelConfig:
 
 DISAGG_MODES = ("null", "prefill", "decode")
 HANDOFF_MODES = ("tail", "hidden", "draft-kv")
+DEFAULT_HANDOFF = "hidden"
 TRANSFER_BACKENDS = ("zmq",)
 
 
@@ -90,9 +94,12 @@ class DisaggConfig:
                                                          "sockets bind (reachable at the prefill URL's host).")
     disaggregation_transfer_backend: str = _f("zmq", "KV / handoff transfer backend (zmq: ZMQ over TCP).",
                                               TRANSFER_BACKENDS)
-    dspark_pd_handoff: str = _f("hidden", "What carries the DSpark drafter's context from prefill to decode: tail "
-                                          "(last rows in the metadata row), hidden (every prompt row), draft-kv (the "
-                                          "drafter's context K/V, projected on prefill).", HANDOFF_MODES)
+    dspark_pd_handoff: Optional[str] = _f(
+        None, "What carries the DSpark drafter's context from prefill to decode: tail (last rows in the metadata "
+              "row), hidden (every prompt row), draft-kv (the drafter's context K/V, projected on prefill) (default: "
+              "hidden). Given on a prefill, it needs taps (--speculative-draft-model-path or "
+              "SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS); left out, a prefill without taps hands off none.",
+        HANDOFF_MODES, str)
     disaggregation_auth_token: Optional[str] = _f(
         None, "Shared secret of a PD pair; set the same on prefill and decode (default: the env "
               "SPARKRELAY_DISAGGREGATION_AUTH_TOKEN, which keeps it off `ps`). With it the bootstrap server wants "
@@ -102,6 +109,11 @@ class DisaggConfig:
               "non-loopback address logs a warning at start. Use a long random value (secrets.token_urlsafe(32)).",
         ftype=str)
 
+    @property
+    def handoff(self) -> str:
+        """The handoff mode in force: --dspark-pd-handoff, else hidden (None tells a left-out flag from a given one)."""
+        return self.dspark_pd_handoff or DEFAULT_HANDOFF
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -109,6 +121,10 @@ class ServerConfig:
     port: int = _f(30000, "HTTP port.")
     log_level: str = _f("info", "Logging level.", LOG_LEVELS)
     api_key: Optional[str] = _f(None, "Require `Authorization: Bearer KEY` on every API route.", ftype=str)
+    max_request_body_mb: int = _f(64, "Largest HTTP request body accepted, in MiB (a larger one gets a 413); the "
+                                      "default fits dozens of 128k-token prompts in one batch.")
+    enable_metrics: bool = _f(True, "SGLang's switch, accepted and always in force: /metrics (Prometheus) is always "
+                                    "served (default: true).")
 
 
 def _section(cls: type, title: str) -> Any:
@@ -130,12 +146,17 @@ class Config:
         _positive("--max-running-requests", self.scheduler.max_running_requests)
         _positive("--chunked-prefill-size", self.scheduler.chunked_prefill_size)
         _positive("--max-n", self.scheduler.max_n)
+        _positive("--max-request-body-mb", self.server.max_request_body_mb)
         for flag, value in (("--max-total-tokens", self.cache.max_total_tokens),
                             ("--context-length", self.model.context_length)):
             if value is not None:
                 _positive(flag, value)
         if not (0 < self.server.port < 65536):
             raise ConfigError(f"--port must be in 1..65535, got {self.server.port}")
+        if not self.cache.disable_radix_cache:
+            raise ConfigError("--enable-radix-cache: there is no prefix cache yet (every prompt is prefilled in full)")
+        if not self.server.enable_metrics:
+            raise ConfigError("enable_metrics: /metrics is always served; it cannot be turned off")
         self._validate_spec()
         self._validate_parallel()
         dev = self.model.device
@@ -224,6 +245,54 @@ def _folder(flag: str, path: str) -> None:
     raise ConfigError(msg)
 
 
+# SGLang server flags sparkrelay does not implement: refused by name (not as a typo), with the reason where one
+# helps. Flags sparkrelay shares with SGLang are the config tree's own; everything else is argparse's "unrecognized".
+SGLANG_ONLY_FLAGS: dict[str, str] = {
+    "--enable-radix-cache": "there is no prefix cache yet, so every prompt is prefilled in full; "
+                            "--disable-radix-cache is accepted",
+    "--disaggregation-decode-enable-radix-cache": "there is no prefix cache yet",
+    "--trust-remote-code": "sparkrelay runs its own Qwen3 code and loads none from the model folder",
+    "--random-seed": "sparkrelay's is --seed",
+    "--mem-fraction-static": "size the KV cache with --max-total-tokens",
+    "--max-prefill-tokens": "--chunked-prefill-size is the token budget of a prefill step",
+    "--tp-size": "there is no tensor parallelism; --pp-size splits the layers into pipeline stages",
+    **dict.fromkeys((
+        "--tp", "--tensor-parallel-size", "--dp-size", "--dp", "--data-parallel-size", "--ep-size", "--ep",
+        "--nnodes", "--node-rank", "--dist-init-addr", "--enable-dp-attention", "--enable-dp-lm-head",
+        "--moe-a2a-backend", "--enable-ep-moe", "--enable-deepep-moe", "--schedule-policy",
+        "--schedule-conservativeness", "--cpu-offload-gb",
+        "--skip-tokenizer-init", "--load-format", "--quantization", "--kv-cache-dtype", "--attention-backend",
+        "--prefill-attention-backend", "--decode-attention-backend", "--sampling-backend", "--grammar-backend",
+        "--cuda-graph-max-bs", "--cuda-graph-bs", "--disable-cuda-graph", "--disable-cuda-graph-padding",
+        "--enable-mixed-chunk", "--enable-hierarchical-cache", "--disable-overlap-schedule",
+        "--enable-two-batch-overlap", "--enable-lora", "--lora-paths", "--max-loras-per-batch", "--chat-template",
+        "--reasoning-parser", "--tool-call-parser", "--speculative-num-steps", "--speculative-eagle-topk",
+        "--speculative-token-map", "--disaggregation-ib-device", "--stream-interval", "--watchdog-timeout",
+        "--revision", "--download-dir", "--model-impl", "--is-embedding", "--tokenizer-mode",
+        "--json-model-override-args", "--base-gpu-id", "--gpu-id-step", "--torch-compile-max-bs",
+        "--allow-auto-truncate", "--enable-memory-saver", "--enable-custom-logit-processor",
+    ), ""),
+}
+SGLANG_ONLY_DEST = "sglang_only_flags"
+
+
+class _SGLangOnly(argparse.Action):
+    """Collects the SGLang-only flags given (with their value, if any) so that all are named in one message."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = list(getattr(namespace, self.dest, None) or [])
+        setattr(namespace, self.dest, given + [option_string])
+
+
+def sglang_only_message(flags: list[str]) -> str:
+    flags = list(dict.fromkeys(flags))
+    names = ", ".join(flags)
+    verb = "is an SGLang flag" if len(flags) == 1 else "are SGLang flags"
+    why = "; ".join(f"{f}: {SGLANG_ONLY_FLAGS[f]}" for f in flags if SGLANG_ONLY_FLAGS.get(f))
+    return (f"{names} {verb} sparkrelay does not implement; remove {'it' if len(flags) == 1 else 'them'} (--help "
+            "lists the flags sparkrelay takes)" + (f". {why}" if why else ""))
+
+
 def _leaf_fields():
     for section in dataclasses.fields(Config):
         for leaf in dataclasses.fields(section.default_factory()):  # type: ignore[misc]
@@ -246,14 +315,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             title = Config.__dataclass_fields__[section].metadata.get("title", section)
             groups[section] = parser.add_argument_group(title)
         group, flag, meta = groups[section], "--" + leaf.name.replace("_", "-"), leaf.metadata
-        if leaf.default is False:  # a switch, as in SGLang (`--enable-torch-compile`)
-            group.add_argument(flag, dest=leaf.name, action="store_true", help=_help(leaf))
+        if isinstance(leaf.default, bool):  # a switch, as in SGLang (`--enable-torch-compile`); a True default
+            # (--disable-radix-cache) is a switch already in force: accepted, changes nothing
+            group.add_argument(flag, dest=leaf.name, action="store_true", default=leaf.default, help=_help(leaf))
             continue
         ftype = meta.get("type") or type(leaf.default)
         group.add_argument(flag, dest=leaf.name, type=ftype, default=leaf.default,
                            choices=meta.get("choices"), help=_help(leaf))
+    for flag in SGLANG_ONLY_FLAGS:  # hidden from --help; named together by config_from_args
+        parser.add_argument(flag, dest=SGLANG_ONLY_DEST, action=_SGLangOnly, nargs="?", help=argparse.SUPPRESS)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
+    sglang_only = getattr(args, SGLANG_ONLY_DEST, None)
+    if sglang_only:
+        raise ConfigError(sglang_only_message(sglang_only))
     leaves = {leaf.name: getattr(args, leaf.name) for _, leaf in _leaf_fields()}
     return Config().replace(**leaves).validate()

@@ -5,6 +5,7 @@ is a startup error naming the variable."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -62,15 +63,37 @@ def env_str(name: str) -> Optional[str]:
     return _raw(name)[1]
 
 
+def _set(name: str) -> tuple[str, Optional[str]]:
+    """(the variable set, its raw value) for SPARKRELAY_X or its SGLANG_X alias, blank values included."""
+    alias = "SGLANG_" + name.removeprefix("SPARKRELAY_")
+    for var in (name, alias):
+        if os.environ.get(var) is not None:
+            return var, os.environ[var]
+    return name, None
+
+
 def env_int_list(name: str) -> Optional[tuple[int, ...]]:
-    var, value = _raw(name)
+    """Comma-separated integers, each item stripped ("1, 3,5"); an empty value, an empty item ("1,,3", ","), inner
+    spaces ("1 3 5") or a non-integer is an error naming the variable actually set. Unset: None."""
+    var, value = _set(name)
     if value is None:
         return None
-    try:
-        return tuple(int(x) for x in value.replace(" ", "").split(",") if x)
-    except ValueError:
-        raise ConfigError(f"{var}={value!r} is not a comma-separated list of integers") from None
+    if value.strip() == "":
+        raise ConfigError(f"{var}={value!r} is empty: give comma-separated integers (e.g. 1,3,5), or unset it")
+    items = [item.strip() for item in value.split(",")]
+    for item in items:
+        if item == "":
+            raise ConfigError(f"{var}={value!r} has an empty item: give comma-separated integers (e.g. 1,3,5)")
+        if not re.fullmatch(r"-?[0-9]+", item):  # int() would also take "+3", "1_0" and non-ASCII digits
+            spaced = re.fullmatch(r"-?[0-9]+(\s+-?[0-9]+)+", item)
+            hint = " (separate the items with commas, not spaces)" if spaced else ""
+            raise ConfigError(f"{var}={value!r}: {item!r} is not an integer{hint}")
+    return tuple(int(item) for item in items)
 
+
+CAPTURE = "SPARKRELAY_DSPARK_PD_ENABLE_PREFILL_CAPTURE"
+LAYER_IDS = "SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS"
+TAIL_TOKENS = "SPARKRELAY_DSPARK_PD_PREFILL_TAIL_TOKENS"
 
 # name -> (default, what it sets): the one table of the variables DisaggEnv.read() reads (--help lists it)
 ENV_VARS: dict[str, tuple[object, str]] = {
@@ -79,11 +102,12 @@ ENV_VARS: dict[str, tuple[object, str]] = {
     "SPARKRELAY_DISAGGREGATION_HEARTBEAT_INTERVAL": (5.0, "decode: seconds between health checks of each prefill"),
     "SPARKRELAY_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": (2, "decode: missed checks before a prefill's rooms fail"),
     "SPARKRELAY_DISAGGREGATION_AUTH_TOKEN": (None, "PD shared secret when --disaggregation-auth-token is not given"),
-    "SPARKRELAY_DSPARK_PD_ENABLE_PREFILL_CAPTURE": (True, "prefill: capture the DSpark taps"),
-    "SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS": (None, "comma-separated tap layers (default: the drafter config's)"),
-    "SPARKRELAY_DSPARK_PD_PREFILL_TAIL_TOKENS": (8, "rows of the `tail` handoff"),
+    CAPTURE: (True, "prefill: capture the DSpark taps"),
+    LAYER_IDS: (None, "comma-separated tap layers (default: the drafter config's)"),
+    TAIL_TOKENS: (8, "rows of the `tail` handoff"),
     "SPARKRELAY_TEST_DISAGG_FAILURE_PROB": (0.0, "prefill, tests only: fail this fraction of rooms before sending"),
 }
+
 
 
 def _default(name: str):
@@ -108,9 +132,14 @@ class DisaggEnv:
     heartbeat_max_failures: int   # misses in a row before that prefill's rooms fail
     prefill_capture: bool         # prefill: capture the DSpark taps (on when layer ids resolve)
     target_layer_ids: Optional[tuple[int, ...]]  # overrides the drafter config's target_layer_ids
-    tail_tokens: int              # rows of the `tail` handoff (0 means the fixed default, 8)
+    tail_tokens: int              # rows of the `tail` handoff (0 means the fixed default, 8; at most the context)
     auth_token: Optional[str] = field(default=None, repr=False)  # when --disaggregation-auth-token is not given
     test_failure_prob: float = 0.0  # prefill: fail this fraction of rooms just before their data is sent (tests)
+    names: dict = field(default_factory=dict, repr=False, compare=False)  # knob -> the variable actually set
+
+    def var(self, name: str) -> str:
+        """The variable the user set for knob `name` (its SGLANG_ alias when that was the one), for messages."""
+        return self.names.get(name, name)
 
     def token(self, flag: Optional[str]) -> Optional[str]:
         """--disaggregation-auth-token when given, else SPARKRELAY_DISAGGREGATION_AUTH_TOKEN (None: no auth)."""
@@ -118,7 +147,7 @@ class DisaggEnv:
 
     @classmethod
     def read(cls) -> "DisaggEnv":
-        tail = env_int("SPARKRELAY_DSPARK_PD_PREFILL_TAIL_TOKENS", 0)  # 0: the default
+        tail = env_int(TAIL_TOKENS, 0)  # 0: the default
         failure_prob = env_float("SPARKRELAY_TEST_DISAGG_FAILURE_PROB",
                                  _default("SPARKRELAY_TEST_DISAGG_FAILURE_PROB"), 0.0)
         if failure_prob > 1.0:
@@ -133,10 +162,10 @@ class DisaggEnv:
                                              _default("SPARKRELAY_DISAGGREGATION_HEARTBEAT_INTERVAL"), 0.1), 0.1),
             heartbeat_max_failures=env_int("SPARKRELAY_DISAGGREGATION_HEARTBEAT_MAX_FAILURE",
                                            _default("SPARKRELAY_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"), 1),
-            prefill_capture=env_bool("SPARKRELAY_DSPARK_PD_ENABLE_PREFILL_CAPTURE",
-                                     _default("SPARKRELAY_DSPARK_PD_ENABLE_PREFILL_CAPTURE")),
-            target_layer_ids=env_int_list("SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS"),
-            tail_tokens=tail or _default("SPARKRELAY_DSPARK_PD_PREFILL_TAIL_TOKENS"),
+            prefill_capture=env_bool(CAPTURE, _default(CAPTURE)),
+            target_layer_ids=env_int_list(LAYER_IDS),
+            tail_tokens=tail or _default(TAIL_TOKENS),
             auth_token=env_str("SPARKRELAY_DISAGGREGATION_AUTH_TOKEN"),
             test_failure_prob=failure_prob,
+            names={**{name: _raw(name)[0] for name in ENV_VARS}, LAYER_IDS: _set(LAYER_IDS)[0]},
         )

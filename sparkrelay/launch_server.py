@@ -116,7 +116,7 @@ def _uvicorn_server(app, config: Config):
 
 def serve(config: Config) -> None:
 
-    from sparkrelay.engine.disagg_engine import build_engine
+    from sparkrelay.engine.engine import build_engine
     from sparkrelay.server.async_engine import AsyncEngine
     from sparkrelay.server.http_server import build_app
 

@@ -20,9 +20,10 @@ import torch
 from sparkrelay.config import Config, ConfigError
 from sparkrelay.disagg.metadata import TORCH_DTYPES, MetadataLayout, MetadataRow, unpack
 from sparkrelay.disagg.schema import SCHEMA_VERSION, HandoffSchema, model_identity
-from sparkrelay.envs import DisaggEnv
+from sparkrelay.envs import TAIL_TOKENS, DisaggEnv
 from sparkrelay.models.qwen3 import Qwen3Spec
-from sparkrelay.pipeline.partition import check_layer_ids, pp_partition
+from sparkrelay.pipeline.capture import resolve_capture, resolve_layer_ids
+from sparkrelay.pipeline.partition import pp_partition
 from sparkrelay.transfer.base import Part, PartSpec
 
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
@@ -34,39 +35,38 @@ def _draft_config(path: Optional[str]) -> Optional[dict]:
     return json.loads((Path(path) / "config.json").read_text())
 
 
-def resolve_layer_ids(env: DisaggEnv, draft_cfg: Optional[dict], num_layers: int, decode: bool) -> tuple[int, ...]:
-    """The DSpark taps the handoff carries: SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS, else the drafter config's
-    target_layer_ids, else none (no capture). On decode the drafter needs exactly its own taps."""
-    from_draft = tuple(int(i) for i in draft_cfg["target_layer_ids"]) if draft_cfg else None
-    ids = env.target_layer_ids if env.target_layer_ids is not None else from_draft
-    if decode and from_draft is not None and ids != from_draft:
-        raise ConfigError(f"SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS={','.join(map(str, ids))} differs from the "
-                          f"drafter's target_layer_ids {list(from_draft)}")
-    if not ids or (not decode and not env.prefill_capture):
-        return ()
-    try:
-        check_layer_ids(ids, num_layers)
-    except ValueError as e:
-        raise ConfigError(f"SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS / target_layer_ids: {e}") from None
-    return ids
+def _layer_ids(config: Config, spec: Qwen3Spec, env: DisaggEnv) -> tuple[int, ...]:
+    """The record's taps: on a prefill exactly what its stages capture (pipeline/capture.py resolves both); on a
+    decode its drafter's (or the knob's, checked against the drafter's)."""
+    if config.disagg.disaggregation_mode == "decode":
+        draft_cfg = _draft_config(config.spec.speculative_draft_model_path) if config.spec.speculative_algorithm \
+            else None
+        return resolve_layer_ids(env, draft_cfg, spec.num_layers, decode=True)
+    return resolve_capture(config, env, spec.num_layers).target_layer_ids
+
+
+def _check_tail(config: Config, spec: Qwen3Spec, env: DisaggEnv) -> None:
+    context = config.model.context_length or spec.max_position_embeddings
+    if env.tail_tokens > context:
+        raise ConfigError(f"{env.var(TAIL_TOKENS)}={env.tail_tokens} exceeds the context length {context} "
+                          "(--context-length, else the model's max_position_embeddings): no prompt has that many rows")
 
 
 def build_schema(config: Config, spec: Qwen3Spec, dtype: torch.dtype, env: DisaggEnv) -> HandoffSchema:
     """This side's schema record, from model-level facts and the flags that shape the wire."""
-    decode = config.disagg.disaggregation_mode == "decode"
-    draft_path = config.spec.speculative_draft_model_path
-    draft_cfg = _draft_config(draft_path) if (decode and config.spec.speculative_algorithm) or not decode else None
-    ids = resolve_layer_ids(env, draft_cfg, spec.num_layers, decode)
-    mode = config.disagg.dspark_pd_handoff if ids else "none"
+    _check_tail(config, spec, env)
+    ids = _layer_ids(config, spec, env)
+    mode = config.disagg.handoff if ids else "none"
     draft = None
     if mode == "draft-kv":
-        if draft_cfg is None:
-            raise ConfigError("--dspark-pd-handoff draft-kv: the prefill needs --speculative-draft-model-path (it "
-                              "loads the drafter's context-projection weights)")
+        draft_cfg = _draft_config(config.spec.speculative_draft_model_path)
+        if draft_cfg is None:  # a decode without a drafter: its record cannot describe the drafter's K/V
+            raise ConfigError("--dspark-pd-handoff draft-kv needs --speculative-draft-model-path (the drafter's "
+                              "shape sets the handed-off K/V's)")
         heads = draft_cfg["num_attention_heads"]
         draft = (int(draft_cfg["num_hidden_layers"]), int(draft_cfg.get("num_key_value_heads") or heads),
                  int(draft_cfg.get("head_dim") or draft_cfg["hidden_size"] // heads))
-    pp = config.parallel.pp_size if not decode else 1
+    pp = config.parallel.pp_size if config.disagg.disaggregation_mode == "prefill" else 1
     return HandoffSchema(
         version=SCHEMA_VERSION, model=model_identity(config.model.model_path), dtype=DTYPE_NAMES[dtype],
         page_size=config.cache.page_size, num_layers=spec.num_layers, kv_heads=spec.num_kv_heads,
@@ -113,8 +113,8 @@ class HandoffError(ValueError):
 
 
 def read_meta(schema: HandoffSchema, parts: dict[int, dict[str, Part]], room: int) -> MetadataRow:
-    """The metadata row from the prefill's last stage (parts are keyed by its pp rank), its room checked first
-    (PD_PROTOCOL.md §5 item 13)."""
+    """The metadata row from the prefill's last stage (parts are keyed by its pp rank), its room checked first: a
+    row for another room is a corrupt or misrouted buffer (docs/pd_protocol.md, failure modes)."""
     row = unpack(MetadataLayout.of(schema), parts[max(parts)]["meta"].data)
     if row.room != room:
         raise HandoffError(f"metadata corruption: the row's bootstrap_room {row.room} is not the request's {room}")
@@ -123,7 +123,8 @@ def read_meta(schema: HandoffSchema, parts: dict[int, dict[str, Part]], room: in
 
 def write_kv(pool, parts: dict[int, dict[str, Part]], slots: torch.Tensor) -> None:
     """Every stage's `kv` part into the decode pool at `slots` [n], paired by global layer id (never by position,
-    PD_PROTOCOL.md §5 item 14); each of the pool's layers must be covered exactly once."""
+    the stages may split the layers differently from the pool's order); each of the pool's layers must be covered
+    exactly once."""
     seen: list[int] = []
     for stage in sorted(parts):
         kv = tensor_of(parts[stage]["kv"])  # [L_s, 2, n, kv_heads, head_dim]
@@ -161,6 +162,8 @@ def inject_context(proposer, schema: HandoffSchema, parts: dict[int, dict[str, P
         want = min(n, schema.tail_tokens)
         if k != want or not bool(row.tail_valid[schema.tail_tokens - k :].all()):
             raise HandoffError(f"the tail's valid mask {row.tail_valid.int().tolist()} is not the last {want} rows")
+        if not torch.equal(row.last_hidden, row.tail_hidden[-1]):  # both are the last prompt row's aux row
+            raise HandoffError("metadata corruption: last_hidden is not the tail's last row")
         features = _finite("tail", row.tail_hidden[schema.tail_tokens - k :].to(dev))  # [k, W]
         proposer.write_features(features, torch.arange(n - k, n, device=dev), slots[n - k :])
         return n - k

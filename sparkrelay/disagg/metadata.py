@@ -1,4 +1,5 @@
-"""The per-request metadata row (PD_PROTOCOL.md §3): a fixed byte layout derived from the schema on both sides.
+"""The per-request metadata row (docs/pd_protocol.md, the metadata row): a fixed byte layout derived from the
+schema on both sides.
 
 Fields, in row order:
     output_ids        int32 [16]       [0] = the first token sampled by the prefill
@@ -7,7 +8,8 @@ Fields, in row order:
     top_logprobs      float32 [20]     its top logprobs, most likely first (as many as asked, zeros after)
     top_ids           int32 [20]       their token ids (the decode reads as many as the request asked: the
                                        prefill and the decode get the same request body)
-    last_hidden       dtype [W]        tail mode: the last prompt position's aux row
+    last_hidden       dtype [W]        tail mode: the last prompt position's aux row (= tail_hidden[-1]; the decode
+                                       checks that they agree)
     tail_hidden       dtype [tail, W]  tail mode: the last `tail` aux rows, right-aligned
     tail_valid        bool  [tail]     tail mode: which tail rows are real (a short prompt leaves leading rows 0)
     bootstrap_room    int64 [8]        [0] = the room; packed last, checked first (0 = not landed)
@@ -87,6 +89,25 @@ def build_tail(rows: torch.Tensor, tail: int) -> tuple[torch.Tensor, torch.Tenso
         out[tail - k :] = rows[n - k :]
         valid[tail - k :] = True
     return out, valid
+
+
+class TailRows:
+    """The last `tail` aux rows of an n-row prompt, filled chunk by chunk at absolute positions; rows before n - tail
+    are never kept, so a prompt of any length costs [tail, W]. rows / valid are build_tail's right-aligned layout."""
+
+    def __init__(self, n: int, tail: int, width: int, dtype: torch.dtype) -> None:
+        self.first = n - tail  # the absolute position of rows[0] (negative: the prompt is shorter than the tail)
+        self.rows = torch.zeros(tail, width, dtype=dtype)  # [tail, W]
+        self.valid = torch.zeros(tail, dtype=torch.bool)   # [tail]
+
+    def write(self, start: int, aux: torch.Tensor) -> None:
+        """aux [t, W]: the rows of positions [start, start + t); only those at or after n - tail are kept."""
+        end = start + aux.shape[0]
+        lo = max(start, self.first)
+        if lo >= end:
+            return
+        self.rows[lo - self.first : end - self.first] = aux[lo - start :]
+        self.valid[lo - self.first : end - self.first] = True
 
 
 def pack(layout: MetadataLayout, row: MetadataRow) -> bytes:

@@ -2,8 +2,9 @@
 
 Every stage keeps, per room, what it must hand off and sends it through its own PrefillAgent:
     all stages   the K/V of its own layers for the whole prompt, gathered once the last chunk is computed
-    last stage   + the aux rows [n, W] (hidden / tail) or the draft K/V (draft-kv), filled chunk by chunk at
-                 absolute positions, and the metadata row, packed once the first token is sampled (room last)
+    last stage   + the aux rows [n, W] (hidden), only the last `tail` of them [tail, W] (tail), or the draft K/V
+                 (draft-kv), filled chunk by chunk at absolute positions, and the metadata row, packed once the
+                 first token is sampled (room last)
 Each agent's terminal status (Success / Failed + reason) goes to rank 0's status socket as a `StageReport` (disagg/stage_report.py)
 {room, stage, state, reason}; rank 0 finishes the prefill request when every stage has reported.
 """
@@ -19,7 +20,7 @@ import torch
 
 from sparkrelay.config import Config
 from sparkrelay.disagg.handoff import build_schema, part_of
-from sparkrelay.disagg.metadata import MetadataLayout, MetadataRow, build_tail, pack
+from sparkrelay.disagg.metadata import MetadataLayout, MetadataRow, TailRows, pack
 from sparkrelay.disagg.schema import HandoffSchema, compare
 from sparkrelay.envs import DisaggEnv
 from sparkrelay.kvcache.pool import KVPool
@@ -27,7 +28,7 @@ from sparkrelay.models.attention import slot_index
 from sparkrelay.models.loader import read_config
 from sparkrelay.models.qwen3 import Qwen3Spec
 from sparkrelay.transfer.base import KVPoll, Part
-from sparkrelay.transfer.zmq_backend import PrefillAgent
+from sparkrelay.transfer.base import get_backend
 from sparkrelay.disagg.stage_report import StageReport, StageReportOutbox
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Room:
     prompt_len: int
-    aux: Optional[torch.Tensor] = None       # [n, W] last stage, hidden / tail
+    aux: Optional[torch.Tensor] = None       # [n, W] last stage, hidden
+    tail: Optional[TailRows] = None          # [tail, W] last stage, tail: only the last rows are ever kept
     draft: Optional[torch.Tensor] = None     # [Ld, 2, n, kv, hd] last stage, draft-kv
     parts: list[Part] = field(default_factory=list)
 
@@ -52,7 +54,8 @@ class PrefillSink:
         self._status = StageReportOutbox(status_address)
         dc = config.disagg
         url = f"http://{dc.disaggregation_bootstrap_host}:{dc.disaggregation_bootstrap_port}"
-        self.agent = PrefillAgent(stage, len(partition), schema.to_dict(), compare, url, dc.disaggregation_bootstrap_host,
+        prefill_agent = get_backend(dc.disaggregation_transfer_backend)[0]  # --disaggregation-transfer-backend
+        self.agent = prefill_agent(stage, len(partition), schema.to_dict(), compare, url, dc.disaggregation_bootstrap_host,
                                   env.bootstrap_timeout, self._notify, prefill_http_port=config.server.port,
                                   auth_token=env.token(dc.disaggregation_auth_token),
                                   failure_prob=env.test_failure_prob)
@@ -83,6 +86,8 @@ class PrefillSink:
             self.agent.add_room(seq.room, seq.prompt_len)
         if aux is not None and st.aux is not None:  # absolute positions: chunks land where they belong
             st.aux[seq.start : seq.end] = aux[row : row + t]
+        if aux is not None and st.tail is not None:
+            st.tail.write(seq.start, aux[row : row + t])
         if draft_kv is not None and st.draft is not None:
             for layer, (k, v) in enumerate(draft_kv):
                 st.draft[layer, 0, seq.start : seq.end] = k[row : row + t]
@@ -96,8 +101,10 @@ class PrefillSink:
         """Registered before the agent hears of it, so a Failed report (which pops it) cannot come first."""
         st = _Room(n)
         s = self.schema
-        if self.is_last and s.handoff in ("hidden", "tail"):
+        if self.is_last and s.handoff == "hidden":
             st.aux = torch.zeros(n, s.hidden_width, dtype=self.pool_dtype)
+        if self.is_last and s.handoff == "tail":
+            st.tail = TailRows(n, s.tail_tokens, s.hidden_width, self.pool_dtype)
         if self.is_last and s.handoff == "draft-kv":
             layers, heads, hd = s.draft
             st.draft = torch.zeros(layers, 2, n, heads, hd, dtype=self.pool_dtype)
@@ -132,8 +139,9 @@ class PrefillSink:
         elif s.handoff == "draft-kv":
             parts.append(part_of("draft_kv", tuple(range(s.draft[0])), st.draft))
         if s.handoff == "tail":
-            tail, valid = build_tail(st.aux, s.tail_tokens)
-            row = MetadataRow(token, room, st.aux[-1], tail, valid, first_logprob=entry[0], top_logprobs=entry[1])
+            tail = st.tail
+            row = MetadataRow(token, room, tail.rows[-1], tail.rows, tail.valid, first_logprob=entry[0],
+                              top_logprobs=entry[1])
         else:
             empty = torch.zeros(0, dtype=dtype)
             row = MetadataRow(token, room, empty, empty.view(0, s.hidden_width), torch.zeros(0, dtype=torch.bool),
@@ -144,7 +152,7 @@ class PrefillSink:
 
     def _send(self, room: int, st: _Room) -> None:
         parts, st.parts = st.parts, []
-        st.aux = st.draft = None
+        st.aux = st.draft = st.tail = None
         self.agent.send(room, parts)
 
     def release(self, rooms: list[int]) -> None:

@@ -1,4 +1,5 @@
-"""The handshake schema: every fact both PD sides must agree on before a byte moves (PD_PROTOCOL.md §5 item 1).
+"""The handshake schema: every fact both PD sides must agree on before a byte moves (docs/pd_protocol.md, the
+handshake).
 
 The record is derived from model-level facts only (the target's config, the drafter's config or the env knobs,
 the flags that shape the wire), never from local speculative flags, so an asymmetric pair (prefill without a

@@ -1,4 +1,9 @@
-"""The engine step: schedule -> run -> postprocess, over continuous batches of requests.
+"""The engine step, over continuous batches of requests:
+    receive handoff -> schedule -> run (propose/verify inside a SpecRunner) -> postprocess -> send handoff.
+
+One Engine serves every --disaggregation-mode; the PD handoff is composed in (disagg/roles.py): aggregated, it is a
+no-op; a prefill hands each request off once its first token is sampled; a decode receives each request's prompt
+KV before the request joins the batch. The handoff reports back as typed events, applied here.
 
 Synchronous and single-threaded; the HTTP server runs it in its own thread (server/async_engine.py) and the
 offline API (llm.py) calls it directly.
@@ -6,154 +11,75 @@ offline API (llm.py) calls it directly.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
-from pathlib import Path
 from typing import Optional
 
-import torch
-
-from sparkrelay.config import Config, ConfigError
+from sparkrelay.config import Config
+from sparkrelay.disagg.factory import build_handoff
+from sparkrelay.disagg.roles import EngineParts, Event, HandedOff, HandoffFailed, KVArrived
+from sparkrelay.engine import setup
+from sparkrelay.kvcache.pool import KVPool
+from sparkrelay.models.loader import read_config
+from sparkrelay.models.qwen3 import load_qwen3
+from sparkrelay.runner.model_runner import RunResult
 from sparkrelay.scheduler.block_manager import BlockManager
 from sparkrelay.scheduler.request import Bootstrap, Request, RequestError, RequestOutput, SamplingParams, Status
 from sparkrelay.scheduler.scheduler import Batch, Scheduler
 from sparkrelay.scheduler.stop import StopChecker
-from sparkrelay.kvcache.pool import KVPool
-from sparkrelay.models.loader import read_config
-from sparkrelay.models.dspark import load_dspark
-from sparkrelay.models.qwen3 import load_qwen3
-from sparkrelay.pipeline.partition import pp_partition
-from sparkrelay.runner.model_runner import ModelRunner, RunResult
-from sparkrelay.runner.spec_runner import SpecRunner
-from sparkrelay.spec.proposer import DSparkProposer
-from sparkrelay.spec.stats import SpecStats
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    if name == "auto":
-        return torch.float32 if device == "cpu" else torch.bfloat16
-    return DTYPES[name]
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 class Engine:
     def __init__(self, config: Config) -> None:
-        mc = config.model
         self.config = config
-        self.device = torch.device(mc.device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"--device {mc.device}: CUDA is not available on this machine")
-        self.dtype = resolve_dtype(mc.dtype, mc.device)
+        self.device = setup.check_device(config.model.device)
+        self.dtype = setup.resolve_dtype(config.model.dtype, config.model.device)
+        self.handoff = build_handoff(config, self.dtype)  # a prefill's bootstrap server is up before stages load
+        try:
+            self._build(config)
+            self.handoff.attach(EngineParts(self.scheduler, self.pool, self.proposer, self.device,
+                                            self.context_length))
+        except BaseException:
+            self.handoff.close()
+            raise
+
+    def _build(self, config: Config) -> None:
+        mc = config.model
         self.hf_config = read_config(mc.model_path)
-        self.model = load_qwen3(mc.model_path, 0, self._stage0_end(), dtype=self.dtype, device=mc.device)
-        self.tokenizer = load_tokenizer(mc.tokenizer_path or mc.model_path)
+        self.model = load_qwen3(mc.model_path, 0, setup.stage0_end(config, self.hf_config), dtype=self.dtype,
+                                device=mc.device)
+        self.tokenizer = setup.load_tokenizer(mc.tokenizer_path or mc.model_path)
         spec = self.model.spec
         self.vocab_size = spec.vocab_size
-        self.context_length = self._context_length(spec.max_position_embeddings)
-        self.eos_token_ids = self._eos_ids(mc.model_path)
+        self.context_length = setup.context_length(config, spec.max_position_embeddings)
+        self.eos_token_ids = setup.eos_ids(mc.model_path, self.hf_config, self.tokenizer)
         page = config.cache.page_size
-        total = config.cache.max_total_tokens or min(64 * self.context_length, 1 << 17)
-        self.max_total_tokens = total // page * page
-        if self.max_total_tokens < page:
-            raise ConfigError(f"--max-total-tokens {total} is smaller than one page ({page})")
+        self.max_total_tokens = setup.kv_capacity(config, self.context_length)
         num_blocks = self.max_total_tokens // page
         self.blocks = BlockManager(num_blocks, page)
-        self.pool = KVPool(range(self.model.start, self.model.end), num_blocks, page, spec.num_kv_heads, spec.head_dim,
-                           self.dtype, self.device)
-        sc = config.scheduler
-        self.proposer = self._build_proposer(num_blocks, page) if config.spec.speculative_algorithm else None
+        self.pool = KVPool(range(self.model.start, self.model.end), num_blocks, page, spec.num_kv_heads,
+                           spec.head_dim, self.dtype, self.device)
+        self.proposer = None
+        if config.spec.speculative_algorithm:
+            self.proposer = setup.build_proposer(config, self.model, self.dtype, self.device, num_blocks)
         lookahead = 1 if self.proposer is None else self.proposer.max_drafts + 1
+        sc = config.scheduler
         self.scheduler = Scheduler(self.blocks, sc.max_running_requests, sc.chunked_prefill_size, lookahead)
-        if self.proposer is None and (config.parallel.pp_size > 1 or config.disagg.disaggregation_mode == "prefill"):
-            from sparkrelay.pipeline.runner import PipelineRunner  # stage processes only when a pipeline is asked for
-
-            # a prefill engine binds its stages' status socket before this (PrefillEngine.status_address)
-            self.runner = PipelineRunner(config, self.model, self.pool,
-                                         status_address=getattr(self, "status_address", ""))
-            self.spec_stats = None
-        elif self.proposer is None:
-            self.runner = ModelRunner(self.model, self.pool, self.device, mc.seed)
-            self.spec_stats = None
-        else:
-            self.runner = SpecRunner(self.model, self.pool, self.device, mc.seed, proposer=self.proposer,
-                                     context_length=self.context_length)
-            self.spec_stats = SpecStats(self.proposer.max_drafts)
+        self.runner, self.spec_stats = setup.build_runner(config, self.model, self.pool, self.device, self.proposer,
+                                                          self.context_length, self.handoff.status_address)
         if mc.enable_torch_compile:
-            self._compile()
+            setup.compile_model(self.model, self.proposer)
         self.stop = StopChecker(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._ready: list[RequestOutput] = []
+        self._leaving: list[Request] = []  # first token sampled on a prefill: handed off this step
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0}
-
-    # -- set-up helpers --------------------------------------------------------------------------------------
-    def _build_proposer(self, num_blocks: int, page: int) -> DSparkProposer:
-        sp = self.config.spec
-        head = self.model.lm_head.weight
-        try:
-            drafter = load_dspark(sp.speculative_draft_model_path, self.model.spec, self.dtype,
-                                  self.config.model.device, share_embedding_from=self.model.model.embed_tokens.weight, share_lm_head_from=head)
-        except ValueError as e:
-            raise ConfigError(f"--speculative-draft-model-path {sp.speculative_draft_model_path}: {e}") from e
-        cap = sp.speculative_num_draft_tokens or drafter.spec.block_size
-        return DSparkProposer(drafter, num_blocks, page, self.device, cap, sp.speculative_dspark_confidence_threshold,
-                              head_t=self.model.head_t)
-
-    def _stage0_end(self) -> int:
-        """With --pp-size N this process is stage 0: it loads (and caches KV for) only the first stage's layers."""
-        layers = int(self.hf_config["num_hidden_layers"])
-        try:
-            return pp_partition(layers, self.config.parallel.pp_size)[0][1]
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-    def _context_length(self, model_max: int) -> int:
-        asked = self.config.model.context_length
-        if asked is not None and asked > model_max:
-            raise ConfigError(f"--context-length {asked} exceeds the model's max_position_embeddings {model_max}")
-        return asked or model_max
-
-    def _eos_ids(self, folder: str) -> tuple[int, ...]:
-        ids: list[int] = []
-        gen_cfg = Path(folder) / "generation_config.json"
-        for source in (json.loads(gen_cfg.read_text()) if gen_cfg.is_file() else {}, self.hf_config):
-            eos = source.get("eos_token_id")
-            ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.append(self.tokenizer.eos_token_id)
-        return tuple(dict.fromkeys(ids))
-
-    def _compile(self) -> None:
-        """torch.compile the forwards, shapes dynamic (token counts and context lengths change every step).
-        Prefill, one-sequence decode and batched decode trace different graphs; the cache limit leaves room."""
-        import torch._dynamo
-
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
-        self.model.body = torch.compile(self.model.body, dynamic=True)
-        if self.proposer is not None:
-            drafter = self.proposer.drafter
-            drafter.block_forward = torch.compile(drafter.block_forward, dynamic=True)
 
     @property
     def model_info(self) -> dict:
-        mc = self.config.model
-        return {
-            "model_path": os.path.abspath(mc.model_path),
-            "tokenizer_path": os.path.abspath(mc.tokenizer_path or mc.model_path),
-            "is_generation": True,
-            "architectures": self.hf_config.get("architectures", ["Qwen3ForCausalLM"]),
-            "model_type": self.hf_config.get("model_type", "qwen3"),
-        }
+        return setup.model_info(self.config, self.hf_config)
 
     # -- requests --------------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -185,14 +111,18 @@ class Engine:
 
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                     bootstrap: Optional[Bootstrap] = None) -> None:
-        """`bootstrap` (the router's PD fields) is ignored by an aggregated engine."""
+        """`bootstrap`: the PD router's fields (required by a PD role, ignored by an aggregated engine)."""
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
+        self.handoff.check(bootstrap)
         self.validate(prompt_ids, params)
         req = Request(rid, list(prompt_ids), params, self.eos_token_ids, arrival_time=time.monotonic())
         self.requests[rid] = req
         self.counters["prompt_tokens"] += len(prompt_ids)
-        if params.max_new_tokens == 0 and not (req.logprobs is not None and req.logprobs.input_start >= 0):
+        if self.handoff.take(req, bootstrap):
+            return  # decode: scheduled once its prompt's KV arrived
+        scores_prompt = req.logprobs is not None and req.logprobs.input_start >= 0
+        if params.max_new_tokens == 0 and not scores_prompt and not self.handoff.sends_first_token:
             req.finish({"type": "length", "length": 0})
             self._release(req)
             return
@@ -203,19 +133,22 @@ class Engine:
         if req is None:
             return
         req.finish({"type": "abort", "message": "aborted"})
+        self.handoff.drop(req)
         self.scheduler.remove(req)
         self.runner.release(rid)
         self.requests.pop(rid, None)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._ready)
+        return self.scheduler.has_work() or bool(self._ready) or self.handoff.has_work()
 
     # -- the step ----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._apply(self.handoff.receive())  # decode: prealloc -> transferring -> running; prefill: stage reports
         batch = self.scheduler.schedule()
-        if batch is None:
-            return self._take_ready()
-        self._postprocess(batch, self.runner.run(batch))
+        if batch is not None:
+            self._postprocess(batch, self.runner.run(batch))
+        self.handoff.send(self._take_leaving())  # prefill: requests whose first token was sampled
+        self.handoff.wait(idle=batch is None and not self._ready)
         return self._take_ready()
 
     def _postprocess(self, batch: Batch, result: RunResult) -> None:
@@ -228,21 +161,75 @@ class Engine:
                 req.logprobs.add_input(*result.prompt_logprobs[i])
             if not tokens:
                 continue
-            if req.params.max_new_tokens == 0:  # only the prompt's logprobs were asked for
-                req.finish({"type": "length", "length": 0})
-                self._release(req)
-                continue
-            if req.first_token_time is None:
-                req.first_token_time = now
-            committed = self._append(req, tokens)
-            if req.logprobs is not None and result.logprobs:
-                req.logprobs.add_output(result.logprobs[i][:committed])
-            if rnd is not None:
-                self._record_round(req, rnd, committed)
-            self._emit(req, new_ids=req.output_ids[len(req.output_ids) - committed :])
-            if req.is_finished:
-                self._release(req)
+            lps = result.logprobs[i] if req.logprobs is not None and result.logprobs else None
+            if self.handoff.sends_first_token:
+                self._leave(req, tokens[0], lps, now)
+            else:
+                self._commit(req, tokens, lps, rnd, now)
 
+    def _commit(self, req: Request, tokens: list[int], lps: Optional[list], rnd: Optional[tuple[int, int]],
+                now: float) -> None:
+        if req.params.max_new_tokens == 0:  # only the prompt's logprobs were asked for
+            req.finish({"type": "length", "length": 0})
+            self._release(req)
+            return
+        if req.first_token_time is None:
+            req.first_token_time = now
+        committed = self._append(req, tokens)
+        if lps is not None:
+            req.logprobs.add_output(lps[:committed])
+        if rnd is not None:
+            self._record_round(req, rnd, committed)
+        self._emit(req, new_ids=req.output_ids[len(req.output_ids) - committed :])
+        if req.is_finished:
+            self._release(req)
+
+    def _leave(self, req: Request, token: int, lps: Optional[list], now: float) -> None:
+        """A prefill's first token ends the request's compute here: no stop rule (the decode applies them), out
+        of the batch with its blocks held until every stage has sent its part."""
+        req.first_token_time = now
+        req.output_ids.append(token)
+        if lps is not None:  # also in the metadata row, for the decode
+            req.logprobs.add_output(lps)
+        self.counters["generation_tokens"] += 1
+        self.scheduler.detach(req)
+        self._leaving.append(req)
+
+    # -- what the handoff reports --------------------------------------------------------------------------------
+    def _apply(self, events: list[Event]) -> None:
+        for ev in events:
+            if isinstance(ev, KVArrived):
+                self._arrived(ev)
+            elif isinstance(ev, HandedOff):
+                ev.req.finish({"type": "length", "length": len(ev.req.output_ids)})
+                self._emit(ev.req, new_ids=list(ev.req.output_ids))
+                self._release(ev.req)
+            elif isinstance(ev, HandoffFailed):
+                self._fail(ev.req, ev.reason, ev.status_code)
+
+    def _arrived(self, ev: KVArrived) -> None:
+        """Decode: the prompt's KV is in; the prefill's first token is this request's first output."""
+        req = ev.req
+        req.first_token_time = time.monotonic()
+        if req.params.max_new_tokens == 0:
+            req.finish({"type": "length", "length": 0})
+            self._release(req)
+            return
+        committed = self._append(req, [ev.first_token])
+        if req.logprobs is not None:
+            req.logprobs.add_output([ev.first_logprob])
+        self._emit(req, new_ids=req.output_ids[len(req.output_ids) - committed :])
+        if req.is_finished:
+            self._release(req)
+            return
+        self.scheduler.admit_transferred(req)
+
+    def _fail(self, req: Request, reason: str, status_code: int) -> None:
+        logger.warning("request %s (room %d) failed: %s", req.rid, req.bootstrap_room, reason)
+        req.finish({"type": "abort", "message": reason, "status_code": status_code})
+        self._release(req)
+
+    # -- outputs -----------------------------------------------------------------------------------------------
     def _append(self, req: Request, tokens: list[int]) -> int:
         """Append tokens one at a time until a stop condition holds; returns how many were appended."""
         for i, tok in enumerate(tokens):
@@ -268,6 +255,7 @@ class Engine:
     def _release(self, req: Request) -> None:
         if req.status == Status.FINISHED and not any(o.rid == req.rid and o.finished for o in self._ready):
             self._emit(req, new_ids=[])
+        self.handoff.drop(req)
         self.scheduler.remove(req)
         self.runner.release(req.rid)
         self.requests.pop(req.rid, None)
@@ -277,23 +265,34 @@ class Engine:
         out, self._ready = self._ready, []
         return out
 
+    def _take_leaving(self) -> list[Request]:
+        out, self._leaving = self._leaving, []
+        return out
+
     # -- introspection ---------------------------------------------------------------------------------------
     def stats(self) -> dict:
         used = self.blocks.num_used * self.blocks.page_size
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "kv_used_tokens": used, "kv_total_tokens": self.max_total_tokens,
                 "kv_usage": used / self.max_total_tokens, "num_preemptions": self.scheduler.num_preemptions,
-                **(self.spec_stats.summary() if self.spec_stats else {})}
+                **(self.spec_stats.summary() if self.spec_stats else {}), **self.handoff.stats()}
 
     def check(self) -> None:
-        self.blocks.check()
+        self.scheduler.check()
 
     def fatal_error(self) -> Optional[str]:
         """Why this engine can no longer step (a pipeline stage died), or None. The server then shuts down."""
         return getattr(self.runner, "failure", None)
 
     def close(self) -> None:
-        """Shut the pipeline stages down (their processes exit); a no-op without a pipeline. Idempotent."""
+        """Shut the pipeline stages down (their processes exit), then the handoff's servers and agents.
+        Idempotent."""
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+        self.handoff.close()
+
+
+def build_engine(config: Config) -> Engine:
+    """The engine of a server (launch_server.py); its PD role comes from --disaggregation-mode."""
+    return Engine(config)

@@ -1,1 +1,1 @@
-"""Paged KV pools (torch tensors); block accounting lives in engine/block_manager.py."""
+"""Paged KV pools (torch tensors); block accounting lives in scheduler/block_manager.py."""

@@ -1,6 +1,6 @@
 """Qwen3 DSpark drafter (DeepSpec `Qwen3DSparkModel`); DFlash checkpoints (markov_rank 0, no confidence head) too.
 
-Semantics: shared/design/DSPARK.md §1. Module names are the checkpoint keys of §1.3, so DeepSpec checkpoints load
+Semantics: docs/dspark.md §1. Module names are the checkpoint keys of §1.3, so DeepSpec checkpoints load
 as they are. Every method is a pure tensor function batched over R requests; the caller owns the draft KV cache
 (per draft layer, K/V of the context projections of committed positions, §1.7):
 
@@ -74,7 +74,7 @@ class DSparkSpec:
             raise ValueError(f"target_layer_ids {ids}: id(s) {bad} outside {{-1}} ∪ [0, {n - 1}]")
         if n - 1 in ids:
             raise ValueError(f"target_layer_ids {ids}: {n - 1} is the target's last layer (num_target_layers {n}), "
-                             "whose Hugging Face hidden state is post-norm, never a raw tap (DSPARK.md §8.2)")
+                             "whose Hugging Face hidden state is post-norm, never a raw tap (docs/dspark.md §1.8)")
         if any(a >= b for a, b in zip(ids, ids[1:])):
             raise ValueError(f"target_layer_ids {ids} is not strictly increasing")
         for field in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "rope_theta"):
@@ -228,7 +228,7 @@ class Qwen3DSparkModel(nn.Module):
     def markov_sample(self, u: torch.Tensor, anchors: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
                       generator: Optional[torch.Generator] = None, h: Optional[torch.Tensor] = None,
                       generators: Optional[list[Optional[torch.Generator]]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequential sampling over the B slots (§2.2 step 4): Z_k = U_k + β(prev); prev_0 = anchor, prev_k = draft k-1.
+        """Sequential sampling over the B slots (§2.2 step 3): Z_k = U_k + β(prev); prev_0 = anchor, prev_k = draft k-1.
 
         u [R, B, V]; anchors [R]; temperature [R] (ignored where greedy [R] is True); h [R, B, d] (needed by the gated
         and RNN heads); noise from `generators[row]` when given, else `generator`.

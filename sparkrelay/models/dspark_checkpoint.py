@@ -17,7 +17,7 @@ from sparkrelay.models.qwen3 import Qwen3Spec
 
 
 def draft_config(target_cfg: dict, **fields) -> dict:
-    """config.json of a drafter for this target (§1.2, §7): a copy of the target's plus the DSpark fields."""
+    """config.json of a drafter for this target (docs/dspark.md §1.2): a copy of the target's plus the DSpark fields."""
     n_t = target_cfg["num_hidden_layers"]
     taps = min(4, max(1, n_t - 2))
     ids = [1 + round(i * (n_t - 3) / (taps - 1)) for i in range(taps)] if taps > 1 else [max(0, n_t - 2)]
@@ -49,7 +49,8 @@ def target_head_weights(target_folder: str | Path) -> tuple[torch.Tensor, torch.
 
 
 def save_checkpoint(model: Qwen3DSparkModel, cfg: dict, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write config.json + model.safetensors in the DeepSpec layout (top-level §1.3 keys, frozen copies included)."""
+    """Write config.json + model.safetensors in the DeepSpec layout (docs/dspark.md §1.3: top-level keys, the frozen
+    copies included)."""
     assert all(layer.self_attn.qkv is None for layer in model.layers), "save an unfused drafter"
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

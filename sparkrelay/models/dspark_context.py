@@ -6,8 +6,8 @@
 Under pipeline parallelism the projection is cut at fc, which is linear: with fc.weight W [d, k*d] split into
 column blocks W_i [d, d] (tap i's block, at its index in target_layer_ids), fc(concat(h_1..h_k)) = Σ_i h_i W_iᵀ.
 Each stage adds its taps' share (`partial`) to a running pre-norm sum; the last stage calls `finish`, which applies
-hidden_norm once to the full sum (never to a partial sum: RMSNorm is not linear, PD_PROTOCOL.md §5 item 16), then
-each draft layer's K/V at absolute positions (§5 item 21).
+hidden_norm once to the full sum (never to a partial sum: RMSNorm is not linear; docs/pd_protocol.md, failure
+mode 16), then each draft layer's K/V at absolute positions (failure mode 21).
 
 Only these checkpoint tensors are read (safetensors reads tensor by tensor): fc.weight, hidden_norm.weight,
 layers.{i}.self_attn.{k_proj,v_proj}.weight (+ .bias with attention_bias) and layers.{i}.self_attn.k_norm.weight.

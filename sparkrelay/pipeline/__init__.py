@@ -1,0 +1,1 @@
+"""Pipeline parallelism: the layer -> stage partition, the step descriptor, stage-to-stage sends, stage workers."""

@@ -8,6 +8,10 @@ Capture modes (`CaptureSpec.mode`):
   partial  every stage adds its taps' share of the drafter's fc to a running pre-norm sum; the last stage applies
            hidden_norm once and each draft layer's K/V projection (draft-kv handoff; models/dspark_context.py).
 
+`resolve_capture` is the one place the taps are resolved (the knobs SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS and
+SPARKRELAY_DSPARK_PD_ENABLE_PREFILL_CAPTURE, the drafter's config, --dspark-pd-handoff): the stages capture what it
+returns and the handshake record (disagg/handoff.py) carries its layer ids.
+
 Stage-to-stage payload, rank k -> rank k+1, right after the step descriptor (pipeline/descriptor.py), in this order:
   hidden   [T, d]        model dtype: the residual stream after the sending stage's last layer. Our decoder layer
                          keeps a single residual stream (h = h + attn(norm(h)); h = h + mlp(norm(h))), so SGLang's
@@ -28,7 +32,7 @@ from typing import Optional
 import torch
 
 from sparkrelay.config import Config, ConfigError
-from sparkrelay.envs import DisaggEnv
+from sparkrelay.envs import CAPTURE, LAYER_IDS, DisaggEnv
 from sparkrelay.models.loader import read_config
 from sparkrelay.pipeline.partition import check_layer_ids, stage_taps
 
@@ -63,23 +67,71 @@ class CaptureSpec:
 
     @classmethod
     def from_config(cls, config: Config) -> "CaptureSpec":
-        """Aggregated: none. Prefill: draft-kv -> partial (ids = the drafter's fc columns); hidden / tail -> taps at
-        SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS or the drafter config's target_layer_ids, none when neither is given
-        or SPARKRELAY_DSPARK_PD_ENABLE_PREFILL_CAPTURE is off. The prefill role may pass its own spec instead."""
+        """`resolve_capture` with the environment's knobs and the target's layer count (none when not a prefill)."""
         if config.disagg.disaggregation_mode != "prefill":
             return cls()
-        env, path = DisaggEnv.read(), config.spec.speculative_draft_model_path
-        drafter_ids = tuple(read_config(path)["target_layer_ids"]) if path else None
-        if config.disagg.dspark_pd_handoff == "draft-kv":
-            if drafter_ids is None:
-                raise ConfigError("--dspark-pd-handoff draft-kv needs --speculative-draft-model-path (the prefill "
-                                  "projects the drafter's context K/V; only those weights are read)")
-            if env.target_layer_ids is not None and tuple(env.target_layer_ids) != drafter_ids:
-                raise ConfigError(f"SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS {list(env.target_layer_ids)} != the "
-                                  f"drafter's target_layer_ids {list(drafter_ids)} (its fc columns)")
-            return cls("partial", drafter_ids, path)
-        ids = env.target_layer_ids or drafter_ids
-        return cls("taps", tuple(ids)) if env.prefill_capture and ids else cls()
+        num_layers = int(read_config(config.model.model_path)["num_hidden_layers"])
+        return resolve_capture(config, DisaggEnv.read(), num_layers)
+
+
+def resolve_layer_ids(env: DisaggEnv, draft_cfg: Optional[dict], num_layers: int, decode: bool) -> tuple[int, ...]:
+    """The DSpark taps the handoff carries: SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS, else the drafter config's
+    target_layer_ids, else none (); a prefill with SPARKRELAY_DSPARK_PD_ENABLE_PREFILL_CAPTURE off captures none.
+    On decode the drafter needs exactly its own taps. Errors name the variable the user set."""
+    knob = env.var(LAYER_IDS)
+    from_draft = tuple(int(i) for i in draft_cfg["target_layer_ids"]) if draft_cfg else None
+    ids = env.target_layer_ids if env.target_layer_ids is not None else from_draft
+    if decode and from_draft is not None and ids != from_draft:
+        raise ConfigError(f"{knob}={','.join(map(str, ids))} differs from the drafter's target_layer_ids "
+                          f"{list(from_draft)}")
+    if not ids or (not decode and not env.prefill_capture):
+        return ()
+    source = knob if env.target_layer_ids is not None else "the drafter config's target_layer_ids"
+    try:
+        check_layer_ids(ids, num_layers)
+        if list(ids) != sorted(ids):
+            raise ValueError(f"target layer ids {list(ids)} must increase (the taps travel in stage order)")
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return tuple(ids)
+
+
+def resolve_capture(config: Config, env: DisaggEnv, num_layers: int) -> CaptureSpec:
+    """What a prefill captures, resolved in this one place: the stages capture it and the handshake record
+    (disagg/handoff.py `build_schema`) carries its layer ids, so the two cannot differ. draft-kv -> partial (the
+    drafter's fc columns); hidden / tail -> taps; no taps -> none, which --dspark-pd-handoff given on the command
+    line refuses (every request would fail at the handshake)."""
+    path = config.spec.speculative_draft_model_path
+    draft_cfg = read_config(path) if path else None
+    ids = resolve_layer_ids(env, draft_cfg, num_layers, decode=False)
+    if not ids:
+        _refuse_explicit_handoff_without_taps(config, env)
+        return CaptureSpec()
+    if config.disagg.handoff != "draft-kv":
+        return CaptureSpec("taps", ids)
+    if draft_cfg is None:
+        raise ConfigError("--dspark-pd-handoff draft-kv needs --speculative-draft-model-path (the prefill projects "
+                          "the drafter's context K/V; only those weights are read)")
+    drafter_ids = tuple(int(i) for i in draft_cfg["target_layer_ids"])
+    if ids != drafter_ids:
+        raise ConfigError(f"{env.var(LAYER_IDS)}={','.join(map(str, ids))} != the drafter's target_layer_ids "
+                          f"{list(drafter_ids)} (its fc columns)")
+    return CaptureSpec("partial", ids, path)
+
+
+def _refuse_explicit_handoff_without_taps(config: Config, env: DisaggEnv) -> None:
+    """Left out, --dspark-pd-handoff on a prefill without taps means a PD pair without DSpark (handoff none)."""
+    flag = config.disagg.dspark_pd_handoff
+    if flag is None:
+        return
+    if not env.prefill_capture:
+        raise ConfigError(f"--dspark-pd-handoff {flag}: {env.var(CAPTURE)}=0 turns the prefill's DSpark capture "
+                          "off, so there is nothing to hand off; unset it, or leave out --dspark-pd-handoff")
+    knob = "" if flag == "draft-kv" else (f", or set {LAYER_IDS} (or SGLANG_"
+                                          f"{LAYER_IDS.removeprefix('SPARKRELAY_')}) to the drafter's tap layers")
+    raise ConfigError(f"--dspark-pd-handoff {flag}: the prefill has no DSpark taps to hand off; give it "
+                      "--speculative-draft-model-path DRAFTER_DIR (it reads the drafter's target_layer_ids"
+                      f"{' and context weights' if flag == 'draft-kv' else ''}){knob}")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Every send and receive of the pipeline (PD_PROTOCOL.md §5 items 18, 31).
+"""Every send and receive of the pipeline (docs/pd_protocol.md, failure modes 18, 31).
 
 Topology: rank k sends descriptors and payloads to rank k+1; the last rank sends the sampled tokens to rank 0.
 

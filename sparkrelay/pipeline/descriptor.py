@@ -1,4 +1,4 @@
-"""The step descriptor: what rank 0 tells every stage about one micro-batch (PD_PROTOCOL.md §5 items 11, 31).
+"""The step descriptor: what rank 0 tells every stage about one micro-batch (docs/pd_protocol.md, failure modes 11, 31).
 
 Rank 0 decides admission, batching and block tables; the other stages have no scheduler and no block manager and
 run exactly what the descriptor says, so every stage agrees on which rows a micro-batch holds.

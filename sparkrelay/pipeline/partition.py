@@ -1,7 +1,7 @@
 """The one layer -> stage partition, shared by the pipeline stages, the handoff and the decode peer.
 
 Both PD sides call `pp_partition` (and publish its result in the handshake schema), so a stage's layer range and
-the owner of every DSpark tap are never computed two ways (PD_PROTOCOL.md §5, items 14-15).
+the owner of every DSpark tap are never computed two ways (docs/pd_protocol.md, failure modes 14-15).
 
 Tap convention: tap L is the residual-stream output of layer L and belongs to the stage whose range holds L;
 tap -1 (the embedding output) belongs to stage 0.

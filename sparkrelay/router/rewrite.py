@@ -1,6 +1,6 @@
 """Pure helpers of the PD router: worker specs, bootstrap fields, batch detection and error bodies.
 
-Nothing here does I/O. The wire facts follow sglang-router (docs: PD_PROTOCOL.md §1.4/§1.5): the router adds
+Nothing here does I/O. The wire facts follow sglang-router (docs/pd_protocol.md §4): the router adds
 `bootstrap_host` (the prefill URL's hostname), `bootstrap_port` (the number given after the prefill URL, else
 null) and a random 63-bit `bootstrap_room` to the client's JSON object; for a batch each becomes an array with
 one distinct room per element.

@@ -41,6 +41,9 @@ class BlockManager:
     def table(self, owner: str) -> list[int]:
         return self._tables.get(owner, [])
 
+    def owners(self) -> list[str]:
+        return list(self._tables)
+
     def slots(self, owner: str, start: int, end: int) -> list[int]:
         """Pool slot index of each token position in [start, end) of `owner`."""
         table, ps = self._tables[owner], self.page_size

@@ -8,6 +8,9 @@ from typing import Callable, Optional
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; a PD metadata row carries this many for the first token
+# A request with this bootstrap host never contacts a peer (SGLang's FAKE_BOOTSTRAP_HOST, its warm-up and
+# /health_generate requests): a prefill computes it and sends nothing, a decode decodes it from zero KV
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 
 
 class RequestError(ValueError):
@@ -86,12 +89,17 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Bootstrap:
-    """The PD routing fields the router adds to a request (PD_PROTOCOL.md §1.4): where the prefill's bootstrap
-    server is (port None: the decode server's --disaggregation-bootstrap-port) and the transfer's room."""
+    """The PD routing fields the router adds to a request (docs/pd_protocol.md, the router's fields): where the
+    prefill's bootstrap server is (port None: the decode server's --disaggregation-bootstrap-port) and the
+    transfer's room."""
 
     host: str
     port: Optional[int]
     room: int
+
+    @property
+    def is_fake(self) -> bool:
+        return self.host == FAKE_BOOTSTRAP_HOST
 
 
 class Status(enum.Enum):

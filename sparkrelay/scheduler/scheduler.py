@@ -7,6 +7,13 @@ Each step is either a prefill batch (prefill first, as SGLang does by default) o
            used by speculative decoding); when blocks run out the newest running request is preempted: its
            blocks are freed and it goes back to the front of the waiting queue to be recomputed later.
 Running out of blocks therefore delays or preempts a request; it never crashes or corrupts one.
+
+The PD roles (disagg/) move requests in and out of the batch only through the verbs below, never by editing
+`running` / `waiting` or the block tables:
+  decode:  reserve(req, n)         blocks for the prompt, before its KV is received (the prealloc queue); held
+           admit_transferred(req)  the prompt's KV arrived: RUNNING with every prompt token computed
+  prefill: detach(req)             the first token is sampled: out of the batch, its blocks held while they are sent
+  both:    remove(req)             finished, failed or aborted: out of every list, blocks freed (held ones too)
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class Scheduler:
         self.decode_lookahead = decode_lookahead
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.held: dict[str, Request] = {}  # rid -> a request holding blocks outside the batch (reserved, detached)
         self.num_preemptions = 0
 
     # -- membership -----------------------------------------------------------------------------------------
@@ -60,13 +68,47 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def remove(self, req: Request) -> None:
-        """Drop a finished or aborted request and free its blocks."""
+        """Drop a finished or aborted request and free its blocks (wherever it is: batch, queue or held)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.held.pop(req.rid, None)
         self.blocks.free(req.rid)
         req.block_ids = []
+
+    # -- the PD roles' verbs ------------------------------------------------------------------------------------
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Blocks for `num_tokens` of `req` outside the batch, if they fit (else nothing changes: False)."""
+        assert req not in self.running and req not in self.waiting, f"{req.rid} is already scheduled"
+        if not self.blocks.can_allocate(req.rid, num_tokens):
+            return False
+        self.blocks.allocate(req.rid, num_tokens)
+        req.block_ids = self.blocks.table(req.rid)
+        self.held[req.rid] = req
+        return True
+
+    def admit_transferred(self, req: Request) -> None:
+        """A reserved request whose prompt KV arrived joins the batch: RUNNING, every prompt token computed; its
+        next step is a decode of the last known token (the first token the prefill sampled)."""
+        assert self.held.pop(req.rid, None) is req, f"{req.rid} holds no reserved blocks"
+        n = len(req.prompt_ids)
+        assert len(req.block_ids) * self.blocks.page_size >= n, f"{req.rid}: blocks for {n} tokens were not reserved"
+        req.num_computed = n
+        req.status = Status.RUNNING
+        self.running.append(req)
+
+    def detach(self, req: Request) -> None:
+        """`req` leaves the batch but keeps its blocks (a prefill sending its KV); `remove` frees them later."""
+        self.running.remove(req)
+        self.held[req.rid] = req
+
+    def check(self) -> None:
+        """The block invariant, and every block owner is a request this scheduler knows (no leaked table)."""
+        self.blocks.check()
+        known = {r.rid for r in self.running} | {r.rid for r in self.waiting} | set(self.held)
+        leaked = [owner for owner in self.blocks.owners() if owner not in known]
+        assert not leaked, f"blocks held by requests the scheduler does not know: {leaked[:8]}"
 
     # -- the step ---------------------------------------------------------------------------------------------
     def schedule(self) -> Batch | None:

@@ -18,13 +18,15 @@ import concurrent.futures
 import logging
 import os
 import queue
+import secrets
 import signal
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
-from sparkrelay.scheduler.request import Bootstrap, RequestError, RequestOutput, SamplingParams
+from sparkrelay.scheduler.request import FAKE_BOOTSTRAP_HOST, Bootstrap, RequestError, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,18 @@ class GenerationItem:
     prompt_ids: list[int]
     params: SamplingParams
     bootstrap: Optional[Bootstrap] = None  # the PD router's fields, one room per item
+
+    @classmethod
+    def health_check(cls, prompt_ids: list[int], disaggregation_mode: str) -> "GenerationItem":
+        """/health_generate's request, a real greedy generation. On a PD server it carries SGLang's fake bootstrap
+        host (a random room), so no peer is contacted: a prefill computes the prompt and sends nothing; a decode
+        takes zero KV and a fake first token, then decodes one more token (hence 2 tokens, EOS ignored)."""
+        rid = f"health-{uuid.uuid4().hex}"
+        if disaggregation_mode == "null":
+            return cls(rid, prompt_ids, SamplingParams(max_new_tokens=1, temperature=0.0))
+        room = secrets.randbelow((1 << 63) - 1) + 1
+        params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+        return cls(rid, prompt_ids, params, Bootstrap(FAKE_BOOTSTRAP_HOST, None, room))
 
 
 @dataclass

@@ -1,12 +1,15 @@
-"""What every HTTP route shares: the error format, SSE framing, and the server state that meters outputs,
-collects final answers (aborting on client disconnect) and streams chunks."""
+"""What every HTTP route shares: the error format, SSE framing, and the server state that runs the CPU-heavy part
+of a request (JSON decoding, chat templates, tokenization) off the event loop, meters outputs, collects final
+answers (aborting on client disconnect) and streams chunks."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import json
-from typing import AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -17,8 +20,15 @@ from sparkrelay.server import protocol as P
 from sparkrelay.server.async_engine import AsyncEngine, OutputStream
 from sparkrelay.server.metrics import Metrics
 
+T = TypeVar("T")
+# Threads that prepare requests (decode the JSON, render chat templates, tokenize). HF fast tokenizers release
+# the GIL while encoding, so a 100k-token prompt being encoded does not stall the event loop (health checks,
+# streams, small requests), and up to this many requests are prepared at once.
+PREP_THREADS = 4
+
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowedError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+                405: "MethodNotAllowedError", 413: "PayloadTooLargeError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
 
 
 class ServerError(Exception):
@@ -67,6 +77,23 @@ class ServerState:
         self.tokenizer = e.tokenizer
         self.limits = P.Limits(context_length=e.context_length, max_n=config.scheduler.max_n)
         self.model_name = config.model.served_model_name or config.model.model_path
+        self._prep: Optional[concurrent.futures.ThreadPoolExecutor] = None  # started on first use
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in a prep thread: CPU work that grows with the request (JSON, templates, tokenization)."""
+        if self._prep is None:
+            self._prep = concurrent.futures.ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="sparkrelay-prep")
+        return await asyncio.get_running_loop().run_in_executor(self._prep, functools.partial(fn, *args))
+
+    async def answer(self, build: Callable[[], Any]) -> JSONResponse:
+        """The JSON answer that build() makes, built and rendered in a prep thread: the token texts and logprobs
+        of a long prompt or output make a large body."""
+        return await self.off_loop(lambda: JSONResponse(build()))
+
+    def close(self) -> None:
+        if self._prep is not None:
+            self._prep.shutdown(wait=False, cancel_futures=True)
+            self._prep = None
 
     async def outputs(self, stream: OutputStream) -> AsyncIterator[RequestOutput]:
         """The stream's outputs, metered; closes (aborts what is unfinished) however the consumer leaves."""

@@ -15,7 +15,6 @@ import contextlib
 import json
 import logging
 import re
-import secrets
 import time
 import uuid
 from typing import Optional
@@ -28,34 +27,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import sparkrelay
 from sparkrelay.config import Config
-from sparkrelay.scheduler.request import RequestError, RequestOutput, SamplingParams
+from sparkrelay.scheduler.request import RequestError, RequestOutput
 from sparkrelay.server import protocol as P
 from sparkrelay.server.async_engine import AsyncEngine, EngineStopped, GenerationItem
 from sparkrelay.server.common import (ServerError, ServerState, error_response, stream_error_response,
                                       wants_stream_error)
+from sparkrelay.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from sparkrelay.server.openai_api import openai_response, token_text
 
 logger = logging.getLogger(__name__)
-
-OPEN_PATHS = ("/health", "/metrics")
-
-
-class _ApiKeyMiddleware:
-    """Pure ASGI (no BaseHTTPMiddleware) so streaming and disconnect detection stay untouched."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(got, self.expected):
-                msg = "missing or wrong API key: send `Authorization: Bearer <key>`"
-                await error_response(401, msg)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")  # pydantic's union branch names
 
@@ -93,7 +73,7 @@ def _generate_result(out: RequestOutput, start: float, index: Optional[int], tex
 
 async def _generate(s: ServerState, req: P.GenerateRequest, request: Request):
     start = time.perf_counter()
-    items, batch = P.generate_items(req, s.tokenizer, s.limits, lambda: uuid.uuid4().hex)
+    items, batch = await s.off_loop(P.generate_items, req, s.tokenizer, s.limits, lambda: uuid.uuid4().hex)
     items = P.with_bootstrap(req, items)
     stream = await s.engine.submit(items)
     index = {it.rid: i for i, it in enumerate(items)}
@@ -102,6 +82,11 @@ async def _generate(s: ServerState, req: P.GenerateRequest, request: Request):
         return s.streaming(stream, lambda o: [_generate_result(o, start, index[o.rid] if batch else None, text_of)],
                            lambda: [])
     finals = await s.collect(stream, request)
+    return await s.answer(lambda: _generate_answer(items, finals, start, batch, text_of))
+
+
+def _generate_answer(items: list[GenerationItem], finals: dict[str, RequestOutput], start: float, batch: bool,
+                     text_of) -> list | dict:
     results = [_generate_result(finals[it.rid], start, None, text_of) for it in items]
     return results if batch else results[0]
 
@@ -149,7 +134,7 @@ def _resolved_settings(s: ServerState) -> dict:
     proposer, workers = getattr(e, "proposer", None), getattr(getattr(e, "runner", None), "workers", None)
     out = {"context_length": e.context_length, "max_total_tokens": e.max_total_tokens,
            "tokenizer_path": s.config.model.tokenizer_path or s.config.model.model_path,
-           "served_model_name": s.model_name}
+           "served_model_name": s.model_name, "dspark_pd_handoff": s.config.disagg.handoff}
     if getattr(e, "dtype", None) is not None:
         out["dtype"] = str(e.dtype).removeprefix("torch.")
     if proposer is not None:
@@ -167,7 +152,7 @@ def _install_info_routes(app: FastAPI, s: ServerState) -> None:
     @app.get("/health_generate")
     async def health_generate(request: Request):
         ids = list(s.tokenizer.encode("Hello")) or [0]
-        item = GenerationItem(f"health-{uuid.uuid4().hex}", ids, SamplingParams(max_new_tokens=1, temperature=0.0))
+        item = GenerationItem.health_check(ids, s.config.disagg.disaggregation_mode)  # PD: a fake bootstrap
         try:
             await asyncio.wait_for(s.collect(await s.engine.submit([item]), request), timeout=60)
         except Exception as e:
@@ -202,10 +187,10 @@ def _install_info_routes(app: FastAPI, s: ServerState) -> None:
         return {"object": "list", "data": [card]}
 
 
-async def _parse(model: type[BaseModel], request: Request):
-    """The JSON body as `model`, whatever the Content-Type (curl -d sends form-encoded by default)."""
+def _load_json(body: bytes):
+    """The body's JSON, checked to hold only valid Unicode."""
     try:
-        data = json.loads(await request.body())
+        data = json.loads(body)
         json.dumps(data, ensure_ascii=False).encode()  # a lone surrogate (JSON "\ud800") cannot be tokenized
     except RecursionError as e:
         raise RequestError("malformed JSON body: nested too deeply") from e
@@ -214,11 +199,23 @@ async def _parse(model: type[BaseModel], request: Request):
                            f"{e.object[e.start:e.end]!r}, which is not valid Unicode") from e
     except ValueError as e:
         raise RequestError(f"malformed JSON body: {e}") from e
-    request.state.stream = isinstance(data, dict) and data.get("stream") is True  # how errors are answered
+    return data
+
+
+def _validate(model: type[BaseModel], data) -> BaseModel:
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from e
+
+
+async def _parse(s: ServerState, model: type[BaseModel], request: Request):
+    """The JSON body as `model`, whatever the Content-Type (curl -d sends form-encoded by default). The body's size
+    is bounded by BodyLimitMiddleware; decoding and validating it take time that grows with it, so they run off
+    the event loop."""
+    data = await s.off_loop(_load_json, await request.body())
+    request.state.stream = isinstance(data, dict) and data.get("stream") is True  # how errors are answered
+    return await s.off_loop(_validate, model, data)
 
 
 _SCHEMA_REF = "#/components/schemas/{model}"
@@ -249,15 +246,15 @@ def _document_bodies(app: FastAPI, models: tuple[type[BaseModel], ...]) -> None:
 def _install_generation_routes(app: FastAPI, s: ServerState) -> None:
     @app.post("/generate", openapi_extra=_body_doc(P.GenerateRequest))
     async def generate(request: Request):
-        return await _generate(s, await _parse(P.GenerateRequest, request), request)
+        return await _generate(s, await _parse(s, P.GenerateRequest, request), request)
 
     @app.post("/v1/completions", openapi_extra=_body_doc(P.CompletionRequest))
     async def completions(request: Request):
-        return await openai_response(s, await _parse(P.CompletionRequest, request), request, chat=False)
+        return await openai_response(s, await _parse(s, P.CompletionRequest, request), request, chat=False)
 
     @app.post("/v1/chat/completions", openapi_extra=_body_doc(P.ChatCompletionRequest))
     async def chat_completions(request: Request):
-        return await openai_response(s, await _parse(P.ChatCompletionRequest, request), request, chat=True)
+        return await openai_response(s, await _parse(s, P.ChatCompletionRequest, request), request, chat=True)
 
     _document_bodies(app, (P.GenerateRequest, P.CompletionRequest, P.ChatCompletionRequest))
 
@@ -273,12 +270,15 @@ def build_app(async_engine: AsyncEngine, config: Config) -> FastAPI:
             yield
         finally:
             async_engine.stop()
+            s.close()
 
     app = FastAPI(title="sparkrelay", version=sparkrelay.__version__, lifespan=lifespan)
     app.state.server = s
     _install_error_handlers(app, s)
     _install_info_routes(app, s)
     _install_generation_routes(app, s)
-    if config.server.api_key:
-        app.add_middleware(_ApiKeyMiddleware, api_key=config.server.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_mib=config.server.max_request_body_mb,
+                       on_reject=s.metrics.num_bad_requests.inc)
+    if config.server.api_key:  # added last, so it runs first: an unknown client learns nothing about the limit
+        app.add_middleware(ApiKeyMiddleware, api_key=config.server.api_key)
     return app

@@ -97,18 +97,22 @@ def _choice(chat: bool, index: int, text: str, finish: Optional[str], stream: bo
 
 async def openai_response(s: ServerState, req, request: Request, chat: bool):
     oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    items = P.with_bootstrap(req, (P.chat_items if chat else P.completion_items)(req, s.tokenizer, s.limits, oid))
+    translate = P.chat_items if chat else P.completion_items  # tokenizes (and renders the chat template)
+    items = P.with_bootstrap(req, await s.off_loop(translate, req, s.tokenizer, s.limits, oid))
     stream = await s.engine.submit(items)
     index = {it.rid: i for i, it in enumerate(items)}
     if req.stream:
         return _openai_stream(s, req, stream, items, index, oid, chat)
     finals = await s.collect(stream, request)
-    outs = [finals[it.rid] for it in items]
+    return await s.answer(lambda: _openai_answer(s, [finals[it.rid] for it in items], req.n, oid, chat))
+
+
+def _openai_answer(s: ServerState, outs: list[RequestOutput], n: int, oid: str, chat: bool) -> dict:
     resp = _openai_head("chat.completion" if chat else "text_completion", oid, s)
     text_of = token_text(s.tokenizer)
     resp["choices"] = [_choice(chat, i, o.text, _finish(o), False, logprobs=_logprobs(chat, o, 0, text_of, 0))
                        for i, o in enumerate(outs)]
-    resp["usage"] = _usage(outs, req.n)
+    resp["usage"] = _usage(outs, n)
     return resp
 
 

@@ -3,7 +3,7 @@
 Draft KV layout: the same slots as the target's KV (one pool per draft layer, addressed through the request's
 block table), so position p of a request has its target K/V and its draft context K/V at the same slot. Only
 committed positions are written (prompt rows at prefill, the anchor and accepted drafts after a verify); block
-rows are never cached (DSPARK.md §1.7).
+rows are never cached (docs/dspark.md §1.7).
 """
 
 from __future__ import annotations

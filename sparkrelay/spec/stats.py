@@ -1,4 +1,4 @@
-"""Acceptance statistics of speculative rounds (DSPARK.md §2.6), server-wide (plain Python)."""
+"""Acceptance statistics of speculative rounds (docs/dspark.md §2.6), server-wide (plain Python)."""
 
 from __future__ import annotations
 

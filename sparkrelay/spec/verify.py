@@ -1,6 +1,6 @@
 """Speculative verification as a pure function: tensors in, accepted counts and next tokens out.
 
-Acceptance rule (DSPARK.md §2.3, standard speculative sampling): row r proposed n_r drafts d_1..d_n sampled
+Acceptance rule (docs/dspark.md §2.3, standard speculative sampling): row r proposed n_r drafts d_1..d_n sampled
 from the draft distributions q_0..q_{n-1}; p_0..p_n are the target distributions at the verified positions.
   - draft i+1 is accepted iff u_i < min(1, p_i(d_{i+1}) / max(q_i(d_{i+1}), 1e-8)), u_i ~ U[0, 1);
     a = the length of the all-accepted prefix;

@@ -1,0 +1,1 @@
+"""Moves a request's KV and handoff parts from the prefill stages to a decode server (rooms, bootstrap, backends)."""

@@ -1,30 +1,42 @@
-"""The transfer layer's interface: per-room state (KVPoll), typed payload parts, and the two agents.
+"""The transfer layer's interface: per-room state (KVPoll), typed payload parts, the two agents' contract, and the
+backend registry.
 
 A *room* (`bootstrap_room`, 1..2^63-1, never 0) is the identity of one request's transfer on both sides.
 
     prefill stage s                                     decode
     ---------------                                     ------
-    PrefillAgent.start(): bind PULL, PUT /route  <----  DecodeAgent.begin(room, host, port, ...):
+    PrefillTransfer.start(): listen, PUT /route  <----  DecodeTransfer.begin(room, host, port, ...):
                                                           GET /route (503 = retry), check the schema,
     add_room(room, prompt_len)                            TRANSFER_INFO to every stage  ------------->
-    send(room, parts)  -- after TRANSFER_INFO -->       DATA frames, checked against expected_parts
+    send(room, parts)  -- after TRANSFER_INFO -->       the parts, checked against expected_parts
                        -- STATUS success/failed -->     Success once every stage said success and every
                                                           expected part arrived
     <---------------------------- ABORT (decode abort / waiting timeout)
     STATUS failed (bootstrap timeout / abort) ------->  Failed, with the prefill's reason
 
-Nothing here is unpickled: control messages are msgpack maps, payload frames are raw bytes whose size is checked
-against the PartSpec the decode side expects before they are kept.
+A backend is a (PrefillTransfer, DecodeTransfer) pair of classes, looked up by name with get_backend(). The control
+messages (TRANSFER_INFO, ABORT, STATUS) always travel on the authenticated control channel (transfer/protocol.py,
+transfer/wire/); what a backend chooses is how the parts' bytes move. "zmq" pushes them as DATA frames on that same
+channel. A one-sided backend (Mooncake, NIXL) writes them straight into memory the decode registered for the room
+and then sends STATUS success on the control channel; its decode's take() hands out views of that memory. Both keep
+the room life cycle, the states and the reasons below, so the engines cannot tell them apart.
+
+Nothing here is unpickled: control messages are msgpack maps, payload bytes are checked against the PartSpec the
+decode side expects before they are kept.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Callable, Optional
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "int64": 8, "uint8": 1, "bool": 1}
+Addr = tuple[str, int]  # a prefill's bootstrap server
+Dest = tuple[str, int]  # a transfer endpoint (host, port): a prefill stage's or a decode's control socket
 
 
 class KVPoll(IntEnum):
@@ -94,3 +106,95 @@ def check_room(room: object) -> Optional[str]:
     if not 0 < room < 1 << 63:
         return f"bootstrap_room {room} is outside 1..2^63-1 (0 is the not-landed sentinel)"
     return None
+
+
+class TransferAgent(ABC):
+    """What both sides share. Every method is thread safe; none blocks on a peer."""
+
+    port: Optional[int]  # the control socket's port, once started
+
+    @abstractmethod
+    def start(self) -> None:
+        """Bind the control socket and start the agent's threads (and register, on a prefill stage). Raises
+        OSError or BootstrapError, having released what it took."""
+
+    @abstractmethod
+    def poll(self, room: int) -> PollResult:
+        """The room's state and reason; Failed with "not known" for a room never added or already cleared."""
+
+    @abstractmethod
+    def abort(self, room: int, reason: str) -> None:
+        """Fail the room (unless already Failed) and tell the peer why. Calls back at most once."""
+
+    @abstractmethod
+    def clear(self, room: int) -> None:
+        """Forget the room: poll() says "not known", late messages for it are dropped. The room id may be reused."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the threads and close every socket; idempotent. Rooms still live are left as they are."""
+
+    @abstractmethod
+    def threads_alive(self) -> bool:
+        """Every agent thread is running (False before start() and after close())."""
+
+    @abstractmethod
+    def rejected(self) -> dict[str, int]:
+        """Messages and connections refused so far, by kind (auth, protocol, replay, overflow, connection)."""
+
+
+class PrefillTransfer(TransferAgent):
+    """One per prefill pipeline stage. Constructor: (pp_rank, pp_size, schema, compare, bootstrap_url, bind_host,
+    bootstrap_timeout, on_status, prefill_http_port=None, auth_token=None, failure_prob=0.0).
+
+    Room: Bootstrapping -> WaitingForInput (the decode's TRANSFER_INFO, schema and prompt_len agree) -> Transferring
+    (the parts are going out) -> Success (the last of them, then STATUS success, left this process), or Failed.
+    on_status(room, Success|Failed, reason) is called once per room, never from inside add_room() or send() and
+    never with the agent's lock held."""
+
+    @abstractmethod
+    def add_room(self, room: int, prompt_len: int) -> None:
+        """A request exists: the room is Bootstrapping, or WaitingForInput / Failed if the decode's TRANSFER_INFO /
+        ABORT already came. ValueError for a bad or duplicate room, RuntimeError when the room table is full."""
+
+    @abstractmethod
+    def send(self, room: int, parts: list[Part]) -> None:
+        """Hand over the room's parts (each exactly spec.nbytes bytes; the agent keeps references, copies
+        nothing); they go out once the decode's TRANSFER_INFO is there. Never blocks. KeyError for a room not
+        added, ValueError for a second send or a part whose size does not match its spec."""
+
+
+class DecodeTransfer(TransferAgent):
+    """One per decode server. Constructor: (schema, compare, expected_parts, bind_host, bootstrap_timeout,
+    waiting_timeout, heartbeat_interval, heartbeat_max_failures, default_bootstrap_port, max_part_bytes=2^31,
+    auth_token=None).
+
+    Room: Bootstrapping (reading the prefill's /route) -> WaitingForInput (TRANSFER_INFO sent to every stage) ->
+    Transferring (the first part arrived) -> Success (every stage's STATUS success, every expected part present),
+    or Failed, which always wins (PollResult.permanent when a retry cannot cure it)."""
+
+    @abstractmethod
+    def begin(self, room: int, bootstrap_host: str, bootstrap_port: Optional[int], prompt_len: int) -> None:
+        """Start receiving `room` from the prefill whose bootstrap server is bootstrap_host:bootstrap_port (None:
+        the default port). ValueError for a bad argument or a room in use, RuntimeError when the table is full."""
+
+    @abstractmethod
+    def take(self, room: int) -> dict[int, dict[str, Part]]:
+        """pp_rank -> part name -> Part, once the room is Success; the agent drops its reference, so take() works
+        once per room. TransferError otherwise."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Rooms held (begun, not cleared) per KVPoll state name."""
+
+
+BACKENDS = {"zmq": "sparkrelay.transfer.zmq_backend"}  # name -> module with PrefillAgent and DecodeAgent
+
+
+def get_backend(name: str) -> tuple[type[PrefillTransfer], type[DecodeTransfer]]:
+    """(PrefillAgent class, DecodeAgent class) of the named backend; ValueError naming the valid ones."""
+    module = BACKENDS.get(name)
+    if module is None:
+        raise ValueError(f"unknown transfer backend {name!r}; valid: {', '.join(sorted(BACKENDS))}")
+    backend = importlib.import_module(module)
+    return backend.PrefillAgent, backend.DecodeAgent

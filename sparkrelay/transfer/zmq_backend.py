@@ -1,5 +1,5 @@
-"""The ZMQ/TCP transfer backend: PrefillAgent (one per prefill pipeline stage) and DecodeAgent (one per decode
-server). Frames are in frames.py, the bootstrap HTTP server in bootstrap.py."""
+"""The "zmq" transfer backend (transfer.base.get_backend("zmq")): parts go as DATA frames over the same ZMQ/TCP
+control channel as the messages. PrefillAgent: one per prefill pipeline stage; DecodeAgent: one per decode server."""
 
 from sparkrelay.transfer.zmq_decode import DecodeAgent
 from sparkrelay.transfer.zmq_prefill import PrefillAgent

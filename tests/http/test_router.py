@@ -6,7 +6,7 @@ path, raw body, headers); answers the generate routes with JSON (prefill: {"role
 and the bootstrap_room it got) or, for "stream": true, a fixed SSE byte sequence sent in timed chunks; answers
 GET /health, /server_info and /v1/models, and POST /flush_cache; and fails the next requests with the statuses
 queued in `fail` (or (status, message, delay) tuples). No KV moves and the two sides never wait for each
-other: only the router's wire contract (PD_PROTOCOL.md §1.4/§1.5) is tested. One module-scoped router runs as a real
+other: only the router's wire contract (docs/pd_protocol.md, the router protocol) is tested. One module-scoped router runs as a real
 `python -m sparkrelay.launch_router` subprocess; the others run in-process under uvicorn.
 """
 

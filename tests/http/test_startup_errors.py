@@ -28,7 +28,7 @@ def run_main(argv: list[str], capsys) -> tuple[int, str]:
 @pytest.fixture
 def no_model_load(monkeypatch):
     """A start-up error must come before the engine (the model) is built."""
-    import sparkrelay.engine.disagg_engine as de
+    import sparkrelay.engine.engine as de
 
     def fail(config):
         raise AssertionError("the model was loaded before the start-up error")
@@ -189,6 +189,70 @@ def test_server_info_shows_resolved_settings():
     assert info["max_total_tokens"] == 64 * 256  # the documented default: 64 full-context requests
     assert info["speculative_num_draft_tokens"] == 7  # the drafter's block_size
     assert None not in (info["context_length"], info["max_total_tokens"], info["dtype"])
+
+
+def test_server_info_shows_disable_radix_cache_and_the_handoff_in_force():
+    info = server_info(max_total_tokens=2048)
+    assert info["disable_radix_cache"] is True  # no prefix cache: always in force
+    assert info["dspark_pd_handoff"] == "hidden"  # the flag's default, resolved (None only tells it was left out)
+
+
+# ---------------------------------------------------------------- SGLang flags and the DSpark PD knobs
+
+def test_disable_radix_cache_is_accepted(capsys):
+    from sparkrelay.launch_server import parse_config
+
+    assert parse_config(["--model-path", MODEL, "--disable-radix-cache"]).cache.disable_radix_cache is True
+    code, out = run_main(["--help"], capsys)
+    squashed = " ".join(out.out.split())
+    assert code == 0 and "--disable-radix-cache SGLang's switch, accepted and always in force" in squashed
+    assert "--enable-radix-cache" not in squashed.replace("--enable-radix-cache is refused", "")
+    assert "--enable-dp-attention" not in squashed  # the refused SGLang flags stay out of --help
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--enable-radix-cache"], "error: --enable-radix-cache is an SGLang flag sparkrelay does not implement; "
+                               "remove it"),
+    (["--enable-dp-attention"], "error: --enable-dp-attention is an SGLang flag sparkrelay does not implement"),
+    (["--tp-size", "2", "--trust-remote-code"], "error: --tp-size, --trust-remote-code are SGLang flags sparkrelay "
+                                                "does not implement; remove them"),
+])
+def test_sglang_flags_we_do_not_implement_exit_2_named(flags, message, no_model_load, capsys):
+    code, out = run_main(["--model-path", MODEL] + flags, capsys)
+    assert code == 2 and message in out.err, out.err
+    if "--enable-radix-cache" in flags:
+        assert "there is no prefix cache yet" in out.err
+
+
+def test_a_typo_is_not_called_an_sglang_flag(no_model_load, capsys):
+    code, out = run_main(["--model-path", MODEL, "--enable-dp-atention"], capsys)
+    assert code == 2 and "unrecognized arguments: --enable-dp-atention" in out.err and "SGLang" not in out.err
+
+
+@pytest.mark.parametrize("flags,env,message", [
+    (["--dspark-pd-handoff", "tail"], {},
+     "--dspark-pd-handoff tail: the prefill has no DSpark taps to hand off; give it --speculative-draft-model-path"),
+    (["--dspark-pd-handoff", "draft-kv"], {},
+     "--dspark-pd-handoff draft-kv: the prefill has no DSpark taps to hand off; give it"),
+    (["--speculative-draft-model-path", DRAFTER, "--dspark-pd-handoff", "tail"],
+     {"SGLANG_DSPARK_PD_PREFILL_TAIL_TOKENS": "5000"},
+     "SGLANG_DSPARK_PD_PREFILL_TAIL_TOKENS=5000 exceeds the context length 4096"),
+    (["--speculative-draft-model-path", DRAFTER], {"SGLANG_DSPARK_PD_TARGET_LAYER_IDS": "1 3 5"},
+     "SGLANG_DSPARK_PD_TARGET_LAYER_IDS='1 3 5': '1 3 5' is not an integer (separate the items with commas"),
+])
+def test_prefill_without_usable_taps_refuses_to_start(flags, env, message):
+    """Through the real entry point: the prefill exits with the flag or variable named, before serving (it used
+    to start, and every request then failed at the handshake with a 502)."""
+    import os
+
+    from sparkrelay.tools.cluster import free_port
+
+    argv = [sys.executable, "-m", "sparkrelay.launch_server", "--model-path", MODEL, "--port", str(free_port()),
+            "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(free_port()), *flags]
+    clean = {k: v for k, v in os.environ.items() if "_DSPARK_PD_" not in k}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env={**clean, **env})
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert "Uvicorn running" not in proc.stderr + proc.stdout
 
 
 # ---------------------------------------------------------------- training tools

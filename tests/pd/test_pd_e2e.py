@@ -84,12 +84,12 @@ def check_against(reference: list[dict], results: list[dict], exact_acceptance: 
 
 def test_pd_pp2_hidden_through_router(tmp_path, prompts, reference):
     """CI's end-to-end PD test: PP=2 prefill (no drafter) + DSpark decode + sparkrelay router."""
-    def openai_route(url):  # the OpenAI routes carry the bootstrap fields too (PD_PROTOCOL.md §5 item 6)
+    def openai_route(url):  # the OpenAI routes carry the bootstrap fields too (docs/pd_protocol.md, failure mode 6)
         status, out = post(url + "/v1/completions", {"prompt": prompts[3], "max_tokens": MAX_NEW, "temperature": 0})
         assert status == 200 and out["choices"][0]["text"] == reference[3]["text"], out
 
     # chunked prefill on the prefill side: the >1,000-token prompt is captured in 256-token chunks at absolute
-    # positions (PD_PROTOCOL.md §5 item 21)
+    # positions (docs/pd_protocol.md, failure mode 21)
     results = run_pd(tmp_path, prompts, also=openai_route, pp_size=2, handoff="hidden", router="sparkrelay",
                      prefill_args=["--chunked-prefill-size", "256"])
     check_against(reference, results, exact_acceptance=True)

@@ -1,4 +1,4 @@
-"""Faults in a running PD deployment (issue #5): a prefill stage killed mid-transfer, the decode killed mid-transfer,
+"""Faults in a running PD deployment: a prefill stage killed mid-transfer, the decode killed mid-transfer,
 an unreachable bootstrap server, a slow pipeline stage, a client that disconnects mid-stream, transfers that fail
 at random behind the router. In every case the affected requests fail with a clear error within the configured
 timeout, the others complete with the aggregated output, and once drained no KV block is in use, no transfer is in

@@ -1,4 +1,4 @@
-"""Restarting a prefill (issue #9): the decode must not keep a stale record of it, and a dead prefill must not hold
+"""Restarting a prefill: the decode must not keep a stale record of it, and a dead prefill must not hold
 up other prefills' rooms.
 
 Agent level (a real bootstrap server and agents on loopback, no model): a schema mismatch drops the decode's record
@@ -188,8 +188,7 @@ def test_an_unreachable_bootstrap_server_holds_one_bootstrap_worker_not_all():
 def test_outbox_a_dead_destination_waits_alone_and_expires():
     import zmq
 
-    from sparkrelay.transfer.frames import FrameAuth
-    from sparkrelay.transfer.outbox import Outbox
+    from sparkrelay.transfer.wire import FrameAuth, Outbox
 
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)

@@ -12,7 +12,6 @@ import math
 import os
 import random
 import shutil
-import socket
 import threading
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from sparkrelay.config import Config
+from sparkrelay.tools.cluster import free_port  # noqa: F401  (one source of ports: never the same twice)
 from sparkrelay.scheduler.request import RequestError, RequestOutput, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
@@ -166,12 +166,6 @@ class FakeEngine:
 
 
 # ---------------------------------------------------------------- fixtures
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def make_config(model_dir: Path, **leaves) -> Config:
     base = dict(model_path=str(model_dir), context_length=CONTEXT_LENGTH, max_total_tokens=16 * CONTEXT_LENGTH,

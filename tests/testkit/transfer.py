@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import logging
 import random
-import socket
 import threading
 import time
 
-import msgpack
-import zmq
-
-from sparkrelay.transfer import frames, zmq_prefill
-from sparkrelay.transfer.base import KVPoll, Part, PartSpec, PollResult, TransferError
-from sparkrelay.transfer.bootstrap import BootstrapError, BootstrapServer, http_request, register_rank
+from sparkrelay.transfer.base import KVPoll, Part, PartSpec
+from sparkrelay.transfer.bootstrap import BootstrapServer, http_request
 from sparkrelay.transfer.zmq_backend import DecodeAgent, PrefillAgent
 
 SCHEMA = {"version": 1, "page_size": 16, "dtype": "bfloat16", "num_layers": 4, "hidden": 8, "pp_size": 2}

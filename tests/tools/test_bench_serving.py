@@ -9,7 +9,7 @@ import pytest
 
 from testkit.http import UvicornThread, free_port, make_app
 
-from sparkrelay.tools.bench import serving as bs
+from sparkrelay.tools.bench import serving as bs, serving_report as sr, serving_requests as sq
 
 N, OUT, IN = 4, 4, 12
 HEADER = "============ Serving Benchmark Result ============"
@@ -88,29 +88,29 @@ def test_failed_requests_are_counted(server_url, tmp_path, capsys):
 
 
 def test_multi_token_chunks_and_accept_length():
-    rec, state = bs.Record(0), {"tokens": 0, "last": 0.0}
+    rec, state = sr.Record(0), {"tokens": 0, "last": 0.0}
     for t, total, tau in ((1.0, 1, None), (1.3, 4, 2.0), (1.5, 6, 2.5)):  # speculative chunks of 3 and 2 tokens
         meta = {"completion_tokens": total, "prompt_tokens": 5}
         if tau:
             meta |= {"spec_verify_ct": total // 2, "spec_accept_length": tau}
-        bs.on_chunk(rec, {"text": "x" * total, "output_ids": [7] * total, "meta_info": meta}, "sglang", t, 0.5, state)
+        sq.on_chunk(rec, {"text": "x" * total, "output_ids": [7] * total, "meta_info": meta}, "sglang", t, 0.5, state)
     assert rec.ttft == pytest.approx(0.5) and rec.itl == pytest.approx([0.1, 0.1]) and rec.chunk_tokens == [1, 3, 2]
-    other = bs.Record(1, success=True, spec_verify_ct=1, spec_accept_length=4.0)
+    other = sr.Record(1, success=True, spec_verify_ct=1, spec_accept_length=4.0)
     rec.success = True  # 3 rounds at 2.5, 1 round at 4.0
-    assert bs.accept_length([rec, other], None, None) == pytest.approx((3 * 2.5 + 4.0) / 4)
-    assert bs.accept_length([bs.Record(2, success=True, output_tokens=9, spec_verify_ct=3)], None, None) == 3.0
+    assert sr.accept_length([rec, other], None, None) == pytest.approx((3 * 2.5 + 4.0) / 4)
+    assert sr.accept_length([sr.Record(2, success=True, output_tokens=9, spec_verify_ct=3)], None, None) == 3.0
     before, after = {"rounds": 10, "accept_length": 2.0}, {"rounds": 20, "accept_length": 2.5}
-    assert bs.accept_length([], before, after) == pytest.approx(3.0)  # this run's rounds only
+    assert sr.accept_length([], before, after) == pytest.approx(3.0)  # this run's rounds only
     with pytest.raises(RuntimeError, match="boom"):
-        bs.on_chunk(rec, {"error": {"message": "boom"}}, "sglang", 2.0, 0.5, state)
+        sq.on_chunk(rec, {"error": {"message": "boom"}}, "sglang", 2.0, 0.5, state)
 
 
 def test_openai_chunks_spread_usage_tokens():
-    rec, state = bs.Record(0), {"tokens": 0, "last": 0.0}
+    rec, state = sr.Record(0), {"tokens": 0, "last": 0.0}
     for t, piece in ((1.0, "a"), (1.4, ""), (1.6, "bc"), (2.0, "d")):
-        bs.on_chunk(rec, {"choices": [{"delta": {"content": piece}}], "usage": None}, "openai-chat", t, 0.0, state)
-    bs.on_chunk(rec, {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 6}}, "openai-chat", 2.1, 0.0,
+        sq.on_chunk(rec, {"choices": [{"delta": {"content": piece}}], "usage": None}, "openai-chat", t, 0.0, state)
+    sq.on_chunk(rec, {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 6}}, "openai-chat", 2.1, 0.0,
                 state)
-    bs.finish_openai(rec, state)
+    sq.finish_openai(rec, state)
     assert rec.text == "abcd" and rec.prompt_tokens == 3 and rec.output_tokens == 6 and rec.ttft == 1.0
     assert rec.chunk_tokens == [2.0, 2.0, 2.0] and rec.itl == pytest.approx([0.3, 0.2])

@@ -1,4 +1,4 @@
-"""Hostile input at the HTTP boundaries (issue #5): no input gets a 5xx, the process stays up, the engine ends idle
+"""Hostile input at the HTTP boundaries: no input gets a 5xx, the process stays up, the engine ends idle
 with no KV in use, and a greedy request afterwards gives the same tokens as before.
 
 Three servers, each a real uvicorn in a thread: the tiny-model API server (schemathesis over its OpenAPI schema,
@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from testkit.http import UvicornThread, good_generate, make_app, wait_idle
-from sparkrelay.tools.fuzz import run as F
+from sparkrelay.tools.fuzz import cases as C, run as F
 
 needs_schemathesis = pytest.mark.skipif(importlib.util.find_spec("schemathesis") is None,
                                         reason="schemathesis is not installed (pip install -e .[test])")
@@ -60,21 +60,21 @@ def test_schemathesis_api(api):
 def test_hostile_requests_api(api, caplog):
     caplog.set_level(logging.INFO, logger="sparkrelay.server.http_server")
     report = F.Report()
-    F.send_hostile(api[1], report, F.hostile_requests(heavy=False))
-    for path in F.ROUTES:
+    F.send_hostile(api[1], report, C.hostile_requests(heavy=False))
+    for path in C.ROUTES:
         F.stream_and_leave(api[1], report, path, max_tokens=FUZZ_CONTEXT // 2)
     assert_survived(api, report)
     reasons = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rejected POST")]
     # a Content-Type with a DEL byte is refused by uvicorn before the app on some h11 versions (one per route)
     rejected = report.count(lambda s: s == 400)
-    assert rejected - len(F.ROUTES) <= len(reasons) <= rejected, (len(reasons), report.table())
+    assert rejected - len(C.ROUTES) <= len(reasons) <= rejected, (len(reasons), report.table())
     assert any("must fit in a signed 64-bit integer" in m for m in reasons)
 
 
 def test_openapi_documents_bodies(api):
     schema = api[1].get("/openapi.json").json()
-    for path, model in ((F.GENERATE, "GenerateRequest"), (F.COMPLETIONS, "CompletionRequest"),
-                        (F.CHAT, "ChatCompletionRequest")):
+    for path, model in ((C.GENERATE, "GenerateRequest"), (C.COMPLETIONS, "CompletionRequest"),
+                        (C.CHAT, "ChatCompletionRequest")):
         body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{model}"}
         assert schema["components"]["schemas"][model]["additionalProperties"] is False
@@ -82,12 +82,12 @@ def test_openapi_documents_bodies(api):
 
 
 @pytest.mark.parametrize("path,body,words", [
-    (F.GENERATE, b'{"text": "hi", "sampling_params": {"temperature": NaN}}', "finite"),
-    (F.COMPLETIONS, b'{"prompt": "hi", "top_k": 18446744073709551616}', "64-bit"),
-    (F.CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "n": 2, "seed": 9223372036854775807}', "64-bit"),
-    (F.GENERATE, b'{"text": "\\ud800 hi"}', "surrogate"),
-    (F.CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "surrogate"),
-    (F.GENERATE, b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    (C.GENERATE, b'{"text": "hi", "sampling_params": {"temperature": NaN}}', "finite"),
+    (C.COMPLETIONS, b'{"prompt": "hi", "top_k": 18446744073709551616}', "64-bit"),
+    (C.CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "n": 2, "seed": 9223372036854775807}', "64-bit"),
+    (C.GENERATE, b'{"text": "\\ud800 hi"}', "surrogate"),
+    (C.CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "surrogate"),
+    (C.GENERATE, b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
 ])
 def test_fixed_bugs_are_400(api, path, body, words):
     """Each of these was a 500 (and the int64 ones failed the engine step, aborting every request in flight)."""
@@ -100,7 +100,7 @@ def test_fixed_bugs_are_400(api, path, body, words):
 def test_schemathesis_api_long(api):
     report = F.Report()
     F.run_schema(api[0], report, max_examples=500)
-    F.send_hostile(api[1], report, F.hostile_requests(heavy=True))
+    F.send_hostile(api[1], report, C.hostile_requests(heavy=True))
     assert_survived(api, report)
 
 
@@ -158,11 +158,11 @@ def assert_router_survived(url: str, report: F.Report) -> None:
 def test_router_hostile_requests(router_url):
     report = F.Report()
     with httpx.Client(base_url=router_url, timeout=60, trust_env=False) as c:
-        F.send_hostile(c, report, F.hostile_requests(heavy=False))
-        for path in F.ROUTES:
+        F.send_hostile(c, report, C.hostile_requests(heavy=False))
+        for path in C.ROUTES:
             F.stream_and_leave(c, report, path, max_tokens=8)
         # a chat `n` of 10**12 made the router draw 10**12 rooms (a hang); batches are capped now
-        r = c.post(F.CHAT, json={"messages": [{"role": "user", "content": "x"}], "n": 10**12})
+        r = c.post(C.CHAT, json={"messages": [{"role": "user", "content": "x"}], "n": 10**12})
         assert r.status_code == 400 and "batch" in r.json()["error"]["message"]
     assert_router_survived(router_url, report)
 
@@ -192,7 +192,7 @@ def test_bootstrap_surrogate_rank_ip(bootstrap_server):
     """A rank_ip that is no host name (here a lone surrogate) is refused at registration (it used to be stored and
     make GET /route answer 500); reads afterwards answer 503 (nothing registered), never 5xx otherwise."""
     with httpx.Client(base_url=bootstrap_server.url, timeout=30, trust_env=False) as c:
-        r = c.put("/route", content=F._json({**F.REGISTRATION, "rank_ip": "\ud800"}),
+        r = c.put("/route", content=C._json({**C.REGISTRATION, "rank_ip": "\ud800"}),
                   headers={"content-type": "application/json"})
         assert r.status_code == 400 and "rank_ip" in r.text
         for path in ("/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
@@ -206,16 +206,16 @@ def test_bootstrap_hostile_requests(bootstrap_server):
 
     from sparkrelay.transfer.bootstrap import fetch_prefill_info, fetch_rank
 
-    server, reads = bootstrap_server, F.bootstrap_reads()
+    server, reads = bootstrap_server, C.bootstrap_reads()
     with httpx.Client(base_url=server.url, timeout=30, trust_env=False) as c:
-        assert c.put("/route", json=F.REGISTRATION).status_code == 200
+        assert c.put("/route", json=C.REGISTRATION).status_code == 200
         report = F.Report()
-        for h in F.bootstrap_hostile_requests():
+        for h in C.bootstrap_hostile_requests():
             F.send_hostile(c, report, [h, *reads])
         assert not report.failures, "\n".join(report.failures[:20])
         assert report.count(lambda s: s == 400) > 100 and report.count(lambda s: s == 413) > 0, report.table()
         assert c.get("/health").status_code == 200
-        assert c.put("/route", json=F.REGISTRATION).status_code == 200
+        assert c.put("/route", json=C.REGISTRATION).status_code == 200
         deadline = time.monotonic() + 10
         assert fetch_prefill_info(server.url, deadline)["schema"] == {"layers": [0, 1]}
-        assert fetch_rank(server.url, 0, deadline) == ("127.0.0.1", F.REGISTRATION["rank_port"])
+        assert fetch_rank(server.url, 0, deadline) == ("127.0.0.1", C.REGISTRATION["rank_port"])

@@ -1,4 +1,4 @@
-"""The soak script (sparkrelay/tools/soak/run.py): its pure figures here; a short real run under `-m slow`."""
+"""The soak (sparkrelay/tools/soak/): its pure figures here; a short real run under `-m slow`."""
 
 from __future__ import annotations
 
@@ -6,42 +6,42 @@ import json
 
 import pytest
 
-from sparkrelay.tools.soak import run as soak, report as soak_report
+from sparkrelay.tools.soak import load, probe, run as soak, report as soak_report, workload
 
 
 def test_percentile_interpolates_like_numpy():
     xs = [5.0, 1.0, 3.0, 2.0, 4.0]
-    assert soak.percentile(xs, 50) == 3.0
-    assert soak.percentile(xs, 0) == 1.0 and soak.percentile(xs, 100) == 5.0
-    assert soak.percentile(xs, 99) == pytest.approx(4.96)
-    assert soak.percentile([7.0], 99) == 7.0
-    assert soak.percentile([], 50) is None
+    assert soak_report.percentile(xs, 50) == 3.0
+    assert soak_report.percentile(xs, 0) == 1.0 and soak_report.percentile(xs, 100) == 5.0
+    assert soak_report.percentile(xs, 99) == pytest.approx(4.96)
+    assert soak_report.percentile([7.0], 99) == 7.0
+    assert soak_report.percentile([], 50) is None
 
 
 def test_error_type_buckets_mask_numbers_and_keep_first_words():
-    a = soak.error_type(502, "prefill server failed: HTTP 500: room 123456 failed at stage 1 after 3 s, retry")
-    b = soak.error_type(502, "prefill server failed: HTTP 500: room 98 failed at stage 0 after 10 s, retry")
+    a = soak_report.error_type(502, "prefill server failed: HTTP 500: room 123456 failed at stage 1 after 3 s, retry")
+    b = soak_report.error_type(502, "prefill server failed: HTTP 500: room 98 failed at stage 0 after 10 s, retry")
     assert a == b == "HTTP 502: prefill server failed: HTTP N: room N failed at stage N after"
-    assert soak.error_type(None, "ReadError") == "ReadError"
+    assert soak_report.error_type(None, "ReadError") == "ReadError"
 
 
 def test_http_error_message_reads_both_error_shapes():
     openai = json.dumps({"error": {"message": "bad prompt", "type": "BadRequestError", "code": 400}}).encode()
-    assert soak.http_error_message(openai) == "bad prompt"
-    assert soak.http_error_message(json.dumps({"detail": "Not Found"}).encode()) == "Not Found"
-    assert soak.http_error_message(b"<html>oops") == "<html>oops"
-    assert soak.http_error_message(b"") == "(empty body)"
+    assert soak_report.http_error_message(openai) == "bad prompt"
+    assert soak_report.http_error_message(json.dumps({"detail": "Not Found"}).encode()) == "Not Found"
+    assert soak_report.http_error_message(b"<html>oops") == "<html>oops"
+    assert soak_report.http_error_message(b"") == "(empty body)"
 
 
 def test_memory_growth_compares_first_and_last_window_means():
     samples = [(0.0, {"a": 100, "b": 50}), (30.0, {"a": 100, "b": 50}), (60.0, {"a": 110, "b": 50}),
                (600.0, {"a": 110, "b": 60}), (630.0, {"a": 120, "b": 60})]
-    g = soak.memory_growth(samples, 60.0)
+    g = soak_report.memory_growth(samples, 60.0)
     assert g["a"] == {"first_kib": 100.0, "last_kib": 115.0, "growth_pct": pytest.approx(15.0)}
     assert g["b"]["growth_pct"] == pytest.approx(20.0)
-    gone = soak.memory_growth([(0.0, {"a": 1, "c": 5}), (100.0, {"a": 1})], 10.0)
+    gone = soak_report.memory_growth([(0.0, {"a": 1, "c": 5}), (100.0, {"a": 1})], 10.0)
     assert gone["c"]["last_kib"] is None and gone["c"]["growth_pct"] is None
-    assert soak.memory_growth([], 60.0) == {}
+    assert soak_report.memory_growth([], 60.0) == {}
 
 
 def test_verdict_names_every_failure():
@@ -49,13 +49,13 @@ def test_verdict_names_every_failure():
           "memory": {"growth": {"decode": {"first_kib": 100.0, "last_kib": 105.0, "growth_pct": 5.0}}},
           "drained": {"prefill": {"kv_used_tokens": 0}, "decode": {"kv_used_tokens": 0}},
           "alive": {"prefill": True, "decode": True}}
-    assert soak.verdict(ok, 10.0) == []
+    assert soak_report.verdict(ok, 10.0) == []
     bad = json.loads(json.dumps(ok))
     bad["load"]["lost"] = 1
     bad["memory"]["growth"]["decode"]["growth_pct"] = 12.0
     bad["drained"]["decode"]["kv_used_tokens"] = 16
     bad["alive"]["prefill"] = False
-    assert len(soak.verdict(bad, 10.0)) == 4
+    assert len(soak_report.verdict(bad, 10.0)) == 4
 
 
 def _clean_report() -> dict:
@@ -68,9 +68,9 @@ def _clean_report() -> dict:
 @pytest.mark.parametrize("outcome", ["error", "lost", "corrupted"])
 def test_verdict_fails_on_any_error_lost_or_corrupted_request(phase, outcome):
     report = _clean_report()
-    assert soak.verdict(report, 10.0) == []  # aborts the soak made itself are not failures
+    assert soak_report.verdict(report, 10.0) == []  # aborts the soak made itself are not failures
     report[phase][outcome] = 1
-    why = soak.verdict(report, 10.0)
+    why = soak_report.verdict(report, 10.0)
     assert len(why) == 1 and f"1 {outcome} request" in why[0], why
     report["failures"] = why
     assert soak_report.verdict_line(why).startswith("Verdict: FAIL: ")
@@ -78,21 +78,21 @@ def test_verdict_fails_on_any_error_lost_or_corrupted_request(phase, outcome):
 
 
 def test_prompt_form_sends_text_only_where_the_router_needs_it():
-    assert soak.prompt_form("sglang", "openai") == "text"
-    assert soak.prompt_form("sparkrelay", "openai") == "ids"
-    assert soak.prompt_form("sglang", "generate") == soak.prompt_form("sparkrelay", "generate") == "ids"
-    p = soak.Prompt(0, [1, 2, 3], 8, False, "abc")
-    assert soak._body(p, "openai", False, "text")[1]["prompt"] == "abc"
-    path, body = soak._body(p, "openai", True, "ids")
+    assert load.prompt_form("sglang", "openai") == "text"
+    assert load.prompt_form("sparkrelay", "openai") == "ids"
+    assert load.prompt_form("sglang", "generate") == load.prompt_form("sparkrelay", "generate") == "ids"
+    p = workload.Prompt(0, [1, 2, 3], 8, False, "abc")
+    assert load._body(p, "openai", False, "text")[1]["prompt"] == "abc"
+    path, body = load._body(p, "openai", True, "ids")
     assert path == "/v1/completions" and body["prompt"] == [1, 2, 3] and body["model"] and body["stream"]
-    assert soak._body(p, "generate", False, "text")[1]["input_ids"] == [1, 2, 3]
+    assert load._body(p, "generate", False, "text")[1]["input_ids"] == [1, 2, 3]
 
 
 def test_pool_text_encodes_to_the_pool_ids():
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(soak.MODEL)
-    pool = soak.build_pool(6, 0.0, seed=3)
+    tok = AutoTokenizer.from_pretrained(workload.MODEL)
+    pool = workload.build_pool(6, 0.0, seed=3)
     for p in pool:
         assert p.text and tok.encode(p.text) == p.ids
 
@@ -109,9 +109,9 @@ def test_injection_sets_the_failure_knob_and_turns_retries_off():
 
 def test_own_process_snapshot_reads_proc(monkeypatch):
     import os
-    st = soak._proc_status(os.getpid())
+    st = probe._proc_status(os.getpid())
     assert st["rss_kib"] > 0 and st["threads"] >= 1 and st["fds"] >= 3
-    assert soak._proc_status(2 ** 22 + 12345) is None  # no such process
+    assert probe._proc_status(2 ** 22 + 12345) is None  # no such process
 
 
 @pytest.mark.slow

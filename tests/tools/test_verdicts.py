@@ -47,7 +47,7 @@ def test_fuzz_verdict_fails_on_5xx_transport_errors_health_and_leftover_kv():
 
 
 def test_bench_offline_fails_on_any_output_that_differs_from_transformers():
-    from sparkrelay.tools.bench import offline as bo
+    from sparkrelay.tools.bench import offline_report as bo
 
     rows = [{"engine": "transformers", "batch": 1, "match": 2, "first_divergence": [None, None]},
             {"engine": "sparkrelay+dspark", "batch": 8, "match": 2, "first_divergence": [None, None]}]

@@ -1,4 +1,4 @@
-"""A prefill stage's sends to one decode never hold up its rooms for another decode (issue #9).
+"""A prefill stage's sends to one decode never hold up its rooms for another decode.
 
 Agent level (a real bootstrap server, a PrefillAgent and a DecodeAgent on loopback, no model), with auth on: decode
 X sent its TRANSFER_INFOs and then stopped reading (a PULL socket bound with a tiny receive buffer, never polled);
@@ -12,9 +12,10 @@ import time
 
 import zmq
 
-from sparkrelay.transfer import frames, zmq_prefill
+from sparkrelay.transfer import wire, zmq_prefill
 from sparkrelay.transfer.base import KVPoll, Part, PartSpec
 from sparkrelay.transfer.bootstrap import BootstrapServer
+from sparkrelay.transfer.protocol import TransferInfo
 from sparkrelay.transfer.zmq_backend import DecodeAgent, PrefillAgent
 
 HOST = "127.0.0.1"
@@ -66,11 +67,11 @@ def test_a_stalled_decode_never_holds_up_the_prefills_rooms_for_another(monkeypa
         x_pull.setsockopt(zmq.RCVBUF, 4096)
         x_port = x_pull.bind_to_random_port(f"tcp://{HOST}")
         x_push.connect(f"tcp://{HOST}:{prefill.port}")
-        auth = frames.FrameAuth(TOKEN)
+        auth = wire.FrameAuth(TOKEN)
         x_rooms = list(range(1000, 1096))  # 192 messages, 24 MiB: more than zmq (64 messages) and the kernel hold
         for room in x_rooms:
             prefill.add_room(room, PROMPT_LEN)
-            x_push.send_multipart(auth.seal(frames.transfer_info(room, HOST, x_port, PROMPT_LEN, SCHEMA)))
+            x_push.send_multipart(auth.seal(TransferInfo(room, HOST, x_port, PROMPT_LEN, SCHEMA).encode()))
             prefill.send(room, parts(room))
         pushing = (KVPoll.Transferring, KVPoll.Success)  # Success: zmq took all of that room
         wait_for(lambda: all(prefill.poll(r).state in pushing for r in x_rooms), 5.0, "X's rooms to be pushing")

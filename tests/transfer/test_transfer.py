@@ -13,8 +13,9 @@ import msgpack
 import pytest
 import zmq
 
-from sparkrelay.transfer import frames, zmq_prefill
+from sparkrelay.transfer import wire, zmq_prefill
 from sparkrelay.transfer.base import KVPoll, Part, PartSpec, PollResult, TransferError
+from sparkrelay.transfer.protocol import Data
 from sparkrelay.transfer.bootstrap import BootstrapError, BootstrapServer, http_request, register_rank
 from sparkrelay.transfer.zmq_backend import DecodeAgent, PrefillAgent
 
@@ -268,7 +269,7 @@ def test_bad_frames_fail_only_their_room(make_cluster, caplog):
     ctx = zmq.Context()
     raw = ctx.socket(zmq.PUSH)
     raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(frames.tcp_endpoint(HOST, c.decode.port))
+    raw.connect(wire.tcp_endpoint(HOST, c.decode.port))
     try:
         for i, (name, msg, needle) in enumerate(_bad_frames(100)):
             room = 100 + 10 * i
@@ -280,8 +281,8 @@ def test_bad_frames_fail_only_their_room(make_cluster, caplog):
             with caplog.at_level(logging.WARNING, logger="sparkrelay.transfer"):
                 if msg == "replay":
                     kv = make_parts(0, room)[0]
-                    raw.send_multipart(frames.data(room, 0, kv))
-                    raw.send_multipart(frames.data(room, 0, kv))
+                    raw.send_multipart(Data.of(room, 0, kv).encode())
+                    raw.send_multipart(Data.of(room, 0, kv).encode())
                 else:
                     raw.send_multipart(msg)
                 if needle is None:

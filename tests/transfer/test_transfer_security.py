@@ -1,4 +1,4 @@
-"""Hostile input on the transfer sockets and the bootstrap routes (issue #5), against real agents on loopback.
+"""Hostile input on the transfer sockets and the bootstrap routes, against real agents on loopback.
 
 Every case checks: the input is refused with a logged reason, nothing grows without bound, the agents keep
 serving (a following legitimate room succeeds) and none of their threads died. With a shared token a stranger's
@@ -27,10 +27,11 @@ import zmq
 
 from sparkrelay.config import Config, ConfigError, add_cli_args, config_from_args
 from sparkrelay.envs import DisaggEnv
-from sparkrelay.transfer import bootstrap as bootstrap_mod
-from sparkrelay.transfer import frames, zmq_prefill
+from sparkrelay.transfer import prefill_room, protocol, wire
+from sparkrelay.transfer.bootstrap import server as bootstrap_mod
 from sparkrelay.transfer.base import KVPoll, Part
 from sparkrelay.transfer.bootstrap import BootstrapError, BootstrapServer, http_request
+from sparkrelay.transfer.protocol import Abort, Data, Status, TransferInfo
 from sparkrelay.transfer.zmq_backend import DecodeAgent, PrefillAgent
 from testkit.transfer import HOST, SCHEMA, compare, expected_parts, make_parts, route, wait_for  # noqa: F401
 
@@ -50,7 +51,7 @@ def stranger(port: int):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 2000)  # what was sent gets delivered before close
-    sock.connect(frames.tcp_endpoint(HOST, port))
+    sock.connect(wire.tcp_endpoint(HOST, port))
     try:
         yield lambda msg: sock.send_multipart(msg)
     finally:
@@ -59,7 +60,7 @@ def stranger(port: int):
 
 
 def seal(msg: list, token=TOKEN) -> list:
-    return frames.FrameAuth(token).seal(msg)
+    return wire.FrameAuth(token).seal(msg)
 
 
 def logged(caplog, needle: str, what: str = "") -> None:
@@ -89,10 +90,10 @@ def data_head(room, pp: int = 0, **changes) -> bytes:
 
 def test_tag_format_and_checks():
     head, payload = b"\x81\xa4type\xa4DATA", b"\x00" * 100
-    want = hmac.new(TOKEN.encode(), frames.TAG_LABEL + len(head).to_bytes(8, "big") + head
+    want = hmac.new(TOKEN.encode(), wire.TAG_LABEL + len(head).to_bytes(8, "big") + head
                     + len(payload).to_bytes(8, "big") + payload, hashlib.sha256).digest()
-    auth = frames.FrameAuth(TOKEN)
-    assert auth.seal([head, payload]) == [head, payload, want] and len(want) == frames.TAG_BYTES
+    auth = wire.FrameAuth(TOKEN)
+    assert auth.seal([head, payload]) == [head, payload, want] and len(want) == wire.TAG_BYTES
     assert auth.open([head, payload, want]) == [head, payload]
     for bad, needle in [([head, payload], "no authentication tag"),  # a 100-byte "tag"
                         ([head, payload[:32]], "does not match"),  # a 32-byte payload taken for the tag
@@ -101,13 +102,13 @@ def test_tag_format_and_checks():
                         ([head + payload[:1], payload[1:], want], "does not match"),  # a shifted split
                         ([head, payload, want[:-1]], "no authentication tag"),
                         (seal([head, payload], "another-token"), "does not match")]:
-        with pytest.raises(frames.AuthError, match=needle) as e:
+        with pytest.raises(protocol.AuthError, match=needle) as e:
             auth.open(bad)
         assert e.value.room is None
-    assert frames.FrameAuth(None).seal([head]) == [head] and frames.FrameAuth("").open([head]) == [head]
+    assert wire.FrameAuth(None).seal([head]) == [head] and wire.FrameAuth("").open([head]) == [head]
     for bad in ("has space", "caf\u00e9", "x" * 4097, "tab\t"):
         with pytest.raises(ValueError, match="printable ASCII"):
-            frames.FrameAuth(bad)
+            wire.FrameAuth(bad)
 
 
 def test_tagged_rooms_succeed_and_16_mib_parts(make_cluster):
@@ -133,13 +134,13 @@ def test_strangers_cannot_fail_or_feed_a_live_room(make_cluster, logs):
     c.decode_state(room, KVPoll.Transferring)
     kv = make_parts(0, room)[0]
     fake = Part(kv.spec, b"\xff" * kv.spec.nbytes)  # a well-formed part with the attacker's bytes
-    real = frames.data(room, 0, kv)
+    real = Data.of(room, 0, kv).encode()
     to_decode = [
-        ("untagged part", frames.data(room, 0, fake), "no authentication tag"),
-        ("wrong token", seal(frames.data(room, 0, fake), "guessed-token"), "does not match"),
+        ("untagged part", Data.of(room, 0, fake).encode(), "no authentication tag"),
+        ("wrong token", seal(Data.of(room, 0, fake).encode(), "guessed-token"), "does not match"),
         ("altered payload", [real[0], fake.data, seal(real)[-1]], "does not match"),
-        ("untagged STATUS failed", frames.status(room, 0, KVPoll.Failed, "forged"), "no authentication tag"),
-        ("forged STATUS success", seal(frames.status(room, 0, KVPoll.Success), "guessed"), "does not match"),
+        ("untagged STATUS failed", Status.failed(room, 0, "forged").encode(), "no authentication tag"),
+        ("forged STATUS success", seal(Status.success(room, 0).encode(), "guessed"), "does not match"),
         ("garbage", [b"\xc1 garbage \x00" * 10], "no authentication tag"),
         ("empty frames", [b"", b"", b""], "no authentication tag"),
         ("msgpack bomb", [b"\x91" * 60000 + b"\xc0", b"\x00" * 32], "does not match"),
@@ -151,8 +152,8 @@ def test_strangers_cannot_fail_or_feed_a_live_room(make_cluster, logs):
             logged(logs, needle, name)
             assert c.decode.poll(room).state == KVPoll.Transferring, name
             assert c.decode.rejected()["auth"] == i + 1
-    info = frames.transfer_info(room, HOST, 1, 5, SCHEMA)  # a hijack: "send room 500's KV to my port"
-    to_prefill = [("untagged ABORT", frames.abort(room, "forged")),
+    info = TransferInfo(room, HOST, 1, 5, SCHEMA).encode()  # a hijack: "send room 500's KV to my port"
+    to_prefill = [("untagged ABORT", Abort(room, "forged").encode()),
                   ("forged TRANSFER_INFO", seal(info, "guessed")),
                   ("untagged TRANSFER_INFO", info)]
     with stranger(c.prefills[0].port) as send:
@@ -208,7 +209,7 @@ def _decode_cases(room: int, other: int):
 @pytest.mark.parametrize("token", [None, TOKEN], ids=["no-token", "token"])
 def test_malformed_frames_to_the_decode(make_cluster, logs, token):
     c = make_cluster(token=token, waiting_timeout=5.0)
-    auth = frames.FrameAuth(token)
+    auth = wire.FrameAuth(token)
     tracemalloc.start()
     try:
         with stranger(c.decode.port) as send:
@@ -250,15 +251,15 @@ def test_frame_over_maxmsgsize_drops_the_connection_only(make_cluster, logs, tok
     c.decode_state(300, KVPoll.Success)
     logs.clear()
     with stranger(c.prefills[0].port) as send:  # the prefill's limit: 64 KiB control frames
-        send([b"\x00" * (frames.MAX_CONTROL_BYTES + 1)])
-        logged(logs, f"MAXMSGSIZE {frames.MAX_CONTROL_BYTES}")
+        send([b"\x00" * (protocol.MAX_CONTROL_BYTES + 1)])
+        logged(logs, f"MAXMSGSIZE {protocol.MAX_CONTROL_BYTES}")
     still_serving(c, 301)
 
 
 def test_replays_without_a_token_fail_the_room(make_cluster, logs):
     c = make_cluster()
     live(c, 400)
-    part = frames.data(400, 0, make_parts(0, 400)[0])
+    part = Data.of(400, 0, make_parts(0, 400)[0]).encode()
     with stranger(c.decode.port) as send:
         send(part)
         send(part)
@@ -270,7 +271,7 @@ def test_replays_with_a_token_are_dropped(make_cluster, logs):
     """A capture of the real stage's messages (identical bytes: packing and the tag are deterministic)."""
     c = make_cluster(token=TOKEN)
     live(c, 410)
-    part = seal(frames.data(410, 0, make_parts(0, 410)[0]))
+    part = seal(Data.of(410, 0, make_parts(0, 410)[0]).encode())
     with stranger(c.decode.port) as send:
         send(part)
         send(part)  # the same part twice
@@ -285,12 +286,12 @@ def test_replays_with_a_token_are_dropped(make_cluster, logs):
         logs.clear()
         for pp in (0, 1):
             for p in make_parts(pp, 410):
-                send(seal(frames.data(410, pp, p)))
-            send(seal(frames.status(410, pp, KVPoll.Success)))
+                send(seal(Data.of(410, pp, p).encode()))
+            send(seal(Status.success(410, pp).encode()))
         logged(logs, "DATA for unknown room 410")
         logged(logs, "STATUS from pp_rank 1 for unknown room 410 dropped")
     # to the prefill: a replayed TRANSFER_INFO of a live room, and of a cleared one
-    info = seal(frames.transfer_info(411, HOST, c.decode.port, 5, SCHEMA))
+    info = seal(TransferInfo(411, HOST, c.decode.port, 5, SCHEMA).encode())
     live(c, 411)
     with stranger(c.prefills[0].port) as send:
         send(info)
@@ -306,9 +307,9 @@ def test_replays_with_a_token_are_dropped(make_cluster, logs):
 
 @pytest.mark.parametrize("token", [None, TOKEN], ids=["no-token", "token"])
 def test_malformed_control_messages_to_the_prefill(make_cluster, logs, token, monkeypatch):
-    monkeypatch.setattr(zmq_prefill, "MAX_EARLY", 100)
+    monkeypatch.setattr(prefill_room, "MAX_EARLY", 100)
     c = make_cluster(token=token)
-    auth = frames.FrameAuth(token)
+    auth = wire.FrameAuth(token)
     p = c.prefills[0]
 
     def info(**changes):
@@ -333,9 +334,9 @@ def test_malformed_control_messages_to_the_prefill(make_cluster, logs, token, mo
             logged(logs, needle, name)
         # a flood of messages for rooms never added: the early buffer keeps the newest MAX_EARLY
         for room in range(10_000, 12_000):
-            send(auth.seal(frames.abort(room, "flood")))
+            send(auth.seal(Abort(room, "flood").encode()))
         wait_for(lambda: p.rejected().get("overflow", 0) >= 1900, what="the flood")
-        assert len(p._early) <= 100
+        assert len(p._table.early) <= 100
     assert p.rejected()["protocol"] == len(cases)
     still_serving(c, 601)
 
@@ -372,10 +373,10 @@ def test_tagged_frames_to_an_untagged_agent_say_why(make_cluster, logs):
     c = make_cluster()
     live(c, 720)
     with stranger(c.decode.port) as send:
-        send(seal(frames.data(720, 0, make_parts(0, 720)[0])))
+        send(seal(Data.of(720, 0, make_parts(0, 720)[0]).encode()))
     assert "set the same --disaggregation-auth-token" in c.decode_state(720, KVPoll.Failed).reason
     with stranger(c.prefills[0].port) as send:
-        send(seal(frames.abort(721)))
+        send(seal(Abort(721).encode()))
         logged(logs, "expected one control frame, got 2 (a peer with --disaggregation-auth-token")
     still_serving(c, 722)
 
@@ -497,8 +498,8 @@ def test_bootstrap_routes_refuse_bad_bodies(make_cluster, logs, token, monkeypat
 # ---- deployment warnings, knobs --------------------------------------------------------------------------------
 
 def test_non_loopback_bind_without_token_warns(caplog):
-    assert all(frames.is_loopback(h) for h in ("127.0.0.1", "127.9.9.9", "::1", "[::1]", "localhost"))
-    assert not any(frames.is_loopback(h) for h in ("0.0.0.0", "::", "", "10.0.0.1", "example.com"))
+    assert all(wire.is_loopback(h) for h in ("127.0.0.1", "127.9.9.9", "::1", "[::1]", "localhost"))
+    assert not any(wire.is_loopback(h) for h in ("0.0.0.0", "::", "", "10.0.0.1", "example.com"))
     caplog.set_level(logging.WARNING, logger="sparkrelay.transfer")
     for token, warned in [(None, True), (TOKEN, False)]:
         caplog.clear()

@@ -37,3 +37,12 @@ def test_check_catches_corruption():
     bm._free.append(bm.table("a")[0])  # a block both free and owned
     with pytest.raises(AssertionError):
         bm.check()
+
+
+def test_owners_lists_every_table_until_freed():
+    bm = BlockManager(num_blocks=4, page_size=2)
+    bm.allocate("a", 2)
+    bm.allocate("b", 3)
+    assert sorted(bm.owners()) == ["a", "b"]
+    bm.free("a")
+    assert bm.owners() == ["b"]

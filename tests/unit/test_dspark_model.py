@@ -1,4 +1,4 @@
-"""The DSpark drafter: checkpoint layout (DSPARK.md §1.3), loading checks, validation, embedding sharing, and the
+"""The DSpark drafter: checkpoint layout (docs/dspark.md §1.3), loading checks, validation, embedding sharing, and the
 forward against a dense reference of §1.5 / §1.6 written here."""
 
 import json
@@ -150,7 +150,7 @@ def test_shares_identical_embedding_and_lm_head(tmp_path, target_spec, target_di
     assert model.shared_with_target == () and model.embed_tokens.weight is not other.model.embed_tokens.weight
 
 
-# ----- dense reference of DSPARK.md §1.4-1.5, written independently of the model code -----
+# ----- dense reference of docs/dspark.md §1.4-1.5, written independently of the model code -----
 
 def rms(x, w, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w

@@ -235,7 +235,7 @@ def test_draft_context_start_hides_earlier_positions(bundled_model_dir, bundled_
 
 
 def test_bootstrap_fields_per_item():
-    """Batch requests carry arrays with one room per element (PD_PROTOCOL.md §5 item 7); OpenAI routes too."""
+    """Batch requests carry arrays with one room per element (docs/pd_protocol.md, failure mode 7); OpenAI routes too."""
     from sparkrelay.scheduler.request import RequestError
     from sparkrelay.server import protocol as P
     from sparkrelay.server.async_engine import GenerationItem

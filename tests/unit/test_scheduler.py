@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from sparkrelay.scheduler.block_manager import BlockManager
 from sparkrelay.scheduler.request import Request, SamplingParams
 from sparkrelay.scheduler.scheduler import Scheduler
@@ -97,3 +99,72 @@ def test_abort_frees_blocks():
     sched.remove(b)
     bm.check()
     assert bm.num_free == 16 and not sched.has_work()
+
+
+# ---- the PD roles' verbs: reserve -> admit_transferred (decode), detach (prefill), remove (both) ----
+
+def test_reserve_then_admit_transferred_decodes_from_the_prompt_end():
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_running=4, token_budget=64)
+    req = make("d", 10, 3)
+    assert sched.reserve(req, 10)
+    assert len(req.block_ids) == 3 and not sched.has_work() and req not in sched.running
+    sched.check()
+    req.output_ids.append(42)  # the prefill's first token
+    sched.admit_transferred(req)
+    assert req.num_computed == 10 and req in sched.running and req.status.value == "running"
+    batch = sched.schedule()
+    assert batch.kind == "decode" and [(s.start, s.end) for s in batch.seqs] == [(10, 11)]
+    sched.remove(req)
+    sched.check()
+    assert bm.num_free == 8
+
+
+def test_reserve_refuses_without_touching_anything_when_full():
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, max_running=4, token_budget=64)
+    a, b = make("a", 12, 1), make("b", 8, 1)
+    assert sched.reserve(a, 12)
+    assert not sched.reserve(b, 8)
+    assert b.block_ids == [] and bm.table("b") == [] and bm.num_free == 1
+    sched.check()
+    sched.remove(a)  # a reserved request that never arrives (failed, aborted) gives its blocks back
+    assert sched.reserve(b, 8)
+    sched.remove(b)
+    sched.check()
+    assert bm.num_free == 4
+
+
+def test_admit_needs_a_reservation():
+    sched = Scheduler(BlockManager(4, 4), max_running=4, token_budget=64)
+    with pytest.raises(AssertionError):
+        sched.admit_transferred(make("x", 4, 1))
+
+
+def test_detach_keeps_blocks_out_of_the_batch_until_removed():
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_running=4, token_budget=64)
+    p, other = make("p", 9, 1), make("o", 5, 4)
+    for r in (p, other):
+        sched.add(r)
+    batch = sched.schedule()
+    for seq in batch.seqs:
+        seq.req.num_computed = seq.end
+        seq.req.output_ids.append(7)
+    used = bm.num_used
+    sched.detach(p)  # the prefill's first token is sampled: its KV is being sent
+    assert p not in sched.running and bm.num_used == used and len(p.block_ids) == 3
+    sched.check()
+    batch = sched.schedule()
+    assert [s.req for s in batch.seqs] == [other]  # the detached request is never scheduled again
+    sched.remove(p)
+    sched.check()
+    assert bm.num_used == len(bm.table("o"))
+
+
+def test_check_catches_a_leaked_block_table():
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, max_running=4, token_budget=64)
+    bm.allocate("ghost", 4)  # blocks of a request the scheduler never heard of
+    with pytest.raises(AssertionError, match="ghost"):
+        sched.check()

@@ -159,6 +159,14 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, names: Sequence[str]) -> None:
+    """A usage error (exit status 2) for the first of `names` that is set and not > 0."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+
+
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """Flags every benchmark shares: model, dtype, device, workload size, repetitions, output folder."""
     parser.add_argument("--model-path", default=DEFAULT_MODEL, help="Hugging Face folder of the model.")

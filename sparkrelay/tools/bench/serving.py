@@ -8,7 +8,7 @@ Backends: `sglang` (POST /generate, `sampling_params`), `openai` (/v1/completion
 (/v1/chat/completions); any server speaking one of them, sparkrelay or not.
 Workloads: `--dataset-path FILE.jsonl` (`turns[0]` of each line), `--dataset random` (random token ids of
 exactly `--random-input-len`, sent as ids where the API takes ids; random words when no tokenizer is at hand),
-`--dataset code` (bench_common's held-out stdlib code windows, the workload of bench_offline).
+`--dataset code` (common.load_prompts' held-out stdlib code windows, the workload of bench.offline).
 
 Figures (SGLang's definitions):
   token counts  the server's: `meta_info.prompt_tokens/completion_tokens`, or OpenAI `usage` (include_usage)
@@ -22,19 +22,21 @@ Figures (SGLang's definitions):
 `--output-file X.json` writes all figures and per-request records, plus X.md (table) and X.png (latency bars).
 
 Usage: python -m sparkrelay.tools.bench.serving --backend sglang --port 30000 --dataset random --num-prompts 64
+
+This module runs the benchmark and asks the server for its facts; serving_workload.py builds the prompts,
+serving_requests.py sends one streamed request and times it, serving_report.py holds the records and the figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import random
 import sys
 import time
 import urllib.parse
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
@@ -42,198 +44,13 @@ import httpx
 from tqdm.auto import tqdm
 
 from sparkrelay.tools.bench import common as bc
-from sparkrelay.tools.bench.serving_report import Record, report_lines, summarize, verdict_line, write_outputs
+from sparkrelay.tools.bench.serving_report import (
+    Record, accept_length, report_lines, summarize, verdict_line, write_outputs)
+from sparkrelay.tools.bench.serving_requests import send
+from sparkrelay.tools.bench.serving_workload import BenchError, Item, build_workload, load_tokenizer
 
 NAME = "bench_serving"
 BACKENDS = {"sglang": "/generate", "openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
-WORDS = ("the of and to in is for on that by with as at from this it be are was or an which data value list "
-         "return function class import model server token cache layer request").split()
-
-
-class BenchError(Exception):
-    """A fatal problem (bad URL, unreachable server, bad workload): printed as one line, exit status 1."""
-
-
-@dataclass
-class Item:
-    """One request of the workload: a text or token ids, and its output length."""
-
-    index: int
-    text: Optional[str]
-    ids: Optional[list[int]]
-    output_len: int
-
-
-# -- workload -------------------------------------------------------------------------------------------------------
-
-def load_tokenizer(args: argparse.Namespace, model_info: dict, required: bool):
-    """The client-side tokenizer: --tokenizer, else the server's tokenizer folder or model if it is local."""
-    from transformers import AutoTokenizer
-
-    names = [args.tokenizer] if args.tokenizer else [
-        p for p in (model_info.get("tokenizer_path"), model_info.get("model_path"), args.model)
-        if p and Path(p).is_dir()]
-    for name in names:
-        try:
-            return AutoTokenizer.from_pretrained(name)
-        except Exception as e:  # noqa: BLE001 (any loading failure means: no tokenizer here)
-            if args.tokenizer:
-                raise BenchError(f"cannot load --tokenizer {name!r}: {type(e).__name__}: {e}")
-    if required:
-        raise BenchError(f"--dataset {args.dataset} / --apply-chat-template need a tokenizer: pass --tokenizer")
-    return None
-
-
-def jsonl_texts(path: str, n: int) -> list[str]:
-    try:
-        lines = [ln for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
-    except OSError as e:
-        raise BenchError(f"cannot read --dataset-path: {e}")
-    texts = []
-    for no, ln in enumerate(lines, 1):
-        try:
-            turns = json.loads(ln)["turns"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise BenchError(f"{path}:{no}: expected a JSON object with `turns` ({type(e).__name__}: {e})")
-        if turns and isinstance(turns[0], str) and turns[0]:
-            texts.append(turns[0])
-    if not texts:
-        raise BenchError(f"{path}: no line with a non-empty turns[0]")
-    return [texts[i % len(texts)] for i in range(n)]  # cycled when the file has fewer prompts
-
-
-def random_ids(rng: random.Random, tokenizer, n: int, length: int) -> list[list[int]]:
-    special = set(tokenizer.all_special_ids)
-    vocab = [i for i in range(min(len(tokenizer), tokenizer.vocab_size)) if i not in special]
-    return [[rng.choice(vocab) for _ in range(length)] for _ in range(n)]
-
-
-def build_workload(args: argparse.Namespace, tokenizer, rng: random.Random) -> list[Item]:
-    n, out_len = args.num_prompts, args.max_new_tokens or args.random_output_len
-    texts: list[Optional[str]] = [None] * n
-    ids: list[Optional[list[int]]] = [None] * n
-    if args.dataset_path:
-        texts = jsonl_texts(args.dataset_path, n)
-        if args.apply_chat_template and args.backend != "openai-chat":
-            texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                                   add_generation_prompt=True) for t in texts]
-    elif args.dataset == "code":
-        ids = [p.ids for p in bc.load_prompts(tokenizer, n, args.random_input_len)]
-    elif tokenizer is not None:
-        ids = random_ids(rng, tokenizer, n, args.random_input_len)
-    else:
-        texts = [" ".join(rng.choice(WORDS) for _ in range(args.random_input_len)) for _ in range(n)]
-    if args.backend == "openai-chat" and ids[0] is not None:  # chat messages are text
-        texts, ids = [tokenizer.decode(x) for x in ids], [None] * n
-    return [Item(i, texts[i], ids[i], out_len) for i in range(n)]
-
-
-# -- one request ------------------------------------------------------------------------------------------------------
-
-def payload(item: Item, args: argparse.Namespace) -> dict:
-    if args.backend == "sglang":
-        body: dict[str, Any] = {"input_ids": item.ids} if item.ids is not None else {"text": item.text}
-        sp = {"max_new_tokens": item.output_len, "temperature": args.temperature, "ignore_eos": not args.no_ignore_eos}
-        return body | {"sampling_params": sp, "stream": True}
-    body = {"model": args.model, "max_tokens": item.output_len, "temperature": args.temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
-    if not args.no_ignore_eos:
-        body["ignore_eos"] = True
-    if args.backend == "openai-chat":
-        return body | {"messages": [{"role": "user", "content": item.text}]}
-    return body | {"prompt": item.ids if item.ids is not None else item.text}
-
-
-def error_message(status: int, raw: bytes) -> str:
-    try:
-        obj = json.loads(raw)
-        msg = obj["error"]["message"] if isinstance(obj.get("error"), dict) else obj.get("detail") or obj
-    except (ValueError, AttributeError, KeyError, TypeError):
-        msg = raw.decode("utf-8", "replace")
-    return f"HTTP {status}: {str(msg)[:300]}"
-
-
-def on_chunk(rec: Record, obj: dict, backend: str, now: float, start: float, state: dict) -> None:
-    """Folds one SSE chunk into the record; `state` keeps the cumulative token count and the last chunk time."""
-    if "error" in obj:
-        err = obj["error"]
-        raise RuntimeError(err.get("message", err) if isinstance(err, dict) else err)
-    if backend == "sglang":
-        meta = obj.get("meta_info", {})
-        total = meta.get("completion_tokens", len(obj.get("output_ids", ())))
-        new = total - state["tokens"]
-        rec.text, rec.prompt_tokens = obj.get("text", rec.text), meta.get("prompt_tokens", rec.prompt_tokens)
-        rec.spec_verify_ct = meta.get("spec_verify_ct", rec.spec_verify_ct)
-        rec.spec_accept_length = meta.get("spec_accept_length", rec.spec_accept_length)
-    else:
-        if obj.get("usage"):
-            rec.prompt_tokens = obj["usage"].get("prompt_tokens")
-            state["usage_tokens"] = obj["usage"].get("completion_tokens")
-        choice = (obj.get("choices") or [{}])[0]
-        piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-        new = 1 if piece else 0  # token count unknown: re-spread over the chunks at the end
-        rec.text += piece or ""
-    if new <= 0:
-        return
-    state["tokens"] += new
-    if rec.ttft is None:
-        rec.ttft = now - start
-    else:
-        rec.itl.append((now - state["last"]) / new)
-    rec.chunk_tokens.append(new)
-    state["last"] = now
-
-
-def finish_openai(rec: Record, state: dict) -> None:
-    """OpenAI chunks carry no token counts: spread the usage's completion tokens evenly over the chunks."""
-    chunks = len(rec.chunk_tokens)
-    tokens = state.get("usage_tokens") or chunks
-    per = tokens / chunks if chunks else 1.0
-    rec.output_tokens, rec.itl, rec.chunk_tokens = tokens, [g / per for g in rec.itl], [per] * chunks
-
-
-async def send(client: httpx.AsyncClient, url: str, item: Item, args: argparse.Namespace, t0: float) -> Record:
-    rec, state = Record(item.index), {"tokens": 0, "last": 0.0}
-    start = time.perf_counter()
-    rec.start = start - t0
-    try:
-        async with asyncio.timeout(args.request_timeout):
-            async with client.stream("POST", url, json=payload(item, args)) as resp:
-                if resp.status_code != 200:
-                    raise httpx.HTTPStatusError(error_message(resp.status_code, await resp.aread()),
-                                                request=resp.request, response=resp)
-                done = False
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[len("data:"):].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    on_chunk(rec, json.loads(data), args.backend, time.perf_counter(), start, state)
-        if not done:
-            raise ConnectionError("stream ended without `data: [DONE]`")
-        rec.e2e = time.perf_counter() - start
-        if args.backend == "sglang":
-            rec.output_tokens = state["tokens"]
-        else:
-            finish_openai(rec, state)
-        rec.success = rec.ttft is not None or rec.output_tokens == 0
-        if not rec.success:
-            rec.error_type, rec.error = "empty stream", "no chunk carried a token"
-    except Exception as e:  # noqa: BLE001 (every failure is counted by type, none stops the benchmark)
-        rec.error_type, rec.error = error_kind(e, args.request_timeout)
-    return rec
-
-
-def error_kind(e: Exception, timeout: float) -> tuple[str, str]:
-    if isinstance(e, httpx.HTTPStatusError):
-        return f"HTTP {e.response.status_code}", str(e)
-    if isinstance(e, TimeoutError):
-        return "timeout", f"no complete answer within --request-timeout {timeout:g} s"
-    if isinstance(e, RuntimeError):
-        return "stream error", str(e)[:300]
-    return type(e).__name__, f"{type(e).__name__}: {e}"[:300]
 
 
 # -- the run ---------------------------------------------------------------------------------------------------------
@@ -272,6 +89,8 @@ async def run_requests(items: list[Item], url: str, args: argparse.Namespace, he
         bar.close()
     return list(records), duration
 
+
+# -- the server ------------------------------------------------------------------------------------------------------
 
 def base_url(args: argparse.Namespace) -> str:
     url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
@@ -321,19 +140,6 @@ def spec_counters(client: httpx.Client, url: str) -> Optional[dict]:
     return None if tau is None else {"rounds": state.get("spec_rounds"), "accept_length": float(tau)}
 
 
-def accept_length(records: list[Record], before: Optional[dict], after: Optional[dict]) -> Optional[float]:
-    rounds = [(r.spec_verify_ct, r.output_tokens / r.spec_verify_ct if r.spec_accept_length is None
-               else r.spec_accept_length) for r in records if r.success and r.spec_verify_ct]
-    if rounds:  # per request (sglang meta_info; SGLang itself reports only spec_verify_ct), weighted by rounds
-        return sum(ct * tau for ct, tau in rounds) / sum(ct for ct, _ in rounds)
-    if after is None:
-        return None
-    if before and before["rounds"] is not None and after["rounds"] is not None:
-        d = after["rounds"] - before["rounds"]  # server-wide average over this run only
-        committed = after["rounds"] * after["accept_length"] - before["rounds"] * before["accept_length"]
-        return committed / d if d else None
-    return after["accept_length"]
-
 
 # -- command line ---------------------------------------------------------------------------------------------------
 
@@ -369,9 +175,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--output-file", default=None, help="Write figures and per-request records (JSON), .md, .png.")
     p.add_argument("--disable-tqdm", action="store_true")
     args = p.parse_args(argv)
-    for name in ("num_prompts", "random_input_len", "random_output_len", "max_new_tokens", "max_concurrency"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive")
+    bc.require_positive(p, args, ("num_prompts", "random_input_len", "random_output_len", "max_new_tokens",
+                                  "max_concurrency"))
     if not args.request_rate > 0 or not args.request_timeout > 0 or args.temperature < 0 or args.warmup_requests < 0:
         p.error("--request-rate and --request-timeout must be > 0, --temperature and --warmup-requests >= 0")
     return args
@@ -420,7 +225,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print("\n".join(lines))
     if args.output_file:
         m = result["machine"]
-        header = [f"`python -m sparkrelay.{NAME} {' '.join(sys.argv[1:] if argv is None else argv)}`",
+        header = [f"`python -m sparkrelay.tools.bench.serving {' '.join(sys.argv[1:] if argv is None else argv)}`",
                   f"Server {result['url']}, model {result['model']}; client {m['host']}, {m['date']}."]
         paths = write_outputs(Path(args.output_file), result, header)
         print("wrote " + ", ".join(map(str, paths)))

@@ -56,6 +56,20 @@ def summarize(records: list[Record], duration: float, accept: Optional[float]) -
             **stats_ms("tpot", tpots), **stats_ms("itl", [g for r in ok for g in r.itl])}
 
 
+def accept_length(records: list[Record], before: Optional[dict], after: Optional[dict]) -> Optional[float]:
+    rounds = [(r.spec_verify_ct, r.output_tokens / r.spec_verify_ct if r.spec_accept_length is None
+               else r.spec_accept_length) for r in records if r.success and r.spec_verify_ct]
+    if rounds:  # per request (sglang meta_info; SGLang itself reports only spec_verify_ct), weighted by rounds
+        return sum(ct * tau for ct, tau in rounds) / sum(ct for ct, _ in rounds)
+    if after is None:
+        return None
+    if before and before["rounds"] is not None and after["rounds"] is not None:
+        d = after["rounds"] - before["rounds"]  # server-wide average over this run only
+        committed = after["rounds"] * after["accept_length"] - before["rounds"] * before["accept_length"]
+        return committed / d if d else None
+    return after["accept_length"]
+
+
 def report_lines(s: dict, args: argparse.Namespace) -> list[str]:
     def row(name: str, value: Any, digits: int = 2) -> str:
         return f"{name:<40} {bc.fmt(value, digits):<10}"

@@ -1,4 +1,4 @@
-"""Hostile-input fuzzing of a running sparkrelay server or PD router over HTTP (issue #5).
+"""Hostile-input fuzzing of a running sparkrelay server or PD router over HTTP.
 
 Two sources of requests, both sent to --url:
   1. schemathesis over the server's own OpenAPI schema (/openapi.json), as `st run --mode all` would: the
@@ -28,9 +28,8 @@ from typing import Iterator, Optional
 
 import httpx
 
-from sparkrelay.tools.fuzz.cases import (  # noqa: F401  (CHAT, COMPLETIONS, REGISTRATION, _json: re-exported)
-    CHAT, COMPLETIONS, GENERATE, KNOWN_PATHS, REGISTRATION, ROUTES, Hostile, _json, base_body,
-    bootstrap_hostile_requests, bootstrap_reads, hostile_requests)
+from sparkrelay.tools.fuzz.cases import (
+    GENERATE, KNOWN_PATHS, ROUTES, Hostile, base_body, bootstrap_hostile_requests, bootstrap_reads, hostile_requests)
 
 
 @dataclass

@@ -1,13 +1,14 @@
 """Train the bundled DSpark drafter `models/tiny-qwen3-dspark/` against the bundled target `models/tiny-qwen3/`.
 
-The DeepSpec recipe (shared/design/DSPARK.md §4), shrunk to a 2-core CPU and a one-hour budget:
+The DeepSpec recipe (docs/dspark.md, training), shrunk to a 2-core CPU and a one-hour budget:
 
 * Data. DeepSpec trains on the target's own regenerated answers; here there are no prompts to regenerate, so a
   training sequence (512 tokens) is, with probability `--gen-frac` (0.5), a 256-token window of the stdlib train
   split followed by the target's 256-token greedy continuation (a pool of `--gen-seqs` = 256 of them, generated
-  once and cached: 2-4 minutes of KV-cached decoding on 2 cores, which is what bounds the pool), and otherwise a plain 512-token window of the corpus (sparkrelay/tools/corpus.py train split, the
-  same token stream as the target's). The generated half is what the drafter meets at inference (greedy decoding
-  of this target quickly settles into its own idioms and loops); the corpus half keeps the contexts varied.
+  once and cached: 2-4 minutes of KV-cached decoding on 2 cores, which is what bounds the pool), and otherwise a
+  plain 512-token window of the corpus (sparkrelay/tools/corpus.py train split, the same token stream as the
+  target's). The generated half is what the drafter meets at inference (greedy decoding of this target quickly
+  settles into its own idioms and loops); the corpus half keeps the contexts varied.
   Anchors may sit anywhere in a sequence (the corpus prefix is real text too, so no loss mask).
 * Target features on the fly (frozen target, transformers `output_hidden_states`): taps = raw outputs of layers
   `--taps` (hidden_states[i + 1]), and the target distribution of every slot = softmax of the target's own logits
@@ -15,7 +16,7 @@ The DeepSpec recipe (shared/design/DSPARK.md §4), shrunk to a 2-core CPU and a 
   < 1 epoch of the corpus.
 * Per sequence `--anchors` anchors a ~ U[0, S-2] without replacement; block = [x_a, mask x (B-1)] at positions
   a..a+B-1, labels x_{a+1..a+B} (slots past the sequence end are masked); the block sees context features at
-  positions < a only (§1.5: `block_forward` with ctx_len = a) and its own B tokens; the Markov bias and the
+  positions < a only (`block_forward` with ctx_len = a, as at inference) and its own B tokens; the Markov bias and the
   confidence input are teacher-forced (previous token = anchor, then the labels).
 * Loss 0.1 CE + 0.9 L1(p_d, p_t) + 1.0 BCE(confidence, 1 - 0.5 |p_d - p_t|_1 detached), slot weights exp(-k/4).
 * Embedding and LM head are copies of the target's (tied: one matrix) and frozen. Everything else starts at
@@ -34,11 +35,14 @@ Qwen3's unused row 151669.
 
 Stages, each resumable (rerun the same command): corpus ids -> generated pool -> training (checkpoint every
 `--ckpt-minutes` under `--work-dir`) -> export (bf16 DeepSpec folder) -> offline greedy acceptance length on
-held-out prompts (DSPARK.md §2.3 greedy rule, simulated along the target's greedy trajectory) -> train_report.json.
+held-out prompts (the greedy acceptance rule, simulated along the target's greedy trajectory) -> train_report.json.
 
 Usage: python -m sparkrelay.tools.train.drafter [--target models/tiny-qwen3] [--out DIR]
 The drafter goes to `--out`, by default .cache/train_tiny_dspark/model (the work folder), never over the bundled,
 committed models/tiny-qwen3-dspark unless `--out models/tiny-qwen3-dspark` says so.
+
+This module holds the model, the loss and the loop; drafter_data.py the target, its continuations and the batches,
+drafter_eval.py the offline acceptance; common.py what it shares with the target's training (target.py).
 """
 
 from __future__ import annotations
@@ -46,85 +50,23 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from sparkrelay.tools.corpus import read_texts, stdlib_files
 from sparkrelay.models.dspark import DSparkSpec, Qwen3DSparkModel, load_dspark
 from sparkrelay.models.dspark_checkpoint import draft_config, save_checkpoint, target_head_weights
 from sparkrelay.models.loader import read_config
 from sparkrelay.models.qwen3 import Qwen3Spec
-from sparkrelay.tools.train.target import encode_corpus
+from sparkrelay.tools.train.common import add_work_args, corpus_ids, load_state, parse_work_args, save_state
+from sparkrelay.tools.train.drafter_data import (
+    generated_pool, load_target, sample_batch, target_pass, unused_byte_token)
+from sparkrelay.tools.train.drafter_eval import acceptance, eval_set
 
 LOSS_WEIGHTS = {"ce": 0.1, "l1": 0.9, "bce": 1.0}
 DECAY = 4.0  # slot weight exp(-k / 4), k = 0..B-1 (DeepSpec loss_decay_gamma)
-
-
-def load_target(folder: str):
-    from transformers import Qwen3ForCausalLM
-
-    return Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
-
-
-def unused_byte_token(target_folder: str, ids: torch.Tensor) -> int:
-    """The byte-level BPE token of byte 0xFF (never in valid UTF-8), asserted absent from the corpus ids."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(Path(target_folder) / "tokenizer.json"))
-    token = tok.token_to_id("ÿ")  # GPT-2 bytes_to_unicode maps byte 0xFF to U+00FF
-    assert token is not None and int((ids == token).sum()) == 0, token
-    return token
-
-
-def corpus_ids(work: Path, target_folder: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, held-out) token ids of the stdlib corpus with the target's tokenizer, int16, cached."""
-    if not (work / "held_ids.pt").exists():
-        train_files, held_files = stdlib_files()
-        tok = Path(target_folder) / "tokenizer.json"
-        torch.save(encode_corpus(read_texts(train_files), tok), work / "train_ids.pt")
-        torch.save(encode_corpus(read_texts(held_files), tok), work / "held_ids.pt")
-    return torch.load(work / "train_ids.pt"), torch.load(work / "held_ids.pt")
-
-
-@torch.no_grad()
-def greedy_continue(target, prompts: torch.Tensor, new: int, batch: int = 64) -> torch.Tensor:
-    """prompts [n, P] -> [n, P + new]: the target's greedy continuation (transformers' KV cache)."""
-    out = []
-    for chunk in prompts.split(batch):
-        res = target(input_ids=chunk, use_cache=True, logits_to_keep=1)
-        toks = []
-        for _ in range(new):
-            toks.append(res.logits[:, -1].argmax(-1))
-            res = target(input_ids=toks[-1][:, None], cache=res.cache, use_cache=True)
-        out.append(torch.cat([chunk, torch.stack(toks, 1)], 1))
-    return torch.cat(out)
-
-
-def generated_pool(work: Path, target, train: torch.Tensor, args) -> torch.Tensor:
-    path = work / f"gen_{args.gen_seqs}x{args.seq}.pt"
-    if args.gen_seqs == 0:
-        return torch.empty(0, args.seq, dtype=torch.long)
-    if not path.exists():
-        t0 = time.time()
-        gen = torch.Generator().manual_seed(2)
-        half = args.seq // 2
-        starts = torch.randint(0, train.numel() - half, (args.gen_seqs,), generator=gen).tolist()
-        prompts = torch.stack([train[s: s + half] for s in starts]).long()
-        torch.save(greedy_continue(target, prompts, args.seq - half).to(torch.int16), path)
-        print(f"generated {args.gen_seqs} greedy continuations in {time.time() - t0:.0f}s", flush=True)
-    return torch.load(path).long()
-
-
-@torch.no_grad()
-def target_pass(target, x: torch.Tensor, taps: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [b, S] -> features [b, S, n_taps*d] (raw layer outputs, DSPARK.md §1.4), target logits [b, S, V]."""
-    out = target(input_ids=x, output_hidden_states=True)
-    hs = out.hidden_states  # [0] = embedding output, [i + 1] = output of layer i (the last entry is post-norm)
-    return torch.cat([hs[i + 1] for i in taps], dim=-1), out.logits
 
 
 def new_drafter(target_folder: str, args) -> tuple[Qwen3DSparkModel, dict]:
@@ -158,7 +100,7 @@ def block_loss(model: Qwen3DSparkModel, feats: torch.Tensor, tlogits: torch.Tens
     pos = anchors[:, None] + torch.arange(b)  # [A, B]: slot k sits at a+k and predicts a+k+1
     ids = torch.full((a, b), model.spec.mask_token_id)
     ids[:, 0] = x[anchors]
-    h = model.block_forward(ids, pos, ks, vs, ctx_len=anchors)  # context strictly < anchor (§1.5)
+    h = model.block_forward(ids, pos, ks, vs, ctx_len=anchors)  # context strictly < anchor, as at inference
     valid = pos + 1 < s
     labels = x[(pos + 1).clamp(max=s - 1)]  # [A, B]
     prev = torch.cat([x[anchors, None], labels[:, :-1]], dim=1)  # teacher forcing
@@ -167,7 +109,8 @@ def block_loss(model: Qwen3DSparkModel, feats: torch.Tensor, tlogits: torch.Tens
     p_t = tlogits[pos.clamp(max=s - 1)].float().softmax(-1)  # [A, B, V]
     l1 = (logp.exp() - p_t).abs().sum(-1)  # [A, B]
     ce = -logp.gather(-1, labels[..., None]).squeeze(-1)
-    bce = F.binary_cross_entropy_with_logits(model.confidence(h, prev).float(), (1 - 0.5 * l1).detach(), reduction="none")
+    bce = F.binary_cross_entropy_with_logits(model.confidence(h, prev).float(), (1 - 0.5 * l1).detach(),
+                                             reduction="none")
     w = torch.exp(-torch.arange(b) / DECAY) * valid  # [A, B]
     hit0 = (z[:, 0].argmax(-1) == p_t[:, 0].argmax(-1)).float()
     return {"ce": (w * ce).sum(), "l1": (w * l1).sum(), "bce": (w * bce).sum(), "w": w.sum(),
@@ -180,22 +123,6 @@ def lr_at(progress: float, peak: float, warmup: float = 0.04) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / (1 - warmup))))
 
 
-def sample_batch(train: torch.Tensor, pool: torch.Tensor, args, gen: torch.Generator) -> torch.Tensor:
-    rows = []
-    for _ in range(args.batch):
-        if len(pool) and torch.rand((), generator=gen) < args.gen_frac:
-            rows.append(pool[torch.randint(len(pool), (), generator=gen)])
-        else:
-            s = int(torch.randint(0, train.numel() - args.seq, (), generator=gen))
-            rows.append(train[s: s + args.seq].long())
-    return torch.stack(rows)  # [batch, S]
-
-
-def save_state(path: Path, state: dict) -> None:
-    torch.save(state, path.with_suffix(".tmp"))
-    os.replace(path.with_suffix(".tmp"), path)
-
-
 def train(args, work: Path, target, train_ids: torch.Tensor, pool: torch.Tensor):
     """The training loop; returns (drafter, its config, stats). Resumes from `work/ckpt.pt`."""
     model, cfg = new_drafter(args.target, args)
@@ -204,11 +131,8 @@ def train(args, work: Path, target, train_ids: torch.Tensor, pool: torch.Tensor)
     gen = torch.Generator().manual_seed(1)
     st = {"step": 0, "elapsed": 0.0, "slots": 0, "done": False, "recent": []}
     ckpt = work / "ckpt.pt"
-    if ckpt.exists():
-        saved = torch.load(ckpt, weights_only=False)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        gen.set_state(saved["gen"])
+    saved = load_state(ckpt, model, opt, gen)
+    if saved is not None:
         st = saved["stats"]
         print(f"resumed at step {st['step']} ({st['elapsed']:.0f}s trained)", flush=True)
     model.train()
@@ -218,16 +142,18 @@ def train(args, work: Path, target, train_ids: torch.Tensor, pool: torch.Tensor)
         progress = max(st["elapsed"] / budget, st["step"] / args.max_steps if args.max_steps else 0.0)
         st["done"] = progress >= 1
         if not st["done"]:
-            stats = train_step(model, opt, target, sample_batch(train_ids, pool, args, gen), lr_at(progress, args.lr), args, gen)
+            batch = sample_batch(train_ids, pool, args, gen)
+            stats = train_step(model, opt, target, batch, lr_at(progress, args.lr), args, gen)
             st["step"] += 1
             st["slots"] += stats.pop("slots")
             st["recent"] = (st["recent"] + [stats])[-args.log_every * 2:]
             if st["step"] % args.log_every == 0:
                 mean = {k: sum(r[k] for r in st["recent"][-args.log_every:]) / args.log_every for k in stats}
-                print(f"step {st['step']} {st['elapsed']:.0f}s lr {mean['lr']:.2e} loss {mean['loss']:.3f} ce {mean['ce']:.3f} "
-                      f"l1 {mean['l1']:.3f} bce {mean['bce']:.3f} slot0-match {mean['hit0']:.3f}", flush=True)
+                print(f"step {st['step']} {st['elapsed']:.0f}s lr {mean['lr']:.2e} loss {mean['loss']:.3f} "
+                      f"ce {mean['ce']:.3f} l1 {mean['l1']:.3f} bce {mean['bce']:.3f} slot0-match {mean['hit0']:.3f}",
+                      flush=True)
         if st["done"] or time.time() - last_save > args.ckpt_minutes * 60:
-            save_state(ckpt, {"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "stats": st})
+            save_state(ckpt, model, opt, gen, stats=st)
             last_save = time.time()
     return model.eval(), cfg, st
 
@@ -248,79 +174,16 @@ def train_step(model, opt, target, x: torch.Tensor, lr: float, args, gen: torch.
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
     opt.step()
     out = {k: float(v.detach()) for k, v in terms.items()}
-    return {**out, "loss": float(loss.detach()), "lr": lr, "hit0": float(sums["hit0"] / sums["n0"]), "slots": int(sums["slots"])}
-
-
-@torch.no_grad()
-def eval_set(target, held: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
-    """Held-out prompts + the target's greedy continuations: seqs [n, P + new], ends [n] (exclusive; a
-    continuation ends at its first <|endoftext|>, id 0)."""
-    n, p = args.eval_prompts, args.eval_prompt_len
-    offsets = torch.linspace(0, held.numel() - p - 1, n).long().tolist()
-    seqs = greedy_continue(target, torch.stack([held[o: o + p] for o in offsets]).long(), args.eval_new)
-    gen_part = seqs[:, p:] == 0
-    return seqs, torch.where(gen_part.any(1), p + gen_part.int().argmax(1) + 1, seqs.shape[1])
-
-
-@torch.no_grad()
-def acceptance(model: Qwen3DSparkModel, target, seqs: torch.Tensor, ends: torch.Tensor, p: int,
-               use_markov: bool = True) -> dict:
-    """Greedy speculative decoding simulated offline (DSPARK.md §2.1-2.4, greedy rule of §2.3): the target's greedy
-    continuation of held-out prompts is the committed text; each round drafts B tokens from the context < start
-    and accepts the longest prefix equal to the target's tokens, plus the bonus. seqs [n, L] with prompts of length
-    p, ends [n] from `eval_set`. Returns τ (mean acceptance length incl. bonus) and per-slot rates."""
-    (n, length), b = seqs.shape, model.spec.block_size
-    feats, _ = target_pass(target, seqs, list(model.spec.target_layer_ids))
-    kv = model.context_kv(model.project_context(feats.reshape(n * length, -1)), torch.arange(length).repeat(n))
-    ks = [k.view(n, length, *k.shape[1:]) for k, _ in kv]
-    vs = [v.view(n, length, *v.shape[1:]) for _, v in kv]
-    starts = torch.full((n,), p)  # anchor = the first generated token (sampled by the prefill)
-    rounds, tau_sum = 0, 0
-    proposed, accepted, cond_n, cond_hit, conf_sum = (torch.zeros(b) for _ in range(5))
-    while True:
-        rows = (starts < ends - 1).nonzero().flatten()
-        if rows.numel() == 0:
-            break
-        st = starts[rows]
-        ids = torch.full((rows.numel(), b), model.spec.mask_token_id)
-        ids[:, 0] = seqs[rows, st]
-        pos = st[:, None] + torch.arange(b)
-        h = model.block_forward(ids, pos, [k[rows] for k in ks], [v[rows] for v in vs], ctx_len=st)
-        u = model.base_logits(h)
-        if use_markov:
-            ones = torch.ones(rows.numel(), dtype=torch.bool)
-            drafts = model.markov_sample(u, ids[:, 0], torch.zeros(rows.numel()), ones)[0]
-        else:
-            drafts = u.argmax(-1)
-        conf = torch.sigmoid(model.confidence(h, torch.cat([ids[:, :1], drafts[:, :-1]], 1)))
-        truth = seqs[rows].gather(1, (pos + 1).clamp(max=length - 1))
-        m = (ends[rows] - 1 - st).clamp(max=b)  # drafts that can be checked against the committed text
-        live = torch.arange(b) < m[:, None]
-        acc = ((drafts == truth) & live).int().cumprod(1).sum(1)  # a: accepted drafts
-        rounds, tau_sum = rounds + rows.numel(), tau_sum + int((acc + 1).sum())
-        k = torch.arange(b)
-        proposed += live.sum(0)
-        accepted += (acc[:, None] > k).sum(0)
-        reached = live & (acc[:, None] >= k)  # slot k verified with all earlier drafts accepted
-        cond_n += reached.sum(0)
-        cond_hit += (reached & (acc[:, None] > k)).sum(0)
-        conf_sum += (conf * reached).sum(0)
-        starts[rows] = st + acc + 1
-    r3 = lambda t: [round(float(x), 3) for x in t]
-    return {"tau": round(tau_sum / max(rounds, 1), 3), "rounds": rounds,
-            "accept_rate_at_k": r3(accepted / proposed.clamp(min=1)),
-            "conditional_accept_k": r3(cond_hit / cond_n.clamp(min=1)),
-            "mean_confidence_k": r3(conf_sum / cond_n.clamp(min=1)),
-            "committed_tokens": int((ends - p).sum())}
+    return {**out, "loss": float(loss.detach()), "lr": lr, "hit0": float(sums["hit0"] / sums["n0"]),
+            "slots": int(sums["slots"])}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="models/tiny-qwen3")
-    p.add_argument("--out", default=None, help="drafter folder to write (default: WORK_DIR/model; "
-                                               "`--out models/tiny-qwen3-dspark` replaces the bundled drafter)")
-    p.add_argument("--work-dir", default=".cache/train_tiny_dspark")
-    p.add_argument("--train-minutes", type=float, default=45.0, help="training-loop budget (the lr schedule spans it)")
+    add_work_args(p, ".cache/train_tiny_dspark", bundled="models/tiny-qwen3-dspark", what="drafter")
+    p.add_argument("--train-minutes", type=float, default=45.0,
+                   help="training-loop budget (the lr schedule spans it)")
     p.add_argument("--max-steps", type=int, default=0, help="also stop after this many steps (0: time budget only)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", type=int, default=2)
@@ -342,9 +205,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    args.out = args.out or str(Path(args.work_dir) / "model")
-    return args
+    return parse_work_args(build_parser(), argv)
+
+
+def write_report(args: argparse.Namespace, st: dict, evals: dict, t_start: float) -> None:
+    """train_report.json in the drafter folder: the run's size, its final losses and the offline acceptance."""
+    last = st["recent"][-args.log_every:] or [{}]
+    losses = {k: round(sum(r.get(k, 0.0) for r in last) / len(last), 4) for k in ("loss", "ce", "l1", "bce", "hit0")}
+    report = {
+        "steps": st["step"], "sequences": st["step"] * args.batch, "tokens": st["step"] * args.batch * args.seq,
+        "block_slots": st["slots"], "train_seconds": round(st["elapsed"]),
+        "total_seconds_this_run": round(time.time() - t_start), "final_losses": losses,
+        "offline_greedy_acceptance": {"eval": f"{args.eval_prompts} held-out stdlib prompts x "
+                                              f"{args.eval_prompt_len} tokens, target greedy continuation of "
+                                              f"{args.eval_new} tokens", **evals},
+        "hyper_parameters": {k: v for k, v in vars(args).items() if k not in ("target", "out", "work_dir")},
+        "torch_threads": torch.get_num_threads(),
+    }
+    (Path(args.out) / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -353,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.time()
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    train_ids, held = corpus_ids(work, args.target)
+    train_ids, held = corpus_ids(work, Path(args.target) / "tokenizer.json")
     args.mask_token_id = unused_byte_token(args.target, torch.cat([train_ids, held]))
     target = load_target(args.target)
     pool = generated_pool(work, target, train_ids, args)
@@ -362,21 +240,12 @@ def main(argv: list[str] | None = None) -> None:
     drafter = load_dspark(args.out, Qwen3Spec.from_hf(read_config(args.target)))  # the export loads, complete
     seqs, ends = eval_set(target, held, args)
     p = args.eval_prompt_len
-    evals = {"markov": acceptance(drafter, target, seqs, ends, p), "no_markov": acceptance(drafter, target, seqs, ends, p, False)}
-    print(f"greedy acceptance length tau {evals['markov']['tau']} (Markov head off: {evals['no_markov']['tau']})", flush=True)
-    last = st["recent"][-args.log_every:] or [{}]
-    report = {
-        "steps": st["step"], "sequences": st["step"] * args.batch, "tokens": st["step"] * args.batch * args.seq,
-        "block_slots": st["slots"], "train_seconds": round(st["elapsed"]), "total_seconds_this_run": round(time.time() - t_start),
-        "final_losses": {k: round(sum(r.get(k, 0.0) for r in last) / len(last), 4) for k in ("loss", "ce", "l1", "bce", "hit0")},
-        "offline_greedy_acceptance": {"eval": f"{args.eval_prompts} held-out stdlib prompts x {args.eval_prompt_len} tokens, "
-                                      f"target greedy continuation of {args.eval_new} tokens", **evals},
-        "hyper_parameters": {k: v for k, v in vars(args).items() if k not in ("target", "out", "work_dir")},
-        "torch_threads": torch.get_num_threads(),
-    }
-    (Path(args.out) / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    evals = {"markov": acceptance(drafter, target, seqs, ends, p),
+             "no_markov": acceptance(drafter, target, seqs, ends, p, False)}
+    print(f"greedy acceptance length tau {evals['markov']['tau']} (Markov head off: {evals['no_markov']['tau']})",
+          flush=True)
+    write_report(args, st, evals, t_start)
     print(f"wrote {args.out}", flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 from pathlib import Path
 
 import torch
 
 from sparkrelay.tools.corpus import read_texts, stdlib_files
+from sparkrelay.tools.train.common import add_work_args, corpus_ids, load_state, parse_work_args, save_state
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -34,6 +34,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -65,19 +67,6 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path) -> None:
     special = {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
                "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]}
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
-
-
-def encode_corpus(texts: list[str], tokenizer_path: Path) -> torch.Tensor:
-    """Concatenate every file's tokens, each file ended by <|endoftext|>; returns int16 [N]."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tokenizer_path))
-    eos = tok.token_to_id("<|endoftext|>")
-    ids: list[int] = []
-    for enc in tok.encode_batch(texts):
-        ids.extend(enc.ids)
-        ids.append(eos)
-    return torch.tensor(ids, dtype=torch.int16)
 
 
 def model_config(vocab_size: int, args: argparse.Namespace):
@@ -126,22 +115,19 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def train(args: argparse.Namespace, work: Path, vocab_size: int) -> None:
+def train(args: argparse.Namespace, work: Path, data: torch.Tensor, held: torch.Tensor) -> None:
+    """The training loop on the corpus ids `data` [N] (int16); resumes from `work/ckpt.pt`, ends with the
+    held-out loss in `work/train_report.json` and the model in `work/final`."""
     from transformers import Qwen3ForCausalLM
 
-    data = torch.load(work / "train_ids.pt")
-    held = torch.load(work / "held_ids.pt")
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(model_config(vocab_size, args))
+    model = Qwen3ForCausalLM(model_config(args.vocab_size, args))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(1)
     step, elapsed = 0, 0.0
     ckpt = work / "ckpt.pt"
-    if ckpt.exists():
-        state = torch.load(ckpt)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        gen.set_state(state["gen"])
+    state = load_state(ckpt, model, opt, gen)
+    if state is not None:
         step, elapsed = state["step"], state["elapsed"]
         print(f"resumed at step {step} ({elapsed:.0f}s trained)", flush=True)
     model.train()
@@ -159,10 +145,7 @@ def train(args: argparse.Namespace, work: Path, vocab_size: int) -> None:
         if step % 10 == 0:
             print(f"step {step}/{args.steps} loss {loss.item():.3f} {time.time() - t0:.0f}s", flush=True)
         if step % args.ckpt_every == 0 or step == args.steps:
-            state = {"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                     "step": step, "elapsed": time.time() - t0}
-            torch.save(state, work / "ckpt.tmp")
-            os.replace(work / "ckpt.tmp", ckpt)
+            save_state(ckpt, model, opt, gen, step=step, elapsed=time.time() - t0)
     loss = held_out_loss(model, held, args.seq)
     print(f"held-out loss {loss:.4f} (ppl {math.exp(loss):.2f})", flush=True)
     model.save_pretrained(work / "final", safe_serialization=True)
@@ -214,9 +197,7 @@ def export(work: Path, out: Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None, help="model folder to write (default: WORK_DIR/model; "
-                                               "`--out models/tiny-qwen3` replaces the bundled model)")
-    p.add_argument("--work-dir", default=".cache/train_tiny_target")
+    add_work_args(p, ".cache/train_tiny_target", bundled="models/tiny-qwen3", what="model")
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=768)
@@ -232,9 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    args.out = args.out or str(Path(args.work_dir) / "model")
-    return args
+    return parse_work_args(build_parser(), argv)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -245,13 +224,8 @@ def main(argv: list[str] | None = None) -> None:
         train_files, held_files = stdlib_files()
         print(f"corpus: {len(train_files)} train files, {len(held_files)} held-out files", flush=True)
         train_tokenizer(read_texts(train_files), args.vocab_size, work / "tokenizer")
-    if not (work / "held_ids.pt").exists():
-        train_files, held_files = stdlib_files()
-        tok_path = work / "tokenizer" / "tokenizer.json"
-        torch.save(encode_corpus(read_texts(train_files), tok_path), work / "train_ids.pt")
-        torch.save(encode_corpus(read_texts(held_files), tok_path), work / "held_ids.pt")
     if not (work / "train_report.json").exists():
-        train(args, work, args.vocab_size)
+        train(args, work, *corpus_ids(work, work / "tokenizer" / "tokenizer.json"))
     export(work, Path(args.out))
     print(f"wrote {args.out}", flush=True)
 

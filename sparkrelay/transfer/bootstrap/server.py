@@ -1,5 +1,5 @@
-"""The prefill bootstrap HTTP server (SGLang's routes, PD_PROTOCOL.md §1.3) and the clients both sides use
-(transfer/bootstrap_client.py).
+"""The prefill bootstrap HTTP server (SGLang's routes: docs/pd_protocol.md, the bootstrap server); its clients are
+in bootstrap/client.py.
 
     prefill stage s --PUT /route {pp_rank, rank_ip, rank_port, ...}--> BootstrapServer (on the prefill leader)
     decode          --GET /route?-1,-1,-1,-1--> server info + schema   (503 until every pp rank registered)
@@ -31,9 +31,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from sparkrelay.transfer.base import check_room
-from sparkrelay.transfer.bootstrap_client import (  # noqa: F401  (clients re-exported)
-    BootstrapError, _is_int, bootstrap_url, check_health, fetch_prefill_info, fetch_rank, http_request, register_rank)
-from sparkrelay.transfer.frames import RejectLog, advertise_host, check_token, warn_if_exposed
+from sparkrelay.transfer.bootstrap.client import bootstrap_url, is_int
+from sparkrelay.transfer.wire import RejectLog, advertise_host, check_token, warn_if_exposed
 
 logger = logging.getLogger(__name__)
 _HOST_CHARS = re.compile(r"[A-Za-z0-9.:\-\[\]%_]+")  # names, IPv4, IPv6 (+ zone)
@@ -195,7 +194,7 @@ class BootstrapServer:
 
     def _register(self, body: dict):
         for name in REG_INT_FIELDS:
-            if not _is_int(body.get(name)):
+            if not is_int(body.get(name)):
                 return _bad(f"{name}: must be an integer, got {body.get(name)!r}")
         for name in SINGLE_GROUP_FIELDS:
             if body[name] != 1:
@@ -225,12 +224,12 @@ class BootstrapServer:
 
     def _check_optional(self, body: dict) -> Optional[str]:
         page_size, dtype = body.get("page_size"), body.get("kv_cache_dtype")
-        if page_size is not None and (not _is_int(page_size) or page_size != self.page_size):
+        if page_size is not None and (not is_int(page_size) or page_size != self.page_size):
             return f"page_size: this prefill server uses {self.page_size}, got {page_size!r}"
         if dtype is not None and dtype != self.kv_cache_dtype:
             return f"kv_cache_dtype: this prefill server uses {self.kv_cache_dtype!r}, got {dtype!r}"
         http_port = body.get("prefill_http_port")
-        if http_port is not None and (not _is_int(http_port) or not 1 <= http_port <= 65535):
+        if http_port is not None and (not is_int(http_port) or not 1 <= http_port <= 65535):
             return f"prefill_http_port: must be an integer in 1..65535 or null, got {http_port!r}"
         lbm = body.get("load_balance_method")
         if lbm is not None and not isinstance(lbm, str):
@@ -273,7 +272,7 @@ class BootstrapServer:
         why = check_room(room)
         if why:
             return _bad(f"bootstrap_room: {why}")
-        if not _is_int(dp_rank) or dp_rank < 0:
+        if not is_int(dp_rank) or dp_rank < 0:
             return _bad(f"dp_rank: must be a non-negative integer, got {dp_rank!r}")
         now = time.monotonic()
         with self._lock:
@@ -286,7 +285,7 @@ class BootstrapServer:
 
     def _query_dp_ranks(self, body: dict):
         rooms = body.get("bootstrap_rooms")
-        if not isinstance(rooms, list) or len(rooms) > DP_RANK_TABLE_MAX or not all(_is_int(r) for r in rooms):
+        if not isinstance(rooms, list) or len(rooms) > DP_RANK_TABLE_MAX or not all(is_int(r) for r in rooms):
             return _bad(f"bootstrap_rooms: must be a list of at most {DP_RANK_TABLE_MAX} integers")
         with self._lock:
             self._expire_dp_ranks(time.monotonic())

@@ -16,13 +16,22 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from sparkrelay.transfer.bootstrap_client import bootstrap_url, fetch_prefill_info, fetch_rank
-from sparkrelay.transfer.decode_rooms import Addr, Dest, PrefillRecord
+from sparkrelay.transfer.base import Addr, Dest
+from sparkrelay.transfer.bootstrap.client import bootstrap_url, fetch_prefill_info, fetch_rank
 
 MAX_PREFILLS = 1024  # cached records (and kept-aside endpoint lists)
 MAX_DEAD = 4096  # retired endpoints remembered
+
+
+@dataclass
+class PrefillRecord:
+    """What the decode caches about one prefill (its bootstrap /route answers) until a room fails against it."""
+
+    info: dict  # the server info, with "schema" and "pp_size"
+    endpoints: dict[int, Dest] = field(default_factory=dict)  # pp_rank -> PULL endpoint, every stage
 
 
 class PrefillBook:
@@ -67,7 +76,7 @@ class PrefillBook:
 
     def fetch(self, addr: Addr, deadline: float, wanted: Callable[[], bool]) -> tuple[PrefillRecord, list[Dest]]:
         """GET /route until `deadline` (monotonic) or until wanted() is False; the fresh record, cached, and the
-        endpoints it retires. Raises what bootstrap_client raises (TimeoutError, BootstrapError, ...)."""
+        endpoints it retires. Raises what bootstrap/client.py raises (TimeoutError, BootstrapError, ...)."""
         url = bootstrap_url(*addr)
         info = fetch_prefill_info(url, deadline, self._token, wanted)
         endpoints = {pp: fetch_rank(url, pp, deadline, self._token, wanted) for pp in reversed(range(info["pp_size"]))}

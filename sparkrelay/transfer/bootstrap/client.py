@@ -1,4 +1,4 @@
-"""The bootstrap server's clients (transfer/bootstrap.py): stages register with PUT /route; the decode reads the
+"""The bootstrap server's clients (bootstrap/server.py): stages register with PUT /route; the decode reads the
 server info and each stage's endpoint with GET /route (503 = retry until the deadline) and heartbeats GET /health.
 Plain urllib, no proxy, bounded timeouts."""
 
@@ -14,7 +14,6 @@ from typing import Callable, Optional
 Alive = Optional[Callable[[], bool]]  # False: nobody waits for the answer any more, stop retrying
 
 
-
 class BootstrapError(RuntimeError):
     """A bootstrap request the server refused for good (a 4xx other than 503), or a malformed answer."""
 
@@ -23,7 +22,7 @@ class BootstrapCancelled(RuntimeError):
     """Retrying stopped because nobody waits for the answer any more (every room that needed it ended)."""
 
 
-def _is_int(v: object) -> bool:
+def is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -121,7 +120,7 @@ def fetch_prefill_info(url: str, deadline: float, token: Optional[str] = None, a
     info = _get_until(f"{url}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
                       deadline, token, alive)
     pp_size = info.get("pp_size")
-    if not _is_int(pp_size) or not 1 <= pp_size <= 1024 or not isinstance(info.get("schema"), dict):
+    if not is_int(pp_size) or not 1 <= pp_size <= 1024 or not isinstance(info.get("schema"), dict):
         raise BootstrapError(f"bootstrap server at {url} sent malformed server info (pp_size {pp_size!r}, "
                              f"schema {type(info.get('schema')).__name__})")
     return info
@@ -133,7 +132,7 @@ def fetch_rank(url: str, pp_rank: int, deadline: float, token: Optional[str] = N
     entry = _get_until(f"{url}/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0"
                        f"&target_pp_rank={pp_rank}", deadline, token, alive)
     ip, port = entry.get("rank_ip"), entry.get("rank_port")
-    if not isinstance(ip, str) or not ip or not _is_int(port) or not 1 <= port <= 65535:
+    if not isinstance(ip, str) or not ip or not is_int(port) or not 1 <= port <= 65535:
         raise BootstrapError(f"bootstrap server at {url} sent a malformed endpoint for pp_rank {pp_rank}: {entry}")
     return ip, port
 

@@ -25,9 +25,10 @@ from typing import Any, Callable
 
 import zmq
 
-from sparkrelay.transfer.frames import FrameAuth, tcp_endpoint
+from sparkrelay.transfer.base import Dest
+from sparkrelay.transfer.wire.auth import FrameAuth
+from sparkrelay.transfer.wire.inbox import tcp_endpoint
 
-Dest = tuple[str, int]
 SNDHWM = 64  # messages zmq buffers per connected peer before we queue them here
 MAX_QUEUED = 1024  # per destination: more than this and put() refuses
 

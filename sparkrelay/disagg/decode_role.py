@@ -1,0 +1,166 @@
+"""The decode role (--disaggregation-mode decode, --pp-size 1, DSpark optional). A request moves through two named
+queues before it joins the scheduler's batch, as in SGLang's decode scheduler:
+
+    prealloc      (DecodePreallocQueue)  waits, in arrival order, for blocks for its prompt (deferred while the
+                                         cache is full, never failed); once reserved: DecodeAgent.begin, the
+                                         handshake with the prefill's bootstrap server and TRANSFER_INFO
+    transferring  (DecodeTransferQueue)  waits for every prefill stage's parts
+        Success -> target KV written at the request's slots (paired by global layer id), the metadata row's room
+                   checked, the drafter's context injected at absolute positions (hidden / tail / draft-kv)
+                   -> KVArrived: the engine appends the first token and admits the request to the batch
+        Failed  -> HandoffFailed (never decodes with a cold drafter)
+A request with the fake bootstrap host contacts no peer: its prompt KV (and draft context) is zeros, its first token
+is its prompt's last token, and it decodes from there (a /health_generate that exercises the model).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from sparkrelay.config import Config
+from sparkrelay.disagg.handoff import expected_parts, inject_context, read_meta, write_kv
+from sparkrelay.disagg.roles import IDLE_WAIT_S, EngineParts, Event, HandoffFailed, KVArrived, PDRole
+from sparkrelay.disagg.schema import compare
+from sparkrelay.kvcache.pool import KVPool
+from sparkrelay.models.attention import slot_index
+from sparkrelay.scheduler.request import Bootstrap, Request
+from sparkrelay.transfer.base import DecodeTransfer, KVPoll, get_backend
+
+
+@dataclass
+class _Pending:
+    req: Request
+    bootstrap: Bootstrap
+
+
+class DecodeRole(PDRole):
+    role = "decode"
+
+    def __init__(self, config: Config, dtype: torch.dtype) -> None:
+        super().__init__(config, dtype)
+        self.prealloc: dict[str, _Pending] = {}  # rid -> waiting for blocks, in arrival order
+        self.transferring: dict[str, _Pending] = {}  # rid -> blocks reserved, parts on their way
+        self.agent: Optional[DecodeTransfer] = None
+        self.parts: Optional[EngineParts] = None
+        self.handoff_bytes = 0  # bytes received from prefill stages (KV + handoff + metadata rows)
+        self.context_bytes = 0  # of which DSpark context and metadata rows (everything but the target KV)
+
+    def attach(self, parts: EngineParts) -> None:
+        self.parts = parts
+        dc, e = self.config.disagg, self.env
+        decode_agent = get_backend(dc.disaggregation_transfer_backend)[1]  # --disaggregation-transfer-backend
+        self.agent = decode_agent(self.schema.to_dict(), compare, expected_parts, dc.disaggregation_bootstrap_host,
+                                  e.bootstrap_timeout, e.waiting_timeout, e.heartbeat_interval,
+                                  e.heartbeat_max_failures, dc.disaggregation_bootstrap_port,
+                                  auth_token=e.token(dc.disaggregation_auth_token),
+                                  max_part_bytes=self._largest_part(parts.context_length))
+        self.agent.start()
+
+    def _largest_part(self, context_length: int) -> int:
+        """The biggest part a prompt this server accepts can need (all target layers' KV at the context length,
+        or the hidden rows / draft KV): frames above it are refused before they are buffered."""
+        parts = expected_parts(self.schema.to_dict(), context_length)
+        return max(p.nbytes for stage in parts.values() for p in stage)
+
+    def take(self, req: Request, bootstrap: Bootstrap) -> bool:
+        self._register(req, bootstrap)
+        self.prealloc[req.rid] = _Pending(req, bootstrap)  # even max_new_tokens 0: the prefill's KV must be received
+        return True
+
+    # -- receive: prealloc -> transferring -> (the engine's) running ----------------------------------------------
+    def receive(self) -> list[Event]:
+        self._reserve()
+        return [ev for p in list(self.transferring.values()) if (ev := self._poll(p)) is not None]
+
+    def _reserve(self) -> None:
+        """Blocks for each new request's prompt, in arrival order; a request that does not fit waits (deferred,
+        never failed: docs/pd_protocol.md, failure modes)."""
+        for p in list(self.prealloc.values()):
+            n = len(p.req.prompt_ids)
+            if not self.parts.scheduler.reserve(p.req, n):
+                return
+            del self.prealloc[p.req.rid]
+            if not p.bootstrap.is_fake:
+                self.agent.begin(p.bootstrap.room, p.bootstrap.host, p.bootstrap.port, n)
+            self.transferring[p.req.rid] = p
+
+    def _poll(self, p: _Pending) -> Optional[Event]:
+        req = p.req
+        if p.bootstrap.is_fake:
+            del self.transferring[req.rid]
+            return self._fake_arrival(req)
+        res = self.agent.poll(req.bootstrap_room)
+        if res.state == KVPoll.Success:
+            del self.transferring[req.rid]
+            return self._commit(req)
+        if res.state == KVPoll.Failed:
+            del self.transferring[req.rid]
+            self.agent.clear(req.bootstrap_room)
+            code = 400 if res.permanent else 502  # 400: deterministic (a schema mismatch), a retry fails the same way
+            return HandoffFailed(req, f"KV transfer of room {req.bootstrap_room} failed: {res.reason}", code)
+        return None
+
+    def _slots(self, req: Request) -> torch.Tensor:
+        page = self.parts.scheduler.blocks.page_size
+        return slot_index([req.block_ids], len(req.prompt_ids), page)[0].to(self.parts.device)  # [n]
+
+    def _commit(self, req: Request) -> Event:
+        room = req.bootstrap_room
+        parts = self.agent.take(room)
+        self.agent.clear(room)
+        sizes = [(name, len(part.data)) for stage in parts.values() for name, part in stage.items()]
+        self.handoff_bytes += sum(n for _, n in sizes)
+        self.context_bytes += sum(n for name, n in sizes if name != "kv")
+        slots = self._slots(req)
+        proposer = self.parts.proposer
+        try:
+            row = read_meta(self.schema, parts, room)
+            write_kv(self.parts.pool, parts, slots)
+            if proposer is not None:
+                req.draft_ctx_start = inject_context(proposer, self.schema, parts, row, slots)
+        except Exception as e:  # whatever the bytes were, only this request fails; the engine keeps serving
+            return HandoffFailed(req, f"handoff of room {room} rejected: {type(e).__name__}: {e}", 502)
+        # the prefill scored the first token when this request asked for logprobs
+        return KVArrived(req, row.first_token, (row.first_logprob, row.top_logprobs[: req.params.top_logprobs_num]))
+
+    def _fake_arrival(self, req: Request) -> Event:
+        slots = self._slots(req)
+        _zero(self.parts.pool, slots)
+        if self.parts.proposer is not None:
+            _zero(self.parts.proposer.pool, slots)
+            req.draft_ctx_start = 0
+        return KVArrived(req, req.prompt_ids[-1])
+
+    def wait(self, idle: bool) -> None:
+        if idle and self.has_work():
+            time.sleep(IDLE_WAIT_S)
+
+    def drop(self, req: Request) -> None:
+        p = self.transferring.pop(req.rid, None)
+        if p is not None and not p.bootstrap.is_fake:
+            self.agent.abort(req.bootstrap_room, "aborted by the decode server's client")
+            self.agent.clear(req.bootstrap_room)
+        self.prealloc.pop(req.rid, None)
+        super().drop(req)
+
+    def has_work(self) -> bool:
+        return bool(self.prealloc or self.transferring)
+
+    def stats(self) -> dict:
+        return {"num_prealloc": len(self.prealloc), "num_transfers_inflight": len(self.transferring),
+                "handoff_bytes_total": self.handoff_bytes, "context_bytes_total": self.context_bytes}
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+
+
+def _zero(pool: KVPool, slots: torch.Tensor) -> None:
+    """K and V of every layer of `pool` at `slots` [n] set to zero (a fake request's prompt, no transfer)."""
+    for k, v in pool.layers.values():
+        k.index_fill_(0, slots, 0)
+        v.index_fill_(0, slots, 0)

@@ -1,0 +1,23 @@
+"""The handoff of --disaggregation-mode (disagg/roles.py says what a handoff is)."""
+
+from __future__ import annotations
+
+import torch
+
+from sparkrelay.config import Config
+from sparkrelay.disagg.roles import Handoff
+
+
+def build_handoff(config: Config, dtype: torch.dtype) -> Handoff:
+    """The handoff of --disaggregation-mode; a prefill binds its bootstrap server and stage-report inbox here,
+    before the pipeline stages load (they register with the one and report to the other)."""
+    mode = config.disagg.disaggregation_mode
+    if mode == "prefill":
+        from sparkrelay.disagg.prefill_role import PrefillRole  # the transfer agents load only for a PD role
+
+        return PrefillRole(config, dtype)
+    if mode == "decode":
+        from sparkrelay.disagg.decode_role import DecodeRole
+
+        return DecodeRole(config, dtype)
+    return Handoff()

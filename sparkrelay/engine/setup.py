@@ -1,0 +1,130 @@
+"""How an Engine is built from the config: dtype, model (stage 0's layers), tokenizer, limits, drafter and runner.
+
+Plain functions, each a step of Engine.__init__ (engine/engine.py), so the engine module keeps the loop."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from sparkrelay.config import Config, ConfigError
+from sparkrelay.kvcache.pool import KVPool
+from sparkrelay.models.dspark import load_dspark
+from sparkrelay.models.qwen3 import Qwen3ForCausalLM
+from sparkrelay.pipeline.partition import pp_partition
+from sparkrelay.runner.model_runner import ModelRunner
+from sparkrelay.runner.spec_runner import SpecRunner
+from sparkrelay.spec.proposer import DSparkProposer
+from sparkrelay.spec.stats import SpecStats
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    return DTYPES[name]
+
+
+def check_device(device: str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: CUDA is not available on this machine")
+    return dev
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def stage0_end(config: Config, hf_config: dict) -> int:
+    """With --pp-size N this process is stage 0: it loads (and caches KV for) only the first stage's layers."""
+    layers = int(hf_config["num_hidden_layers"])
+    try:
+        return pp_partition(layers, config.parallel.pp_size)[0][1]
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def context_length(config: Config, model_max: int) -> int:
+    asked = config.model.context_length
+    if asked is not None and asked > model_max:
+        raise ConfigError(f"--context-length {asked} exceeds the model's max_position_embeddings {model_max}")
+    return asked or model_max
+
+
+def eos_ids(folder: str, hf_config: dict, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen_cfg = Path(folder) / "generation_config.json"
+    for source in (json.loads(gen_cfg.read_text()) if gen_cfg.is_file() else {}, hf_config):
+        eos = source.get("eos_token_id")
+        ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(ids))
+
+
+def kv_capacity(config: Config, context: int) -> int:
+    """--max-total-tokens (default min(64 contexts, 128k)) rounded down to whole pages."""
+    page = config.cache.page_size
+    total = config.cache.max_total_tokens or min(64 * context, 1 << 17)
+    if total // page * page < page:
+        raise ConfigError(f"--max-total-tokens {total} is smaller than one page ({page})")
+    return total // page * page
+
+
+def build_proposer(config: Config, model: Qwen3ForCausalLM, dtype: torch.dtype, device: torch.device,
+                   num_blocks: int) -> DSparkProposer:
+    sp = config.spec
+    try:
+        drafter = load_dspark(sp.speculative_draft_model_path, model.spec, dtype, config.model.device,
+                              share_embedding_from=model.model.embed_tokens.weight,
+                              share_lm_head_from=model.lm_head.weight)
+    except ValueError as e:
+        raise ConfigError(f"--speculative-draft-model-path {sp.speculative_draft_model_path}: {e}") from e
+    cap = sp.speculative_num_draft_tokens or drafter.spec.block_size
+    return DSparkProposer(drafter, num_blocks, config.cache.page_size, device, cap,
+                          sp.speculative_dspark_confidence_threshold, head_t=model.head_t)
+
+
+def build_runner(config: Config, model: Qwen3ForCausalLM, pool: KVPool, device: torch.device,
+                 proposer: Optional[DSparkProposer], context: int, status_address: str):
+    """(runner, spec stats or None): a pipeline of stage processes (--pp-size > 1, or a prefill server, whose
+    stages send the handoff and report to `status_address`), a drafting runner (DSpark) or the plain one."""
+    seed = config.model.seed
+    if proposer is None and (config.parallel.pp_size > 1 or config.disagg.disaggregation_mode == "prefill"):
+        from sparkrelay.pipeline.runner import PipelineRunner  # stage processes only when a pipeline is asked for
+
+        return PipelineRunner(config, model, pool, status_address=status_address), None
+    if proposer is None:
+        return ModelRunner(model, pool, device, seed), None
+    runner = SpecRunner(model, pool, device, seed, proposer=proposer, context_length=context)
+    return runner, SpecStats(proposer.max_drafts)
+
+
+def compile_model(model: Qwen3ForCausalLM, proposer: Optional[DSparkProposer]) -> None:
+    """torch.compile the forwards, shapes dynamic (token counts and context lengths change every step).
+    Prefill, one-sequence decode and batched decode trace different graphs; the cache limit leaves room."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+    model.body = torch.compile(model.body, dynamic=True)
+    if proposer is not None:
+        proposer.drafter.block_forward = torch.compile(proposer.drafter.block_forward, dynamic=True)
+
+
+def model_info(config: Config, hf_config: dict) -> dict:
+    mc = config.model
+    return {
+        "model_path": os.path.abspath(mc.model_path),
+        "tokenizer_path": os.path.abspath(mc.tokenizer_path or mc.model_path),
+        "is_generation": True,
+        "architectures": hf_config.get("architectures", ["Qwen3ForCausalLM"]),
+        "model_type": hf_config.get("model_type", "qwen3"),
+    }

@@ -1,0 +1,172 @@
+"""OpenAI's /v1/completions and /v1/chat/completions (with the SGLang / vLLM extensions): the request models and
+their translation into engine items (n items per prompt, prompt-major)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sparkrelay.scheduler.request import MAX_TOP_LOGPROBS, RequestError
+from sparkrelay.server.async_engine import GenerationItem
+from sparkrelay.server.protocol.common import Limits, Routed, Strict, check_extras, check_max_tokens, check_n, \
+    check_prompt, sampling, tokenize, unsupported
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class OpenAIRequest(Routed):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    user: Optional[str] = None
+    presence_penalty: Optional[float] = 0.0  # null: the default, as OpenAI's schema allows
+    frequency_penalty: Optional[float] = 0.0
+    repetition_penalty: Optional[float] = 1.0  # vLLM / SGLang extension
+    logit_bias: Optional[dict[str, float]] = None
+    # SGLang extensions
+    top_k: int = -1
+    min_p: float = 0.0
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False  # SGLang extension, added by sglang-router (SGLANG_EXTRAS)
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+    logprobs: Optional[int] = None  # 0..20: the chosen token's logprob and this many top ones (null: off)
+
+
+class ContentPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. `name`; only role and content reach the template
+    role: str
+    content: Union[str, list[ContentPart], None] = None
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None  # 0..20, with logprobs true
+    tools: Optional[list[Any]] = None
+    tool_choice: Any = None
+    response_format: Optional[dict[str, Any]] = None
+    # SGLang extensions that sglang-router adds to every chat body. Without a reasoning parser (this server has
+    # none) SGLang ignores both reasoning flags, so either value is served the same way.
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+
+
+def _or(value: Optional[float], default: float) -> float:
+    return default if value is None else value
+
+
+def _openai_common(req: OpenAIRequest, limits: Limits) -> dict[str, Any]:
+    check_extras(req)
+    if req.logit_bias:
+        raise unsupported("logit_bias")
+    check_n(req.n, limits)
+    return dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                stop=req.stop or (), stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
+                skip_special_tokens=req.skip_special_tokens, no_stop_trim=req.no_stop_trim,
+                repetition_penalty=_or(req.repetition_penalty, 1.0), frequency_penalty=_or(req.frequency_penalty, 0.0),
+                presence_penalty=_or(req.presence_penalty, 0.0))
+
+
+def _expand(prompts: list[list[int]], max_tokens: list[int], common: dict, n: int, seed: Optional[int],
+            base_id: str) -> list[GenerationItem]:
+    """n items per prompt, prompt-major (choice index = prompt * n + sample); seed + sample if seeded."""
+    items = []
+    for p, (ids, mt) in enumerate(zip(prompts, max_tokens)):
+        for j in range(n):
+            params = sampling(**common, max_new_tokens=mt, seed=None if seed is None else seed + j)
+            items.append(GenerationItem(f"{base_id}-{p * n + j}", ids, params))
+    return items
+
+
+def completion_items(req: CompletionRequest, tokenizer, limits: Limits, base_id: str) -> list[GenerationItem]:
+    if req.echo:
+        raise unsupported("echo")
+    if req.suffix:
+        raise unsupported("suffix")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"`logprobs` must be in 0..{MAX_TOP_LOGPROBS} (or null: off), got {req.logprobs}")
+    if req.best_of not in (None, 1, req.n):
+        raise unsupported("best_of")
+    common = _openai_common(req, limits)
+    if req.logprobs is not None:
+        common |= dict(return_logprob=True, top_logprobs_num=req.logprobs)
+    p = req.prompt
+    if isinstance(p, str):
+        prompts = [tokenize(tokenizer, p)]
+    elif p and isinstance(p[0], str):
+        prompts = [tokenize(tokenizer, t) for t in p]
+    elif p and isinstance(p[0], list):
+        prompts = [list(x) for x in p]
+    else:
+        prompts = [list(p)]
+    prompts = [check_prompt(x, f"prompt[{i}]" if len(prompts) > 1 else "prompt") for i, x in enumerate(prompts)]
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
+    check_max_tokens("max_tokens", max_tokens, limits)
+    return _expand(prompts, [max_tokens] * len(prompts), common, req.n, req.seed, base_id)
+
+
+def _message_dict(m: ChatMessage) -> dict[str, str]:
+    content = m.content if isinstance(m.content, str) or m.content is None else "".join(c.text for c in m.content)
+    return {"role": m.role, "content": content or ""}
+
+
+def chat_prompt_ids(req: ChatCompletionRequest, tokenizer) -> list[int]:
+    messages = [_message_dict(m) for m in req.messages]
+    cont = req.continue_final_message  # SGLang / vLLM: the reply extends the last (assistant) message
+    if cont and messages[-1]["role"] != "assistant":
+        raise RequestError("`continue_final_message` needs the last message to have role 'assistant'")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=not cont, tokenize=False,
+                                             **({"continue_final_message": True} if cont else {}))
+    except Exception as e:  # a template may raise on roles or orders it does not support
+        raise RequestError(f"chat template failed on `messages`: {e}") from e
+    return check_prompt(list(tokenizer.encode(text, add_special_tokens=False)), "templated chat prompt")
+
+
+def chat_items(req: ChatCompletionRequest, tokenizer, limits: Limits, base_id: str) -> list[GenerationItem]:
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"`top_logprobs` must be in 0..{MAX_TOP_LOGPROBS}, got {req.top_logprobs}")
+    if req.top_logprobs and not req.logprobs:
+        raise RequestError("`top_logprobs` needs `logprobs: true`")
+    if req.tools or req.tool_choice not in (None, "none"):
+        raise unsupported("tools")
+    if req.response_format and req.response_format.get("type") != "text":
+        raise unsupported("response_format")
+    common = _openai_common(req, limits)
+    if req.logprobs:
+        common |= dict(return_logprob=True, top_logprobs_num=req.top_logprobs or 0)
+    ids = chat_prompt_ids(req, tokenizer)
+    if None not in (req.max_tokens, req.max_completion_tokens) and req.max_tokens != req.max_completion_tokens:
+        raise RequestError("`max_tokens` and `max_completion_tokens` disagree")
+    given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if given is not None:
+        check_max_tokens("max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+                         given, limits)
+    # Without a limit, generate up to the context; a prompt that fills it is rejected by the engine.
+    max_tokens = given if given is not None else max(limits.context_length - len(ids), 1)
+    return _expand([ids], [max_tokens], common, req.n, req.seed, base_id)

@@ -1,0 +1,74 @@
+"""The drafter's offline evaluation (python -m sparkrelay.tools.train.drafter): greedy speculative decoding
+simulated along the target's greedy continuation of held-out prompts, giving the acceptance length and the
+per-slot rates without a serving engine."""
+
+from __future__ import annotations
+
+import torch
+
+from sparkrelay.models.dspark import Qwen3DSparkModel
+from sparkrelay.tools.train.drafter_data import greedy_continue, target_pass
+
+
+@torch.no_grad()
+def eval_set(target, held: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Held-out prompts + the target's greedy continuations: seqs [n, P + new], ends [n] (exclusive; a
+    continuation ends at its first <|endoftext|>, id 0)."""
+    n, p = args.eval_prompts, args.eval_prompt_len
+    offsets = torch.linspace(0, held.numel() - p - 1, n).long().tolist()
+    seqs = greedy_continue(target, torch.stack([held[o: o + p] for o in offsets]).long(), args.eval_new)
+    gen_part = seqs[:, p:] == 0
+    return seqs, torch.where(gen_part.any(1), p + gen_part.int().argmax(1) + 1, seqs.shape[1])
+
+
+@torch.no_grad()
+def acceptance(model: Qwen3DSparkModel, target, seqs: torch.Tensor, ends: torch.Tensor, p: int,
+               use_markov: bool = True) -> dict:
+    """Greedy speculative decoding simulated offline (propose, verify with the greedy acceptance rule, commit:
+    docs/dspark.md, decoding): the target's greedy
+    continuation of held-out prompts is the committed text; each round drafts B tokens from the context < start
+    and accepts the longest prefix equal to the target's tokens, plus the bonus. seqs [n, L] with prompts of length
+    p, ends [n] from `eval_set`. Returns τ (mean acceptance length incl. bonus) and per-slot rates."""
+    (n, length), b = seqs.shape, model.spec.block_size
+    feats, _ = target_pass(target, seqs, list(model.spec.target_layer_ids))
+    kv = model.context_kv(model.project_context(feats.reshape(n * length, -1)), torch.arange(length).repeat(n))
+    ks = [k.view(n, length, *k.shape[1:]) for k, _ in kv]
+    vs = [v.view(n, length, *v.shape[1:]) for _, v in kv]
+    starts = torch.full((n,), p)  # anchor = the first generated token (sampled by the prefill)
+    rounds, tau_sum = 0, 0
+    proposed, accepted, cond_n, cond_hit, conf_sum = (torch.zeros(b) for _ in range(5))
+    while True:
+        rows = (starts < ends - 1).nonzero().flatten()
+        if rows.numel() == 0:
+            break
+        st = starts[rows]
+        ids = torch.full((rows.numel(), b), model.spec.mask_token_id)
+        ids[:, 0] = seqs[rows, st]
+        pos = st[:, None] + torch.arange(b)
+        h = model.block_forward(ids, pos, [k[rows] for k in ks], [v[rows] for v in vs], ctx_len=st)
+        u = model.base_logits(h)
+        if use_markov:
+            ones = torch.ones(rows.numel(), dtype=torch.bool)
+            drafts = model.markov_sample(u, ids[:, 0], torch.zeros(rows.numel()), ones)[0]
+        else:
+            drafts = u.argmax(-1)
+        conf = torch.sigmoid(model.confidence(h, torch.cat([ids[:, :1], drafts[:, :-1]], 1)))
+        truth = seqs[rows].gather(1, (pos + 1).clamp(max=length - 1))
+        m = (ends[rows] - 1 - st).clamp(max=b)  # drafts that can be checked against the committed text
+        live = torch.arange(b) < m[:, None]
+        acc = ((drafts == truth) & live).int().cumprod(1).sum(1)  # a: accepted drafts
+        rounds, tau_sum = rounds + rows.numel(), tau_sum + int((acc + 1).sum())
+        k = torch.arange(b)
+        proposed += live.sum(0)
+        accepted += (acc[:, None] > k).sum(0)
+        reached = live & (acc[:, None] >= k)  # slot k verified with all earlier drafts accepted
+        cond_n += reached.sum(0)
+        cond_hit += (reached & (acc[:, None] > k)).sum(0)
+        conf_sum += (conf * reached).sum(0)
+        starts[rows] = st + acc + 1
+    r3 = lambda t: [round(float(x), 3) for x in t]
+    return {"tau": round(tau_sum / max(rounds, 1), 3), "rounds": rounds,
+            "accept_rate_at_k": r3(accepted / proposed.clamp(min=1)),
+            "conditional_accept_k": r3(cond_hit / cond_n.clamp(min=1)),
+            "mean_confidence_k": r3(conf_sum / cond_n.clamp(min=1)),
+            "committed_tokens": int((ends - p).sum())}
