@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 class ConfigError(ValueError):
@@ -32,6 +33,10 @@ class ModelConfig:
     tokenizer_path: Optional[str] = _f(None, "Tokenizer folder (default: --model-path).", ftype=str)
     dtype: str = _f("auto", "Weight and activation dtype (auto: float32 on cpu, bfloat16 on cuda).", DTYPES)
     device: str = _f("cpu", "Torch device: cpu, cuda or cuda:N.")
+    torchao_config: str = _f("", "int8wo: int8 weights with per-output-channel scales in the target's and drafter's "
+                                 "linears, cpu only (the LM head and embeddings stay in --dtype).", ("", "int8wo"))
+    load_format: str = _f("auto", "Target and drafter weights: auto = safetensors (the folders' files), or dummy "
+                                  "(random, at each config.json's shapes, the same in every process).", LOAD_FORMATS)
     context_length: Optional[int] = _f(None, "Longest prompt + output (default: the model's limit).", ftype=int)
     served_model_name: Optional[str] = _f(None, "Model name reported by the API (default: --model-path).", ftype=str)
     seed: int = _f(0, "Seed of the sampling generator used by requests without their own seed.")
@@ -42,7 +47,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = _f(16, "Tokens per KV cache page (block).")
-    max_total_tokens: Optional[int] = _f(None, "KV cache capacity in tokens (default: 64 full-context requests or 2^17, whichever is smaller).", ftype=int)
+    max_total_tokens: Optional[int] = _f(None, "KV cache capacity in tokens (default: 64 full-context requests, 2^17, "
+                                               "or on cpu what 4 GiB holds, whichever is smallest).", ftype=int)
     disable_radix_cache: bool = _f(True, "SGLang's switch, accepted and always in force: there is no prefix (radix) "
                                          "cache yet, so every prompt is prefilled in full (default: true; "
                                          "--enable-radix-cache is refused).")
@@ -165,7 +171,16 @@ class Config:
         _folder("--model-path", self.model.model_path)
         if self.model.tokenizer_path is not None:
             _folder("--tokenizer-path", self.model.tokenizer_path)
+        self._validate_load_format()
         return self
+
+    def _validate_load_format(self) -> None:
+        fmt, draft = self.model.load_format, self.spec.speculative_draft_model_path
+        if fmt not in LOAD_FORMATS:
+            raise ConfigError(f"--load-format {fmt!r} is not one of {', '.join(LOAD_FORMATS)}")
+        for flag, path in (("--model-path", self.model.model_path), ("--speculative-draft-model-path", draft)):
+            if fmt == "dummy" and path is not None and not os.path.isfile(os.path.join(path, "config.json")):
+                raise ConfigError(f"--load-format dummy: {flag} {path!r} has no config.json (the shapes)")
 
     def _validate_spec(self) -> None:
         sp = self.spec
@@ -261,7 +276,7 @@ SGLANG_ONLY_FLAGS: dict[str, str] = {
         "--nnodes", "--node-rank", "--dist-init-addr", "--enable-dp-attention", "--enable-dp-lm-head",
         "--moe-a2a-backend", "--enable-ep-moe", "--enable-deepep-moe", "--schedule-policy",
         "--schedule-conservativeness", "--cpu-offload-gb",
-        "--skip-tokenizer-init", "--load-format", "--quantization", "--kv-cache-dtype", "--attention-backend",
+        "--skip-tokenizer-init", "--quantization", "--kv-cache-dtype", "--attention-backend",
         "--prefill-attention-backend", "--decode-attention-backend", "--sampling-backend", "--grammar-backend",
         "--cuda-graph-max-bs", "--cuda-graph-bs", "--disable-cuda-graph", "--disable-cuda-graph-padding",
         "--enable-mixed-chunk", "--enable-hierarchical-cache", "--disable-overlap-schedule",

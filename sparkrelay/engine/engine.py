@@ -20,7 +20,8 @@ from sparkrelay.disagg.factory import build_handoff
 from sparkrelay.disagg.roles import EngineParts, Event, HandedOff, HandoffFailed, KVArrived
 from sparkrelay.engine import setup
 from sparkrelay.kvcache.pool import KVPool
-from sparkrelay.models.loader import read_config
+from sparkrelay.models.loader import SHAPE_FIELDS, read_config
+from sparkrelay.models.quant import apply_torchao_config
 from sparkrelay.models.qwen3 import load_qwen3
 from sparkrelay.runner.model_runner import RunResult
 from sparkrelay.scheduler.block_manager import BlockManager
@@ -47,16 +48,18 @@ class Engine:
 
     def _build(self, config: Config) -> None:
         mc = config.model
-        self.hf_config = read_config(mc.model_path)
+        self.hf_config = read_config(mc.model_path, SHAPE_FIELDS)
         self.model = load_qwen3(mc.model_path, 0, setup.stage0_end(config, self.hf_config), dtype=self.dtype,
-                                device=mc.device)
+                                device=mc.device, load_format=mc.load_format)
+        apply_torchao_config(self.model, mc.torchao_config)
         self.tokenizer = setup.load_tokenizer(mc.tokenizer_path or mc.model_path)
         spec = self.model.spec
         self.vocab_size = spec.vocab_size
         self.context_length = setup.context_length(config, spec.max_position_embeddings)
         self.eos_token_ids = setup.eos_ids(mc.model_path, self.hf_config, self.tokenizer)
         page = config.cache.page_size
-        self.max_total_tokens = setup.kv_capacity(config, self.context_length)
+        self.max_total_tokens = setup.kv_capacity(config, self.context_length, KVPool.bytes_per_token(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype))
         num_blocks = self.max_total_tokens // page
         self.blocks = BlockManager(num_blocks, page)
         self.pool = KVPool(range(self.model.start, self.model.end), num_blocks, page, spec.num_kv_heads,

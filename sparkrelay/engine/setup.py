@@ -14,6 +14,7 @@ import torch
 from sparkrelay.config import Config, ConfigError
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.dspark import load_dspark
+from sparkrelay.models.quant import apply_torchao_config
 from sparkrelay.models.qwen3 import Qwen3ForCausalLM
 from sparkrelay.pipeline.partition import pp_partition
 from sparkrelay.runner.model_runner import ModelRunner
@@ -70,10 +71,15 @@ def eos_ids(folder: str, hf_config: dict, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def kv_capacity(config: Config, context: int) -> int:
-    """--max-total-tokens (default min(64 contexts, 128k)) rounded down to whole pages."""
+CPU_KV_BYTES = 4 << 30  # the default pool's cap on cpu, as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE 4 GiB)
+
+
+def kv_capacity(config: Config, context: int, bytes_per_token: int = 1) -> int:
+    """--max-total-tokens (default min(64 contexts, 128k, on cpu what 4 GiB holds at `bytes_per_token`, the KV of
+    every layer: all pipeline stages run on this host)) rounded down to whole pages."""
     page = config.cache.page_size
-    total = config.cache.max_total_tokens or min(64 * context, 1 << 17)
+    cap = CPU_KV_BYTES // bytes_per_token if config.model.device == "cpu" else 1 << 17
+    total = config.cache.max_total_tokens or min(64 * context, 1 << 17, cap)
     if total // page * page < page:
         raise ConfigError(f"--max-total-tokens {total} is smaller than one page ({page})")
     return total // page * page
@@ -85,12 +91,13 @@ def build_proposer(config: Config, model: Qwen3ForCausalLM, dtype: torch.dtype, 
     try:
         drafter = load_dspark(sp.speculative_draft_model_path, model.spec, dtype, config.model.device,
                               share_embedding_from=model.model.embed_tokens.weight,
-                              share_lm_head_from=model.lm_head.weight)
+                              share_lm_head_from=model.lm_head.weight, load_format=config.model.load_format)
     except ValueError as e:
         raise ConfigError(f"--speculative-draft-model-path {sp.speculative_draft_model_path}: {e}") from e
+    apply_torchao_config(drafter, config.model.torchao_config)
     cap = sp.speculative_num_draft_tokens or drafter.spec.block_size
     return DSparkProposer(drafter, num_blocks, config.cache.page_size, device, cap,
-                          sp.speculative_dspark_confidence_threshold, head_t=model.head_t)
+                          sp.speculative_dspark_confidence_threshold, head=model.head)
 
 
 def build_runner(config: Config, model: Qwen3ForCausalLM, pool: KVPool, device: torch.device,

@@ -19,8 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparkrelay.models.layers import RMSNorm, Rotary, apply_rope
-from sparkrelay.models.loader import CheckpointError, load_weights, read_config
+from sparkrelay.models.kernels import fast_head
+from sparkrelay.models.layers import RMSNorm, Rotary, apply_rope, fuse_linears, transposed
+from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
+from sparkrelay.models.loader import SHAPE_FIELDS, CheckpointError, is_dummy, load_weights, read_config
 from sparkrelay.models.qwen3 import Qwen3DecoderLayer, Qwen3Spec
 
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -138,6 +140,13 @@ class ConfidenceHead(nn.Module):
 class DraftLayer(Qwen3DecoderLayer):
     """A Qwen3 layer whose B block queries attend, without a causal mask, over [context K/V ; block K/V] (§1.5)."""
 
+    def fuse(self) -> None:
+        """After loading: the fused products of the layer, and a K/V-only product for the context rows (a copy of the
+        k/v weights, [2 * n_kv * hd, d]: a packed weight has no column slice to read)."""
+        self.kv_proj = fuse_linears(self.self_attn.k_proj, self.self_attn.v_proj)
+        self.self_attn.fuse()
+        self.mlp.fuse()
+
     def block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
               mask: Optional[torch.Tensor]) -> torch.Tensor:
         """x [R, B, d]; cos/sin [R*B, 1, hd]; ctx_k/ctx_v [R, Lc, n_kv, hd]; mask [R, 1, 1, Lc+B] or None."""
@@ -158,12 +167,8 @@ class DraftLayer(Qwen3DecoderLayer):
         attn, n = self.self_attn, c.shape[0]
         if attn.qkv is None:
             k, v = attn.k_proj(c), attn.v_proj(c)
-        else:  # fused after loading: only the k/v columns of the transposed [d, q + k + v] weight
-            cols = slice(attn.n_heads * attn.head_dim, None)
-            kv = c @ attn.qkv.weight_t[:, cols]  # a column slice: a strided operand BLAS takes without a copy
-            if attn.qkv.bias is not None:
-                kv = kv + attn.qkv.bias[cols]
-            k, v = kv.chunk(2, dim=-1)
+        else:
+            k, v = self.kv_proj.forward(c).chunk(2, dim=-1)  # [N, 2 * n_kv * hd] -> 2 x [N, n_kv * hd]
         k = apply_rope(attn.k_norm(k.view(n, attn.n_kv, attn.head_dim)), cos, sin)
         return k, v.view(n, attn.n_kv, attn.head_dim)
 
@@ -184,11 +189,14 @@ class Qwen3DSparkModel(nn.Module):
         conf_dim = s.hidden_size + (r if spec.confidence_head_with_markov else 0)
         self.confidence_head = ConfidenceHead(conf_dim) if spec.enable_confidence_head else None
         self.rotary = Rotary(s.head_dim, s.rope_theta, s.max_position_embeddings, torch.device(device))
+        self.head: nn.Module | None = None  # the LM head's fast copy, unless the target's is used (load_dspark)
 
     def fuse(self) -> None:
+        """After loading: every draft layer's products and fc in their fast layouts (the Markov head's W2, [V, r],
+        stays an nn.Linear: small, and read by name)."""
         for layer in self.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.fuse()
+        self.fc = transposed(self.fc)
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """features [N, n_taps*d] (taps concatenated in target_layer_ids order) -> C [N, d]."""
@@ -217,7 +225,7 @@ class Qwen3DSparkModel(nn.Module):
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [R, B, d] -> U [R, B, V]."""
-        return self.lm_head(h)
+        return self.lm_head(h) if self.head is None else self.head.forward(h)
 
     def markov_bias(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """Teacher-forced bias (training): h [R, B, d], prev [R, B] -> β [R, B, V] (zeros without a Markov head)."""
@@ -265,37 +273,54 @@ class Qwen3DSparkModel(nn.Module):
         return self.confidence_head.proj(x).squeeze(-1)
 
 
-def _share(module: nn.Module, tensor: Optional[torch.Tensor]) -> bool:
-    """Replace module.weight by `tensor` when they are identical (dtype, device, shape, values); True if shared."""
-    own = module.weight
-    if tensor is None or tensor.dtype != own.dtype or tensor.device != own.device or tensor.shape != own.shape:
-        return False
-    if not torch.equal(tensor, own):
+def _fits(own: torch.Tensor, tensor: Optional[torch.Tensor]) -> bool:
+    return tensor is not None and (tensor.dtype, tensor.device, tensor.shape) == (own.dtype, own.device, own.shape)
+
+
+def _share(module: nn.Module, tensor: Optional[torch.Tensor], trust: bool = False) -> bool:
+    """Replace module.weight by `tensor` when they are identical (dtype, device, shape, values; `trust`: the values
+    are equal by definition, see load_dspark); True if shared."""
+    if not _fits(module.weight, tensor) or not (trust or torch.equal(tensor, module.weight)):
         return False
     module.weight = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
     return True
 
 
+def dspark_dummy_key(target_spec: Qwen3Spec):
+    """Drafter parameter name -> the checkpoint key seeding its dummy values: the embedding and LM head are the
+    target's (frozen copies in a released drafter), so they equal the target's dummy tensors and are shared."""
+    head = "model.embed_tokens.weight" if target_spec.tie_word_embeddings else "lm_head.weight"
+    return lambda name: {"embed_tokens.weight": "model.embed_tokens.weight", "lm_head.weight": head}.get(name, name)
+
+
 def load_dspark(folder: str | Path, target_spec: Qwen3Spec, dtype: torch.dtype = torch.float32, device: str = "cpu",
                 share_embedding_from: Optional[torch.Tensor] = None, share_lm_head_from: Optional[torch.Tensor] = None,
-                fuse: bool = True) -> Qwen3DSparkModel:
-    """Build the drafter in `folder` for `target_spec` and load it (checked complete). The embedding / LM head are
-    replaced by the target's tensors when those are identical, so the drafter holds no second copy
-    (`model.shared_with_target` names the ones shared)."""
-    hf = read_config(folder)
+                fuse: bool = True, load_format: str = "auto") -> Qwen3DSparkModel:
+    """Build the drafter in `folder` for `target_spec` and load it (checked complete), or give it dummy weights
+    (`load_format` "dummy"). The embedding / LM head are replaced by the target's tensors when those are identical,
+    so the drafter holds no second copy (`model.shared_with_target` names the ones shared)."""
+    dummy = is_dummy(load_format)
+    hf = dummy_config(folder, SHAPE_FIELDS) if dummy else read_config(folder, SHAPE_FIELDS)
     archs = hf.get("architectures")
     if archs != [ARCHITECTURE]:
         raise CheckpointError(f"{folder}: architectures {archs!r} is not [{ARCHITECTURE!r}] (not a Qwen3 DSpark/DFlash drafter)")
     spec = DSparkSpec.from_hf(hf, target_spec)
     with torch.device("meta"):
         model = Qwen3DSparkModel(spec, device="cpu")
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # allocated once, in `dtype`
     model.rotary = Rotary(spec.body.head_dim, spec.body.rope_theta, spec.body.max_position_embeddings, torch.device(device))
-    load_weights(model, folder, dtype=dtype)
+    shares = {"embed_tokens": share_embedding_from, "lm_head": share_lm_head_from}
+    # dummy: the embedding and LM head are the target's (frozen copies in a released drafter), never drawn twice
+    trusted = {n for n, t in shares.items() if dummy and _fits(getattr(model, n).weight, t)}
+    if dummy:
+        fill_dummy(model, init_std(hf), dspark_dummy_key(target_spec), skip={f"{n}.weight" for n in trusted})
+    else:
+        load_weights(model, folder, dtype=dtype)
     if fuse:
         model.fuse()
     model.eval().requires_grad_(False)  # before sharing: never touch the target's own flags
-    shared = [name for name, t in (("embed_tokens", share_embedding_from), ("lm_head", share_lm_head_from))
-              if _share(getattr(model, name), t)]
+    shared = [name for name, t in shares.items() if _share(getattr(model, name), t, name in trusted)]
     model.shared_with_target = tuple(shared)
+    if fuse and "lm_head" not in shared:
+        model.head = fast_head(model.lm_head.weight)  # a shared head's fast copy is the target's
     return model

@@ -24,7 +24,8 @@ from torch import nn
 
 from sparkrelay.models.dspark import ARCHITECTURE, DSparkSpec, Qwen3DSparkModel
 from sparkrelay.models.layers import RMSNorm, Rotary, apply_rope
-from sparkrelay.models.loader import CheckpointError, load_weights, read_config
+from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
+from sparkrelay.models.loader import SHAPE_FIELDS, CheckpointError, is_dummy, load_weights, read_config
 from sparkrelay.models.qwen3 import Qwen3Spec
 
 
@@ -95,17 +96,22 @@ def _drafter_names(spec: DSparkSpec) -> set[str]:
 
 
 def load_context_projector(folder: str | Path, target_spec: Qwen3Spec, dtype: torch.dtype = torch.float32,
-                           device: str = "cpu") -> ContextProjector:
-    """Read only the context-projection tensors of the DeepSpec drafter in `folder` (checked complete)."""
-    hf = read_config(folder)
+                           device: str = "cpu", load_format: str = "auto") -> ContextProjector:
+    """Read only the context-projection tensors of the DeepSpec drafter in `folder` (checked complete), or give them
+    their dummy values (`load_format` "dummy": the same as the full drafter's, tensor by tensor name)."""
+    dummy = is_dummy(load_format)
+    hf = dummy_config(folder, SHAPE_FIELDS) if dummy else read_config(folder, SHAPE_FIELDS)
     if hf.get("architectures") != [ARCHITECTURE]:
         raise CheckpointError(f"{folder}: architectures {hf.get('architectures')!r} is not [{ARCHITECTURE!r}]")
     spec = DSparkSpec.from_hf(hf, target_spec)
     with torch.device("meta"):
         model = ContextProjector(spec, device="meta")
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)
     s = spec.body
     model.rotary = Rotary(s.head_dim, s.rope_theta, s.max_position_embeddings, torch.device(device))
-    drafter = _drafter_names(spec)
-    load_weights(model, folder, elsewhere=lambda key: key in drafter, dtype=dtype)
+    if dummy:
+        fill_dummy(model, init_std(hf))
+    else:
+        drafter = _drafter_names(spec)
+        load_weights(model, folder, elsewhere=lambda key: key in drafter, dtype=dtype)
     return model.eval().requires_grad_(False)

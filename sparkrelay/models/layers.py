@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparkrelay.models.kernels import frozen_linear
+
 
 class RMSNorm(nn.Module):
     """Qwen3 RMSNorm: normalize in float32, scale in the input dtype (as transformers does)."""
@@ -29,7 +31,7 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(dim, inter, bias=False)
         self.up_proj = nn.Linear(dim, inter, bias=False)
         self.down_proj = nn.Linear(inter, dim, bias=False)
-        self.gate_up: TLinear | None = None
+        self.gate_up: nn.Module | None = None
 
     def fuse(self) -> None:
         self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
@@ -43,33 +45,16 @@ class SwiGLU(nn.Module):
         return self.down_proj.forward(F.silu(gate) * up)
 
 
-class TLinear(nn.Module):
-    """A loaded, frozen Linear that keeps its weight transposed, [in, out]: `x @ weight_t` is about a third faster
-    than `F.linear(x, weight)` for the one-row products of decoding on CPU (measured with MKL, fp32)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.weight_t = nn.Parameter(weight.detach().t().contiguous(), requires_grad=False)  # [in, out]
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.weight_t.t()  # [out, in] view, for code that reads the weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.matmul(x, self.weight_t)
-        return y if self.bias is None else y + self.bias
+def transposed(linear: nn.Linear) -> nn.Module:
+    """The loaded `linear` as a frozen layer in its fastest layout (kernels.frozen_linear)."""
+    return frozen_linear(linear.weight, linear.bias)
 
 
-def transposed(linear: nn.Linear) -> TLinear:
-    return TLinear(linear.weight, linear.bias)
-
-
-def fuse_linears(*linears: nn.Linear) -> TLinear:
-    """One layer whose output is the concatenation of the given ones' outputs (fewer, larger kernels)."""
+def fuse_linears(*linears: nn.Linear) -> nn.Module:
+    """One frozen layer whose output is the concatenation of the given ones' outputs (fewer, larger kernels)."""
     weight = torch.cat([l.weight for l in linears], dim=0)
     bias = torch.cat([l.bias for l in linears], dim=0) if linears[0].bias is not None else None
-    return TLinear(weight, bias)
+    return frozen_linear(weight, bias)
 
 
 class Rotary:
@@ -85,11 +70,15 @@ class Rotary:
         sin = emb.sin()
         self.sin = torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), dim=-1)
         self.max_positions = max_positions
+        self.by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {torch.float32: (self.cos, self.sin)}
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for `positions` [T] -> each [T, 1, D] (broadcast over heads)."""
-        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
-        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+        """cos, sin for `positions` [T] -> each [T, 1, D] (broadcast over heads), read from a table already in
+        `dtype` (converted once, on first use: no conversion per step)."""
+        if dtype not in self.by_dtype:
+            self.by_dtype[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+        cos, sin = self.by_dtype[dtype]
+        return cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

@@ -16,22 +16,41 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from sparkrelay.config import LOAD_FORMATS  # auto = safetensors, the only weight files read
+
+
+# The config.json fields every Qwen3-shaped model (target or drafter) needs; the rest have defaults.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
 
 class CheckpointError(ValueError):
     """The checkpoint does not match the model: names the missing, unexpected or mis-shaped tensors."""
 
 
-def read_config(folder: str | Path) -> dict:
+def read_config(folder: str | Path, require: tuple[str, ...] = ()) -> dict:
+    """The folder's config.json; a field of `require` that it lacks is an error naming the file and the fields."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path} not found")
-    return json.loads(path.read_text())
+    cfg = json.loads(path.read_text())
+    missing = [k for k in require if cfg.get(k) is None]
+    if missing:
+        raise CheckpointError(f"{path} lacks the field(s) {missing}, needed for the model's shapes")
+    return cfg
+
+
+def is_dummy(load_format: str) -> bool:
+    """True for `--load-format dummy` (random weights, no files read); the safetensors formats give False."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format {load_format!r} is not one of {LOAD_FORMATS}")
+    return load_format == "dummy"
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"no *.safetensors files in {folder}")
+        raise CheckpointError(f"no *.safetensors files in {folder} (--load-format dummy runs random weights at the "
+                              "shapes of its config.json)")
     return files
 
 
@@ -105,3 +124,9 @@ def qwen3_key_owner(num_layers: int, start: int, end: int, tied: bool) -> tuple[
         return False
 
     return rename, elsewhere
+
+
+def qwen3_dummy_key(tied: bool) -> Callable[[str], str]:
+    """Parameter name -> the checkpoint key whose dummy values it gets (rename's inverse): a tied LM head on a last
+    stage without the embedding is the embedding."""
+    return lambda name: "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name

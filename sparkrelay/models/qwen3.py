@@ -16,11 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparkrelay.models.attention import AttnMeta, paged_attention
+from sparkrelay.models.kernels import fast_head
 from sparkrelay.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, fuse_linears, rope_theta, transposed
-from sparkrelay.models.loader import CheckpointError, load_weights, qwen3_key_owner, read_config
+from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
+from sparkrelay.models.loader import (SHAPE_FIELDS, CheckpointError, is_dummy, load_weights, qwen3_dummy_key,
+                                      qwen3_key_owner, read_config)
 
-
-HEAD_COPY_BYTES = 64 << 20  # largest LM head given a transposed CPU copy
 
 
 @dataclass(frozen=True)
@@ -157,20 +158,18 @@ class Qwen3ForCausalLM(nn.Module):
         self.model = Qwen3Body(spec, start, end)
         self.is_last = end == spec.num_layers
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if self.is_last else None
+        self.head: nn.Module | None = None  # the LM head's fast copy, set by `fuse`
         max_pos = spec.max_position_embeddings
         self.rotary = Rotary(spec.head_dim, spec.rope_theta, max_pos, torch.device(device))
 
     def fuse(self) -> None:
-        """Merge each layer's q/k/v and gate/up projections (after the checkpoint's separate tensors are loaded)."""
+        """After loading: merge each layer's q/k/v and gate/up projections, every product in its fast layout."""
         for layer in self.model.layers.values():
             layer.self_attn.fuse()
             layer.mlp.fuse()
-        # The LM head stays an nn.Linear (tied, it is the embedding itself, and the drafter shares it by identity).
-        # On CPU a small head also gets a transposed copy for the faster one-row product (see TLinear).
-        self.head_t: torch.Tensor | None = None
-        head = self.lm_head.weight if self.lm_head is not None else None
-        if head is not None and head.device.type == "cpu" and head.numel() * head.element_size() <= HEAD_COPY_BYTES:
-            self.head_t = head.detach().t().contiguous()  # [d, V]
+        # The LM head stays an nn.Linear (tied, it is the embedding itself, and the drafter shares it by identity);
+        # `head` is its fast copy for the logits where one pays (kernels.fast_head), else None.
+        self.head = fast_head(self.lm_head.weight) if self.lm_head is not None else None
 
     def owns_tap(self, layer_id: int) -> bool:
         return (layer_id == -1 and self.start == 0) or self.start <= layer_id < self.end
@@ -185,7 +184,7 @@ class Qwen3ForCausalLM(nn.Module):
         logits = None
         if self.is_last:
             rows = self.model.norm(h if logits_index is None else h[logits_index])
-            logits = self.lm_head(rows) if self.head_t is None else rows @ self.head_t
+            logits = self.lm_head(rows) if self.head is None else self.head.forward(rows)
         return StageOutput(hidden=h, logits=logits, taps=dict(zip(owned, tapped)))
 
     def body(self, h: torch.Tensor, meta: AttnMeta, kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]],
@@ -202,20 +201,25 @@ class Qwen3ForCausalLM(nn.Module):
 
 
 def load_qwen3(folder: str, start: int = 0, end: Optional[int] = None, dtype: torch.dtype = torch.float32,
-               device: str = "cpu") -> Qwen3ForCausalLM:
-    """Build the stage [start, end) of the checkpoint in `folder` and load its weights (checked complete)."""
-    hf = read_config(folder)
+               device: str = "cpu", load_format: str = "auto") -> Qwen3ForCausalLM:
+    """Build the stage [start, end) of the checkpoint in `folder` and load its weights (checked complete), or give
+    it the dummy weights of its config's shapes (`load_format` "dummy": the same values in every stage and process)."""
+    dummy = is_dummy(load_format)
+    hf = dummy_config(folder, SHAPE_FIELDS) if dummy else read_config(folder, SHAPE_FIELDS)
     archs = hf.get("architectures") or ["Qwen3ForCausalLM"]
     if hf.get("model_type", "qwen3") != "qwen3" or "Qwen3ForCausalLM" not in archs:
         raise CheckpointError(f"{folder}: model_type {hf.get('model_type')!r} / architectures {archs} is not Qwen3ForCausalLM")
     spec = Qwen3Spec.from_hf(hf)
     with torch.device("meta"):
         model = Qwen3ForCausalLM(spec, start, end, device=device)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # allocated once, in `dtype`
     model.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.max_position_embeddings, torch.device(device))
     if spec.tie_word_embeddings and model.is_last and model.model.embed_tokens is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
-    rename, elsewhere = qwen3_key_owner(spec.num_layers, model.start, model.end, spec.tie_word_embeddings)
-    load_weights(model, folder, rename, elsewhere, dtype)
+    if dummy:
+        fill_dummy(model, init_std(hf), qwen3_dummy_key(spec.tie_word_embeddings))
+    else:
+        rename, elsewhere = qwen3_key_owner(spec.num_layers, model.start, model.end, spec.tie_word_embeddings)
+        load_weights(model, folder, rename, elsewhere, dtype)
     model.fuse()
     return model.eval()

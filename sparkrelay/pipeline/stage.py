@@ -85,7 +85,7 @@ def model_view(full: Qwen3ForCausalLM, start: int, end: int) -> Qwen3ForCausalLM
     view.model.layers = nn.ModuleDict({str(i): full.model.layers[str(i)] for i in range(start, end)})
     view.model.norm = full.model.norm if view.is_last else None
     view.lm_head = full.lm_head if view.is_last else None
-    view.head_t = full.head_t if view.is_last else None
+    view.head = full.head if view.is_last else None
     view.rotary = full.rotary
     return view
 
@@ -99,7 +99,8 @@ def build_stage(index: int, partition: list[tuple[int, int]], model: Qwen3ForCau
     owns = stage_taps(capture.target_layer_ids, partition, index) if capture.mode == "partial" else ()
     if capture.mode == "partial" and (owns or index == len(partition) - 1):
         dtype = next(model.parameters()).dtype
-        projector = load_context_projector(capture.drafter_path, model.spec, dtype, str(device))
+        projector = load_context_projector(capture.drafter_path, model.spec, dtype, str(device),
+                                           config.model.load_format)
         if projector.spec.target_layer_ids != capture.target_layer_ids:
             raise ConfigError(f"capture target layer ids {list(capture.target_layer_ids)} != the drafter's "
                               f"target_layer_ids {list(projector.spec.target_layer_ids)} (its fc columns)")

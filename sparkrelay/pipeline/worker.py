@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from sparkrelay.config import Config
 from sparkrelay.kvcache.pool import KVPool
+from sparkrelay.models.quant import apply_torchao_config
 from sparkrelay.models.qwen3 import load_qwen3
 from sparkrelay.pipeline.capture import CaptureSpec, PayloadShape
 from sparkrelay.pipeline.comm import Channel, PeerLost, make_group
@@ -54,7 +55,8 @@ def load(rank: int, launch: dict) -> tuple[Stage, PayloadShape, torch.device]:
         torch.cuda.set_device(device)  # NCCL binds this rank to its own GPU
     partition = [tuple(b) for b in launch["partition"]]
     start, end = partition[rank]
-    model = load_qwen3(config.model.model_path, start, end, dtype, str(device))
+    model = load_qwen3(config.model.model_path, start, end, dtype, str(device), config.model.load_format)
+    apply_torchao_config(model, config.model.torchao_config)
     s = model.spec
     pool = KVPool(range(start, end), launch["num_blocks"], config.cache.page_size, s.num_kv_heads, s.head_dim,
                   dtype, device)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch import nn
 
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import slot_index
@@ -28,16 +29,16 @@ class Proposal:
 
 class DSparkProposer:
     def __init__(self, drafter: Qwen3DSparkModel, num_blocks: int, page_size: int, device: torch.device,
-                 max_drafts: int, confidence_threshold: float, head_t: Optional[torch.Tensor] = None) -> None:
-        """head_t: the target's transposed LM head [d, V] (a CPU speed copy), used when the drafter shares the head."""
+                 max_drafts: int, confidence_threshold: float, head: Optional[nn.Module] = None) -> None:
+        """head: the target's fast LM head copy (`Qwen3ForCausalLM.head`), used when the drafter shares the head."""
         body = drafter.spec.body
-        self.head_t = head_t if "lm_head" in getattr(drafter, "shared_with_target", ()) else None
+        self.head = head if "lm_head" in getattr(drafter, "shared_with_target", ()) else None
         self.drafter, self.device, self.page_size = drafter, device, page_size
         self.taps = drafter.spec.target_layer_ids
         self.block_size = drafter.spec.block_size
         self.max_drafts = min(max_drafts, self.block_size)
         self.threshold = confidence_threshold if drafter.confidence_head is not None else 0.0
-        dtype = drafter.fc.weight.dtype
+        self.dtype = dtype = drafter.norm.weight.dtype  # the drafter's activations (fc may be packed or int8)
         self.pool = KVPool(range(body.num_layers), num_blocks, page_size, body.num_kv_heads, body.head_dim, dtype, device)
         self.max_position = body.max_position_embeddings - 1
 
@@ -55,7 +56,7 @@ class DSparkProposer:
     def write_features(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """features [N, n_taps * d] (the aux rows, taps in target_layer_ids order) at absolute `positions` [N] ->
         each draft layer's context K/V written into `slots` [N] (also the decode side of a PD handoff)."""
-        c = self.drafter.project_context(features.to(self.drafter.fc.weight.dtype))  # [N, d]
+        c = self.drafter.project_context(features.to(self.dtype))  # [N, d]
         for layer, (k, v) in enumerate(self.drafter.context_kv(c, positions)):
             k_pool, v_pool = self.pool.layers[layer]
             k_pool.index_copy_(0, slots, k)
@@ -88,7 +89,7 @@ class DSparkProposer:
         anchor_pos = torch.tensor(starts, device=dev)
         positions = (anchor_pos[:, None] + torch.arange(b, device=dev)[None, :]).clamp(max=self.max_position)
         h = self.drafter.block_forward(block_ids, positions, ctx_k, ctx_v, ctx_len)  # [R, B, d]
-        u = self.drafter.base_logits(h) if self.head_t is None else h @ self.head_t  # [R, B, V]
+        u = self.drafter.base_logits(h) if self.head is None else self.head.forward(h)  # [R, B, V]
         drafts, z = self.drafter.markov_sample(u, anchor_t, temperature, greedy, shared, h=h, generators=generators)
         if bool(greedy.all()):
             q = z  # greedy verification never reads the draft distribution

@@ -1,0 +1,187 @@
+"""Frozen linear kernels: packed bfloat16 (oneDNN) and weight-only int8 against F.linear; whole models with them."""
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparkrelay import LLM, SamplingParams
+from sparkrelay.config import ConfigError
+from sparkrelay.kvcache.pool import KVPool
+from sparkrelay.models import kernels
+from sparkrelay.models.attention import AttnMeta
+from sparkrelay.models.kernels import PackedLinear, TLinear, fast_head, frozen_linear
+from sparkrelay.models.layers import fuse_linears
+from sparkrelay.models.quant import DEQUANT_ROWS, Int8Linear, apply_torchao_config, quantize_per_channel
+from sparkrelay.models.qwen3 import load_qwen3
+from testkit.models import PROMPT_SOURCE, code_prompts, make_random_qwen3
+
+BF16 = dict(rtol=1.6e-2, atol=2e-2)  # a bfloat16 ulp is 2^-8 relative; outputs here are O(1)
+ROWS = (1, 8, 33)
+
+
+def weights(out: int, inp: int, bias: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(out, inp, generator=g) / inp ** 0.5).to(torch.bfloat16)  # outputs O(1) for x ~ N(0, 1)
+    return w, (torch.randn(out, generator=g).to(torch.bfloat16) if bias else None)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(384, 256), (256, 768), (1000, 96)])
+@torch.inference_mode()
+def test_packed_bf16_equals_f_linear(rows, bias, shape):
+    w, b = weights(*shape, bias)
+    layer = frozen_linear(w, b)
+    assert isinstance(layer, PackedLinear)
+    x = torch.randn(rows, shape[1]).to(torch.bfloat16)
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, shape[0])
+    torch.testing.assert_close(got, F.linear(x, w, b), **BF16)
+    torch.testing.assert_close(layer(x.view(1, rows, -1)), got.view(1, rows, -1))  # [R, B, d] inputs (the drafter)
+    assert torch.equal(layer.weight, w)  # the packed layout holds the weight exactly
+
+
+@torch.inference_mode()
+def test_float32_keeps_the_transposed_layout():
+    w = torch.randn(64, 32)
+    layer = frozen_linear(w)
+    assert isinstance(layer, TLinear)
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(layer(x), F.linear(x, w))
+    assert fast_head(torch.randn(100_000, 1024)) is None  # a large float32 head: F.linear reads it at bandwidth
+    assert isinstance(fast_head(torch.randn(1000, 64).to(torch.bfloat16)), PackedLinear)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("bias", [False, True])
+@torch.inference_mode()
+def test_fused_qkv_packed_equals_separate_products(rows, bias):
+    lins = [nn.Linear(128, n, bias=bias).to(torch.bfloat16) for n in (256, 64, 64)]
+    fused = fuse_linears(*lins)
+    assert isinstance(fused, PackedLinear)
+    x = torch.randn(rows, 128).to(torch.bfloat16)
+    want = torch.cat([F.linear(x, l.weight, l.bias) for l in lins], dim=-1)  # [T, 384]
+    torch.testing.assert_close(fused(x), want, **BF16)
+
+
+@pytest.mark.parametrize("rows", ROWS + (DEQUANT_ROWS + 3,))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@torch.inference_mode()
+def test_int8wo_linear(rows, dtype):
+    w, b = weights(512, 256, True, seed=1)
+    layer = Int8Linear(w, b, dtype)
+    x = torch.randn(rows, 256).to(dtype)
+    got = layer(x).float()
+    q, scales = quantize_per_channel(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127  # each row's largest weight maps to ±127
+    exact = F.linear(x.float(), q.float() * scales.to(dtype).float()[:, None], b.to(dtype).float())
+    torch.testing.assert_close(got, exact, **BF16)  # the kernel computes the dequantized product
+    ref = F.linear(x.float(), w.float(), b.float())
+    rel = (got - ref).norm() / ref.norm()
+    assert rel < 0.02, f"int8 weight-only product is {rel:.4f} away from the bfloat16 one (relative RMS)"
+    torch.testing.assert_close(layer(x.view(1, rows, -1)).float(), got.view(1, rows, -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@torch.inference_mode()
+def test_int8wo_replaces_every_layer_linear_but_the_head(random_model_dir, dtype):
+    model = load_qwen3(str(random_model_dir), dtype=dtype)
+    before = model.model.layers["0"].mlp.down_proj.weight.clone()
+    apply_torchao_config(model, "int8wo")
+    layer = model.model.layers["0"]
+    for lin in (layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up, layer.mlp.down_proj):
+        assert isinstance(lin, Int8Linear)
+    assert (model.head is None or isinstance(model.head, (PackedLinear, TLinear)))
+    assert isinstance(model.model.embed_tokens, nn.Embedding) and isinstance(model.lm_head, nn.Linear)
+    down = layer.mlp.down_proj  # [d, inter] weights from either layout (TLinear's is a transposed view)
+    x = torch.randn(2, down.in_features).to(dtype)
+    torch.testing.assert_close(down(x).float(), F.linear(x.float(), before.float()), rtol=0.05, atol=0.05)
+    with pytest.raises(ConfigError, match="int4wo"):
+        apply_torchao_config(model, "int4wo")
+
+
+def greedy(folder, prompts, **settings) -> list[list[int]]:
+    llm = LLM(str(folder), **{"page_size": 4, "max_total_tokens": 2048, **settings})
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
+    return [o["output_ids"] for o in outs]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_model_greedy_equals_unpacked(tmp_path, monkeypatch, tied):
+    from transformers import AutoTokenizer
+
+    folder = make_random_qwen3(tmp_path / "m", seed=3, tie_word_embeddings=tied)
+    prompts = code_prompts(AutoTokenizer.from_pretrained(folder), 6, PROMPT_SOURCE)
+    packed = greedy(folder, prompts, dtype="bfloat16")
+    monkeypatch.setattr(kernels, "can_pack", lambda w: False)  # every layer on the transposed-matmul path
+    assert greedy(folder, prompts, dtype="bfloat16") == packed
+
+
+@torch.inference_mode()
+def held_out_loss(model, ids: torch.Tensor, dtype: torch.dtype, seq: int = 48) -> tuple[float, torch.Tensor]:
+    """Mean next-token loss over windows of `ids`, and the argmax token at every position (windows shorter than
+    quant.DEQUANT_ROWS: the int8 kernel runs)."""
+    losses, top = [], []
+    for window in (w for w in ids.split(seq) if w.numel() == seq):
+        pool = KVPool(range(model.spec.num_layers), -(-seq // 16), 16, model.spec.num_kv_heads, model.spec.head_dim,
+                      dtype, "cpu")
+        logits = model(AttnMeta.build([0], [seq], [list(range(-(-seq // 16)))], 16, "cpu"), pool.layers,
+                       input_ids=window).logits.float()
+        losses.append(F.cross_entropy(logits[:-1], window[1:]).item())
+        top.append(logits.argmax(-1))
+    return sum(losses) / len(losses), torch.cat(top)
+
+
+def test_int8wo_bundled_model_quality(bundled_model_dir):
+    """Loose sanity bounds only; the measured figures (all held-out windows, greedy agreement) are in README."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(bundled_model_dir)
+    ids = torch.tensor(tok.encode(PROMPT_SOURCE)[: 24 * 48])
+    bf16 = load_qwen3(str(bundled_model_dir), dtype=torch.bfloat16)
+    int8 = load_qwen3(str(bundled_model_dir), dtype=torch.bfloat16)
+    apply_torchao_config(int8, "int8wo")
+    loss_bf16, top_bf16 = held_out_loss(bf16, ids, torch.bfloat16)
+    loss_int8, top_int8 = held_out_loss(int8, ids, torch.bfloat16)
+    agreement = (top_bf16 == top_int8).float().mean().item()
+    print(f"held-out loss bf16 {loss_bf16:.4f}, int8wo {loss_int8:.4f}; top-1 agreement {agreement:.4f}")
+    assert loss_int8 < loss_bf16 + 0.1, (loss_bf16, loss_int8)
+    assert agreement > 0.9, agreement
+
+
+@pytest.mark.parametrize("tao", ["", "int8wo"])
+def test_dspark_bf16_drafter_is_packed_and_accepts(bundled_model_dir, bundled_drafter_dir, tao):
+    """bfloat16 DSpark: the drafter's products are packed (or int8), its drafts are accepted, and its greedy
+    outputs follow plain decoding of the same target (up to bfloat16 rounding between row counts)."""
+    from transformers import AutoTokenizer
+
+    prompts = code_prompts(AutoTokenizer.from_pretrained(bundled_model_dir), 6, PROMPT_SOURCE)
+    settings = dict(dtype="bfloat16", torchao_config=tao, page_size=4, max_total_tokens=4096)
+    plain = greedy(bundled_model_dir, prompts, **settings)
+    llm = LLM(str(bundled_model_dir), speculative_algorithm="DSPARK",
+              speculative_draft_model_path=str(bundled_drafter_dir), **settings)
+    drafter = llm.engine.proposer.drafter
+    kind = Int8Linear if tao else PackedLinear
+    assert all(isinstance(m, kind) for l in drafter.layers for m in (l.kv_proj, l.self_attn.qkv, l.mlp.down_proj))
+    assert isinstance(drafter.fc, kind)
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
+    same = sum(a["output_ids"] == b for a, b in zip(outs, plain))
+    print(f"DSpark {tao or 'bf16'}: {same}/{len(prompts)} outputs equal plain; stats {llm.engine.stats()}")
+    assert llm.engine.stats()["spec_accept_length"] > 1.5
+    assert same >= len(prompts) // 2  # a verify multiplies 1 + B rows at once: bf16 rounding may flip a near-tie
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None, reason="inductor needs a C++ compiler")
+@pytest.mark.parametrize("kind", ["packed", "int8wo"])
+@torch.inference_mode()
+def test_layers_compile(kind):
+    """--enable-torch-compile: inductor takes both layers (the packed weight through an opaque op)."""
+    w, b = weights(256, 128, True, seed=2)
+    layer = PackedLinear(w, b) if kind == "packed" else Int8Linear(w, b, torch.bfloat16)
+    compiled = torch.compile(layer.forward, dynamic=True)
+    for rows in (1, 5):
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        torch.testing.assert_close(compiled(x), layer(x), **BF16)
