@@ -18,6 +18,7 @@ from sparkrelay.tools.cluster import free_port, server_argv, start
 from sparkrelay.transfer.base import KVPoll, Part, PartSpec
 from sparkrelay.transfer.bootstrap import BootstrapServer
 from sparkrelay.transfer.zmq_backend import DecodeAgent, PrefillAgent
+from testkit.transfer import wait_for
 from testkit.pd import DRAFTER, MODEL, post
 
 HOST = "127.0.0.1"
@@ -39,16 +40,6 @@ def expected_parts(schema: dict, prompt_len: int) -> dict[int, list[PartSpec]]:
     per = schema["num_layers"] // schema["pp_size"]
     return {s: [PartSpec("kv", tuple(range(s * per, (s + 1) * per)), "bfloat16", (per, 2, prompt_len, 8))]
             for s in range(schema["pp_size"])}
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.005)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 class PrefillSide:

@@ -36,13 +36,14 @@ def make_parts(pp_rank: int, room: int, prompt_len: int = 5) -> list[Part]:
 
 
 def wait_for(pred, timeout: float = 5.0, what: str = "condition"):
+    """pred()'s first truthy value, polled every 2 ms; AssertionError naming `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = pred()
         if value:
             return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 class Cluster:

@@ -17,6 +17,7 @@ from sparkrelay.transfer.base import KVPoll, Part, PartSpec
 from sparkrelay.transfer.bootstrap import BootstrapServer
 from sparkrelay.transfer.protocol import TransferInfo
 from sparkrelay.transfer.zmq_backend import DecodeAgent, PrefillAgent
+from testkit.transfer import wait_for
 
 HOST = "127.0.0.1"
 TOKEN = "prefill-outbox-test-token-0123456789"
@@ -36,16 +37,6 @@ def expected_parts(schema: dict, prompt_len: int) -> dict[int, list[PartSpec]]:
 def parts(room: int) -> list[Part]:
     spec = expected_parts(SCHEMA, PROMPT_LEN)[0][0]
     return [Part(spec, bytes([room % 251]) * spec.nbytes)]
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.002)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def test_a_stalled_decode_never_holds_up_the_prefills_rooms_for_another(monkeypatch):
