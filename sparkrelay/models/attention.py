@@ -5,6 +5,13 @@ Memory layout (one pool per layer, see kvcache/pool.py):
 A batch feeds T tokens in total, `q_len[b]` of them for sequence b, whose keys occupy `kv_len[b]` slots
 (the cached context followed by the fed tokens). Queries are scattered into a padded [B, Lq] layout,
 keys gathered into a padded [B, Lk] layout, and one SDPA call with a boolean mask does the whole batch.
+
+Two shapes get a faster call (torch's CPU SDPA, measured on a 2-core avx512_bf16 CPU, 16 q / 8 kv heads of 128):
+- a prefill of whole prompts (every sequence from position 0, all of one length: no padding, no cached prefix)
+  runs `is_causal` without a mask: 124 ms instead of 210 ms per layer at 2,048 tokens;
+- a bfloat16 decode on CPU (one query per sequence) feeds the query twice and keeps the first row: torch's kernel
+  is ~3x slower for a single bfloat16 query than for two (batch 1: 315 -> 117 us at 100 keys, 3.3 -> 1.1 ms at
+  1,000; batch 8: 2.5 -> 0.8 ms at 100), with identical results; float32 has no such slow path.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ class AttnMeta:
     batch: int
     max_q: int
     kv_range: tuple[int, int] | None = None  # one sequence whose key slots are consecutive: read a view, no gather
+    causal: bool = False  # whole prompts of one length from position 0: SDPA's is_causal instead of `mask`
 
     @classmethod
     def build(cls, starts: list[int], ends: list[int], block_tables: list[list[int]], page_size: int,
@@ -63,6 +71,9 @@ class AttnMeta:
         mask = (j.view(1, 1, max_k) <= q_pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, Lq, Lk]
         if max_q == 1 and bool((end_t == max_k).all()):
             mask = None  # one query per sequence and no padding keys: every key is visible
+        causal = max_q > 1 and bool((start_t == 0).all()) and bool((end_t == max_k).all())
+        if causal:
+            mask = None  # Lq == Lk for every sequence: the causal mask is SDPA's own
         kv_range = None
         if batch == 1 and bool((kv_index[0, 1:] - kv_index[0, :-1] == 1).all()):
             kv_range = (int(kv_index[0, 0]), int(kv_index[0, 0]) + max_k)  # blocks allocated back to back
@@ -70,6 +81,7 @@ class AttnMeta:
             positions=positions.to(device), slot_mapping=slot_mapping.to(device),
             q_pad_index=pad_index.to(device), kv_index=kv_index.to(device),
             mask=None if mask is None else mask.to(device), batch=batch, max_q=max_q, kv_range=kv_range,
+            causal=causal,
         )
 
 
@@ -79,8 +91,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
     k_pool.index_copy_(0, meta.slot_mapping, k)  # index_copy_/index_select: far cheaper than advanced indexing
     v_pool.index_copy_(0, meta.slot_mapping, v)
     n_heads, dim = q.shape[1], q.shape[2]
+    twice = meta.max_q == 1 and q.dtype != torch.float32 and q.device.type == "cpu"  # see the module docstring
     if meta.max_q == 1:
-        qp = q.unsqueeze(1)  # [B, 1, H, D]: decode, one token per sequence
+        qp = q.unsqueeze(1).expand(-1, 2 if twice else 1, -1, -1)  # [B, 1 | 2, H, D]: decode, one token per sequence
     else:
         qp = q.new_zeros(meta.batch * meta.max_q, n_heads, dim)
         qp[meta.q_pad_index] = q
@@ -94,7 +107,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
         vp = v_pool.index_select(0, flat).view(meta.batch, -1, *v_pool.shape[1:])
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-        attn_mask=meta.mask, scale=scale, enable_gqa=True,
-    )  # [B, H, Lq, D]
+        attn_mask=meta.mask, is_causal=meta.causal, scale=scale, enable_gqa=True,
+    )  # [B, H, Lq (x2 when `twice`), D]
+    if twice:
+        out = out[:, :, :1]
     out = out.transpose(1, 2).reshape(meta.batch * meta.max_q, n_heads, dim)
     return out if meta.max_q == 1 else out[meta.q_pad_index]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparkrelay.models.kernels import fast_head
+from sparkrelay.models.kernels import fast_head, frozen_linear
 from sparkrelay.models.layers import RMSNorm, Rotary, apply_rope, fuse_linears, transposed
 from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
 from sparkrelay.models.loader import SHAPE_FIELDS, CheckpointError, is_dummy, load_weights, read_config
@@ -120,6 +120,10 @@ class MarkovHead(nn.Module):
             state, e = g * s + (1 - g) * torch.tanh(cand), torch.tanh(out)
         return self.markov_w2(e), state
 
+    def fuse(self) -> None:
+        """After loading: W2 [V, r] in its fast layout (it is read B times per draft round, once per slot)."""
+        self.markov_w2 = frozen_linear(self.markov_w2.weight)
+
     def teacher_forced(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """h [R, B, d], prev [R, B] (slot k's previous token) -> β [R, B, V]; the RNN state runs left to right."""
         if self.kind != "rnn":
@@ -192,11 +196,12 @@ class Qwen3DSparkModel(nn.Module):
         self.head: nn.Module | None = None  # the LM head's fast copy, unless the target's is used (load_dspark)
 
     def fuse(self) -> None:
-        """After loading: every draft layer's products and fc in their fast layouts (the Markov head's W2, [V, r],
-        stays an nn.Linear: small, and read by name)."""
+        """After loading: every draft layer's products, fc and the Markov head's W2 in their fast layouts."""
         for layer in self.layers:
             layer.fuse()
         self.fc = transposed(self.fc)
+        if self.markov_head is not None:
+            self.markov_head.fuse()
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """features [N, n_taps*d] (taps concatenated in target_layer_ids order) -> C [N, d]."""

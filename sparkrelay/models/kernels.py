@@ -2,18 +2,22 @@
 
 Decoding multiplies a few activation rows by every weight matrix once per step, so a step costs about the bytes
 of the weights divided by the read bandwidth, if the kernel streams the weight at that bandwidth. Measured on a
-2-core avx512_bf16 CPU without AMX, over the 113 matrices of Qwen3-0.6B's shape, one input row (best of 7):
-bfloat16 `F.linear` ~68 ms and `x @ weight_t` ~85 ms per sweep, oneDNN with the weight pre-packed ~50 ms
-(~24 GB/s, the measured bandwidth); float32 `x @ weight_t` runs near bandwidth already. So:
+2-core avx512_bf16 CPU without AMX (AMD EPYC), one input row, over 28 layers' distinct q/k/v, o, gate/up and down
+weights of Qwen3-0.6B's shape (best of 5; a one-pass bfloat16 `sum` read ~48 GB/s on the same machine):
 
-    float32 (or not on CPU)  TLinear       weight transposed once, [in, out]; `x @ weight_t` (MKL)
-    bfloat16 on CPU          PackedLinear  weight reordered once into oneDNN's blocked layout (an opaque mkldnn
-                                           tensor); `_linear_pointwise` reads it as it is, for any row count
+    dtype     x @ weight_t (MKL)   F.linear   MKL packed   oneDNN packed (_reorder_linear_weight)
+    float32   18 GB/s              15 GB/s    19 GB/s      33 GB/s   (8 rows: 7 / 8 / 8 / 17 GB/s)
+    bfloat16  -                    ~14 GB/s   -            27 GB/s   (inductor max-autotune's CPP GEMM: ~22 GB/s)
 
-`frozen_linear` picks one. Nothing here converts or copies a weight per call. An LM head is kept besides its
-nn.Linear (tied, that is the embedding the lookup reads): `fast_head` gives it a second copy where that pays, always
-packed in bfloat16 (a [151936, 1024] head: ~25 ms instead of ~45 ms per one-row product, for 311 MB), transposed in
-float32 only while small (HEAD_COPY_BYTES; a large float32 head reads at bandwidth through F.linear already).
+So on CPU every large weight is reordered once into oneDNN's blocked layout (PackedLinear, an opaque mkldnn
+tensor that `_linear_pointwise` reads as it is, for any row count). A small float32 weight (< PACK_MIN_FP32
+elements: the bundled tiny model's) keeps both layouts (SmallLinear, a few MB at most): one row goes to MKL,
+whose `x @ weight_t` dispatches faster (~6 us against ~17 us for a 256x256 weight, 29 us against 29 us for
+1536x256), several rows (a DSpark verify or draft block) to oneDNN (1536x256 at 8 rows: 50 us against 100 us;
+256x768: 34 against 43). `frozen_linear` picks one. Nothing here
+converts or copies a weight per call. An LM head is kept besides its nn.Linear (tied, that is the embedding the
+lookup reads): `fast_head` gives it a second, packed copy on CPU (a bfloat16 [151936, 1024] head: ~25 ms instead
+of ~45 ms per one-row product, for 311 MB more memory).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-HEAD_COPY_BYTES = 64 << 20  # largest float32 LM head given a transposed CPU copy
+PACK_MIN_FP32 = 1 << 19  # float32 weights from this many elements up are packed only (module docstring)
 
 
 class TLinear(nn.Module):
@@ -46,6 +50,20 @@ class TLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.matmul(x, self.weight_t)
         return y if self.bias is None else y + self.bias
+
+
+class SmallLinear(TLinear):
+    """A small frozen float32 Linear on CPU: one row through `x @ weight_t`, several through a packed copy."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 8),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == x.shape[-1] or torch.compiler.is_compiling():
+            return super().forward(x)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 class PackedLinear(nn.Module):
@@ -86,16 +104,19 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> to
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN's packed product is the fast one for bfloat16 weights on CPU (float32 stays on MKL's, see above)."""
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """oneDNN's packed product is the fast one for bfloat16 and float32 weights on CPU (module docstring)."""
+    usable = weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+    return usable and weight.dtype in (torch.bfloat16, torch.float32)
 
 
 def frozen_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
     """weight [out, in] (+ bias [out]) -> the fastest frozen layer for its dtype and device (module docstring)."""
-    return PackedLinear(weight, bias) if can_pack(weight) else TLinear(weight, bias)
+    if not can_pack(weight):
+        return TLinear(weight, bias)
+    small = weight.dtype == torch.float32 and weight.numel() < PACK_MIN_FP32
+    return SmallLinear(weight, bias) if small else PackedLinear(weight, bias)
 
 
 def fast_head(weight: torch.Tensor) -> nn.Module | None:
-    """A frozen copy of the LM head `weight` [V, d] for the logits, or None where F.linear on it is as fast."""
-    small = weight.device.type == "cpu" and weight.numel() * weight.element_size() <= HEAD_COPY_BYTES
-    return frozen_linear(weight) if can_pack(weight) or small else None
+    """A frozen copy of the LM head `weight` [V, d] for the logits, or None off CPU (F.linear on it is as fast)."""
+    return frozen_linear(weight) if weight.device.type == "cpu" else None

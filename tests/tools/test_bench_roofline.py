@@ -54,7 +54,9 @@ def test_bandwidth_is_bytes_over_the_median_pass():
 def test_measure_read_bandwidth_reports_its_method():
     out = bw.measure_read_bandwidth(nbytes=1 << 22, repeats=3)
     assert out["bytes"] == 1 << 22 and len(out["seconds"]) == 3 and out["gb_s"] > 0
-    assert "torch.sum" in out["method"] and "median of 3" in out["method"]
+    assert "torch.sum float32" in out["method"] and "median of 3" in out["method"]
+    assert set(out["reads_gb_s"]) == {"sum float32", "amax float32", "sum bfloat16"}
+    assert out["gb_s"] == pytest.approx(max(out["reads_gb_s"].values()))
 
 
 def test_predicted_speedup_formula():

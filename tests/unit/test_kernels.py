@@ -12,7 +12,7 @@ from sparkrelay.config import ConfigError
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models import kernels
 from sparkrelay.models.attention import AttnMeta
-from sparkrelay.models.kernels import PackedLinear, TLinear, fast_head, frozen_linear
+from sparkrelay.models.kernels import PackedLinear, SmallLinear, TLinear, fast_head, frozen_linear
 from sparkrelay.models.layers import fuse_linears
 from sparkrelay.models.quant import DEQUANT_ROWS, Int8Linear, apply_torchao_config, quantize_per_channel
 from sparkrelay.models.qwen3 import load_qwen3
@@ -44,14 +44,20 @@ def test_packed_bf16_equals_f_linear(rows, bias, shape):
     assert torch.equal(layer.weight, w)  # the packed layout holds the weight exactly
 
 
+@pytest.mark.parametrize("rows", ROWS)
 @torch.inference_mode()
-def test_float32_keeps_the_transposed_layout():
-    w = torch.randn(64, 32)
-    layer = frozen_linear(w)
-    assert isinstance(layer, TLinear)
-    x = torch.randn(3, 32)
-    torch.testing.assert_close(layer(x), F.linear(x, w))
-    assert fast_head(torch.randn(100_000, 1024)) is None  # a large float32 head: F.linear reads it at bandwidth
+def test_float32_layouts(rows):
+    """float32 on CPU: a small weight keeps both layouts (one row: MKL, several: oneDNN), a large one is packed."""
+    g = torch.Generator().manual_seed(4)
+    small, large = torch.randn(64, 32, generator=g), torch.randn(kernels.PACK_MIN_FP32 // 256, 256, generator=g)
+    b = torch.randn(64, generator=g)
+    assert isinstance(frozen_linear(small, b), SmallLinear) and isinstance(frozen_linear(large), PackedLinear)
+    for w, bias in ((small, b), (large, None)):
+        x = torch.randn(rows, w.shape[1], generator=g)
+        layer = frozen_linear(w, bias)
+        torch.testing.assert_close(layer(x), F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(layer(x.view(1, rows, -1)), layer(x).view(1, rows, -1), rtol=1e-5, atol=1e-5)
+    assert isinstance(fast_head(torch.randn(100_000, 64)), PackedLinear)  # CPU heads get a packed copy
     assert isinstance(fast_head(torch.randn(1000, 64).to(torch.bfloat16)), PackedLinear)
 
 
