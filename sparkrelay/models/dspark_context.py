@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from sparkrelay.models.dspark import ARCHITECTURE, DSparkSpec, Qwen3DSparkModel
-from sparkrelay.models.layers import RMSNorm, Rotary, apply_rope
+from sparkrelay.models.kernels import frozen_linear
+from sparkrelay.models.layers import RMSNorm, Rotary, apply_rope, fuse_linears
 from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
 from sparkrelay.models.loader import SHAPE_FIELDS, CheckpointError, is_dummy, load_weights, read_config
 from sparkrelay.models.qwen3 import Qwen3Spec
@@ -44,6 +45,7 @@ class _ContextLayer(nn.Module):
     def __init__(self, s: Qwen3Spec) -> None:
         super().__init__()
         self.self_attn = _ContextAttn(s)
+        self.kv_proj: nn.Module | None = None  # k_proj and v_proj as one frozen product, after `fuse`
 
 
 class ContextProjector(nn.Module):
@@ -55,7 +57,7 @@ class ContextProjector(nn.Module):
         self.hidden_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.layers = nn.ModuleList(_ContextLayer(s) for _ in range(s.num_layers))
         self.rotary = Rotary(s.head_dim, s.rope_theta, s.max_position_embeddings, torch.device(device))
-        self._slices: dict[tuple[int, ...], torch.Tensor] = {}
+        self._slices: dict[tuple[int, ...], nn.Module] = {}  # fc column blocks per stage, frozen
 
     def stage_slice(self, stage_tap_ids: tuple[int, ...]) -> torch.Tensor:
         """fc's columns for these taps -> [d_draft, len(ids) * d], blocks in the order of `stage_tap_ids`."""
@@ -71,9 +73,9 @@ class ContextProjector(nn.Module):
         fc(concat(all taps)), pre-norm: [T, d_draft] float32 (the sum across stages is kept in float32)."""
         key = tuple(stage_tap_ids)
         if key not in self._slices:
-            self._slices[key] = self.stage_slice(key).t().contiguous()  # [k_s*d, d_draft]
-        w_t = self._slices[key]
-        return (taps_of_stage.to(w_t.dtype) @ w_t).float()
+            self._slices[key] = frozen_linear(self.stage_slice(key))  # [d_draft, k_s*d], in its fast layout
+        fc_slice = self._slices[key]
+        return fc_slice(taps_of_stage.to(self.fc.weight.dtype)).float()
 
     def finish(self, partial: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The full pre-norm sum [T, d_draft] at absolute `positions` [T] -> per draft layer
@@ -83,10 +85,18 @@ class ContextProjector(nn.Module):
         out, n = [], c.shape[0]
         for layer in self.layers:
             attn = layer.self_attn
-            k = attn.k_proj(c).view(n, attn.n_kv, attn.head_dim)
-            v = attn.v_proj(c).view(n, attn.n_kv, attn.head_dim)
-            out.append((apply_rope(attn.k_norm(k), cos, sin), v))
+            if layer.kv_proj is None:
+                k, v = attn.k_proj(c), attn.v_proj(c)
+            else:
+                k, v = layer.kv_proj(c).chunk(2, dim=-1)  # the draft layer's own fused product (DraftLayer.fuse)
+            k = k.view(n, attn.n_kv, attn.head_dim)
+            out.append((apply_rope(attn.k_norm(k), cos, sin), v.view(n, attn.n_kv, attn.head_dim)))
         return out
+
+    def fuse(self) -> None:
+        """After loading: each layer's k/v products as one frozen layer, as the full drafter fuses them."""
+        for layer in self.layers:
+            layer.kv_proj = fuse_linears(layer.self_attn.k_proj, layer.self_attn.v_proj)
 
 
 def _drafter_names(spec: DSparkSpec) -> set[str]:
@@ -114,4 +124,5 @@ def load_context_projector(folder: str | Path, target_spec: Qwen3Spec, dtype: to
     else:
         drafter = _drafter_names(spec)
         load_weights(model, folder, elsewhere=lambda key: key in drafter, dtype=dtype)
+    model.fuse()
     return model.eval().requires_grad_(False)

@@ -127,7 +127,8 @@ def header_lines(result: dict) -> list[str]:
     return [f"Machine: {m['cpu']}, {m['cpu_cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
             f"{m['date']}.",
             f"Load (uptime) at start: {result['load']['start']}; at end: {result['load'].get('end', '(running)')}.",
-            f"Read bandwidth: {b['gb_s']:.1f} GB/s ({b['method']}).",
+            f"Read bandwidth: {b['gb_s']:.1f} GB/s ({b['method']}; each read: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in b.get("reads_gb_s", {}).items()) + " GB/s).",
             f"Shapes: {shapes}. Prompts of {s['prompt_len']} tokens, {s['new_tokens']} new tokens, batches "
             f"{s['batches']}, prefill of {s['prefill_len']} tokens, {s['repeats']} repeats (median)."]
 
