@@ -204,3 +204,32 @@ def test_roofline_on_a_config_without_weights(tiny_pair, tmp_path):
     assert result["prefill"] == [] and [r["shape"] for r in result["spec"]] == ["shape"]
     (spark,) = [r for r in result["decode"] if r["engine"] == "sparkrelay"]
     assert spark["greedy_agreement"] == 1.0  # the same dummy weights in both engines
+
+
+def test_roofline_resume_keeps_finished_rows(tiny_pair, tmp_path, monkeypatch):
+    import torch
+
+    from sparkrelay.tools.bench import roofline
+
+    target, _ = tiny_pair
+    out = tmp_path / "results"
+    flags = ["--config", str(target), "--pair", "", "--dtypes", "float32", "--batches", "1", "--new-tokens", "4",
+             "--prompt-len", "8", "--prefill-len", "0", "--repeats", "1", "--spec-prompts", "1", "--threads", "1",
+             "--out", str(out)]
+    threads = torch.get_num_threads()
+    try:
+        first = roofline.main(flags)
+        assert first["done"] == [[Path(target).name, "float32"]] and len(first["decode"]) == 2
+
+        def refuse(*a, **k):
+            raise AssertionError("a finished (shape, dtype) was measured again")
+
+        monkeypatch.setattr(roofline, "SparkrelayEngine", refuse)
+        again = roofline.main(flags + ["--resume"])
+        with pytest.raises(SystemExit, match="other settings .*batches"):
+            roofline.main(flags[:7] + ["2"] + flags[8:] + ["--resume"])
+    finally:
+        torch.set_num_threads(threads)
+    assert again["decode"] == first["decode"] and again["done"] == first["done"]
+    assert len(again["load"]["resumed"]) == 1 and again["load"]["resumed"][0]["bandwidth_gb_s"] > 0
+    assert "Resumed (--resume) at" in (out / "roofline.md").read_text()

@@ -12,7 +12,9 @@ each row's fraction of its roofline, the prefill tok/s of one --prefill-len prom
 end-to-end DSpark speedup (roofline_spec.py). int8wo runs on sparkrelay only (transformers: no such mode here).
 How each figure is taken: roofline_engines.py, roofline_spec.py and the notes under the tables.
 
-Writes <out>/roofline.md, .json and .png (without matplotlib, no PNG). Timings are printed, never judged; the
+Writes <out>/roofline.md, .json and .png (without matplotlib, no PNG), the .md and .json after every (shape, dtype):
+a run that is stopped continues with the same flags and `--resume`, keeping the rows it finished (a multi-shape run
+can take longer than one sitting). Timings are printed, never judged; the
 load (`uptime`) at the start and the end is in the header, with a warning when the machine was busy. A row that
 fails is listed with its error under the tables, the others still run, and the exit status is 1.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -66,6 +69,9 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, di
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's).")
     p.add_argument("--int8-lm-head", action="store_true", help="Count int8wo's LM head as int8 in the roofline.")
     p.add_argument("--out", default="benchmarks/results/roofline", help="Folder for roofline.md/.json/.png.")
+    p.add_argument("--resume", action="store_true",
+                   help="Continue the run whose roofline.json is in --out (same flags): the (shape, dtype) rows it "
+                        "finished are kept, the others are measured.")
     args, rest = p.parse_known_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if not args.dtypes or set(args.dtypes) - set(DTYPES):
@@ -190,6 +196,9 @@ def run_target(target: Target, full: bool, args: argparse.Namespace, settings: d
     and the run goes on."""
     device = settings.get("device", "cpu")
     for dtype in args.dtypes:
+        if [target.name, dtype] in result["done"]:
+            print(f"{target.name} {dtype}: kept from the run being resumed", file=sys.stderr)
+            continue
         why = unsupported(target, dtype)
         if why:
             result["skipped"].append({"shape": target.name, "dtype": dtype, "what": "all rows", "reason": why})
@@ -207,6 +216,7 @@ def run_target(target: Target, full: bool, args: argparse.Namespace, settings: d
                     lambda: measure_rounds(target, dtype, spark, args, settings, result, device))
         del spark
         gc.collect()
+        result["done"].append([target.name, dtype])
         checkpoint()
 
 
@@ -228,6 +238,25 @@ def guarded(result: dict, target: Target, dtype: str, what: str, fn):
         return None
 
 
+def resumed(fresh: dict, path: Path) -> dict:
+    """The run saved at `path` to continue (its rows and `done` list), or `fresh` when there is none; the flags
+    must be the ones it was started with."""
+    if not path.is_file():
+        return fresh
+    prior = json.loads(path.read_text())
+    ignore = ("resume",)
+    then = {k: v for k, v in prior.get("settings", {}).items() if k not in ignore}
+    now = {k: v for k, v in json.loads(json.dumps(fresh["settings"], default=str)).items() if k not in ignore}
+    if then != now:
+        differ = sorted(k for k in set(then) | set(now) if then.get(k) != now.get(k))
+        raise SystemExit(f"--resume: {path} was started with other settings ({', '.join(differ)}); use the same "
+                         "flags, or drop --resume to start over")
+    prior.setdefault("done", [])
+    prior["load"].setdefault("resumed", []).append({"at": fresh["load"]["start"]})
+    prior["load"].pop("end", None)
+    return prior
+
+
 def shape_info(target: Target) -> dict:
     shape = bw.Shape.from_hf(target.hf)
     return {"name": target.name, "folder": target.folder, "draft": target.draft,
@@ -244,12 +273,18 @@ def main(argv: Optional[list[str]] = None) -> dict:
     targets = load_targets(args)
     result = {"settings": {**vars(args), "engine": settings}, "machine": bc.machine_info(),
               "load": {"start": load_now()}, "shapes": [shape_info(t) for t, _ in targets],
-              "decode": [], "prefill": [], "spec": [], "skipped": []}
+              "decode": [], "prefill": [], "spec": [], "skipped": [], "done": []}
+    if args.resume:
+        result = resumed(result, Path(args.out) / f"{NAME}.json")
     print(f"load at start: {result['load']['start']}", file=sys.stderr)
     if args.repeats < 3:
         print(f"WARNING: --repeats {args.repeats}: a median of fewer than 3 runs is one noisy sample", file=sys.stderr)
     warn_if_busy("start", torch.get_num_threads())
-    result["bandwidth"] = bw.measure_read_bandwidth(device=settings.get("device", "cpu"))
+    measured = bw.measure_read_bandwidth(device=settings.get("device", "cpu"))
+    if "bandwidth" in result:  # resumed: fractions keep the first part's bandwidth; each later part's is listed
+        result["load"]["resumed"][-1]["bandwidth_gb_s"] = measured["gb_s"]
+    else:
+        result["bandwidth"] = measured
     out = Path(args.out)
     for target, full in targets:
         run_target(target, full, args, settings, result, lambda: write(result, out, final=False))

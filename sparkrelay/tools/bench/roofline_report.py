@@ -129,6 +129,8 @@ def header_lines(result: dict) -> list[str]:
             f"Load (uptime) at start: {result['load']['start']}; at end: {result['load'].get('end', '(running)')}.",
             f"Read bandwidth: {b['gb_s']:.1f} GB/s ({b['method']}; each read: "
             + ", ".join(f"{k} {v:.1f}" for k, v in b.get("reads_gb_s", {}).items()) + " GB/s).",
+            *[f"Resumed (--resume) at {r['at']}; read bandwidth then {r.get('bandwidth_gb_s', 0):.1f} GB/s (every "
+              "fraction uses the first part's)." for r in result["load"].get("resumed", [])],
             f"Shapes: {shapes}. Prompts of {s['prompt_len']} tokens, {s['new_tokens']} new tokens, batches "
             f"{s['batches']}, prefill of {s['prefill_len']} tokens, {s['repeats']} repeats (median)."]
 
