@@ -14,10 +14,10 @@ tensor that `_linear_pointwise` reads as it is, for any row count). A small floa
 elements: the bundled tiny model's) keeps both layouts (SmallLinear, a few MB at most): one row goes to MKL,
 whose `x @ weight_t` dispatches faster (~6 us against ~17 us for a 256x256 weight, 29 us against 29 us for
 1536x256), several rows (a DSpark verify or draft block) to oneDNN (1536x256 at 8 rows: 50 us against 100 us;
-256x768: 34 against 43). `frozen_linear` picks one. Nothing here
-converts or copies a weight per call. An LM head is kept besides its nn.Linear (tied, that is the embedding the
-lookup reads): `fast_head` gives it a second, packed copy on CPU (a bfloat16 [151936, 1024] head: ~25 ms instead
-of ~45 ms per one-row product, for 311 MB more memory).
+256x768: 34 against 43). `frozen_linear` picks one. Nothing here converts or copies a weight per call.
+An LM head is kept besides its nn.Linear (tied, that is the embedding the lookup reads): `fast_head` gives it a
+second, packed copy on CPU (a bfloat16 [151936, 1024] head: ~25 ms instead of ~45 ms per one-row product, for
+311 MB more memory; a float32 head of that shape costs 622 MB more).
 """
 
 from __future__ import annotations

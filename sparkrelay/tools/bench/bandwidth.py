@@ -4,7 +4,7 @@ Bandwidth (`measure_read_bandwidth`): the fastest of several one-pass reads of a
 once, one number written): `torch.sum` and `torch.amax` over float32, `torch.sum` over bfloat16 (READS); each
 after one untimed pass, its median over the repeats, in GB/s (10^9 bytes/s). The fastest is the physical limit a
 decode kernel can approach: on a 2-core EPYC the float32 sum read ~34 GB/s where the bfloat16 one read ~48 GB/s
-(the float32 sum is bound by its own arithmetic, not by memory), so one kernel alone understates the limit.
+(and 27.6 against 31.4 in a later run), so any one read alone may understate the limit.
 
 Bytes of one decode step at batch b with L context positions per sequence (`step_bytes`):
     bytes(b) = W + b * KV(L)
