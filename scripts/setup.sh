@@ -7,22 +7,42 @@ PY=${PYTHON:-python3}
 step() { echo "[setup] $*"; }
 SECONDS=0
 if [ ! -x .venv/bin/python ]; then
-    step "1/4 creating the virtual environment .venv with $("$PY" --version 2>&1) ..."
+    step "1/5 creating the virtual environment .venv with $("$PY" --version 2>&1) ..."
     "$PY" -m venv .venv
 else
-    step "1/4 virtual environment .venv: already there"
+    step "1/5 virtual environment .venv: already there"
 fi
 . .venv/bin/activate
 if ! python -c "import torch" 2>/dev/null; then
     # The CPU build first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
-    step "2/4 installing torch 2.13.0 (the CPU build): this can take a minute or two ..."
+    step "2/5 installing torch 2.13.0 (the CPU build): this can take a minute or two ..."
     python -m pip install --quiet "torch==2.13.0"
 else
-    step "2/4 torch $(python -c 'import torch; print(torch.__version__)'): already installed"
+    step "2/5 torch $(python -c 'import torch; print(torch.__version__)'): already installed"
 fi
-step "3/4 numpy (skipped if installed) ..."
+step "3/5 numpy (skipped if installed) ..."
 python -m pip install --quiet numpy
-step "4/4 sparkrelay in editable mode with its test and benchmark extras (transformers, fastapi, pytest, ...):" \
+step "4/5 sparkrelay in editable mode with its test and benchmark extras (transformers, fastapi, pytest, ...):" \
      "this can take a minute or two the first time ..."
 python -m pip install --quiet -e ".[test,bench]"
+# The transfer engines (--disaggregation-transfer-backend mooncake | nixl). Mooncake needs Debian's RDMA user-space
+# library (libibverbs1) even to run over TCP: installed here when run as root, else named in a warning (the
+# Mooncake tests then fail with the same message; the rest works).
+engines="mooncake,nixl"
+if ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1"; then
+    step "5/5 libibverbs1 (for Mooncake): already installed"
+elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    step "5/5 installing libibverbs1 (Debian's RDMA library, for Mooncake) ..."
+    if ! { apt-get install -y -qq libibverbs1 >/dev/null 2>&1 ||
+           { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libibverbs1 >/dev/null 2>&1; }; }; then
+        echo "[setup] WARNING: could not install libibverbs1; the mooncake backend needs it" >&2
+        engines="nixl"
+    fi
+else
+    echo "[setup] WARNING: the mooncake backend needs libibverbs.so.1: run \`sudo apt-get install libibverbs1\`" \
+         "(Debian/Ubuntu), then rerun this script" >&2
+    engines="nixl"
+fi
+step "    the transfer engines' pip extras ($engines) ..."
+python -m pip install --quiet -e ".[$engines]"
 step "done in ${SECONDS} s: activate with \`. .venv/bin/activate\`"

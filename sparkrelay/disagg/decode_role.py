@@ -9,6 +9,9 @@ queues before it joins the scheduler's batch, as in SGLang's decode scheduler:
                    checked, the drafter's context injected at absolute positions (hidden / tail / draft-kv)
                    -> KVArrived: the engine appends the first token and admits the request to the batch
         Failed  -> HandoffFailed (never decodes with a cold drafter)
+With a one-sided backend (Mooncake, NIXL) the prefill writes into the decode's registered memory
+(disagg/landing_buffers.py): begin() names the room's landing, the target KV is in place on Success, and a failed
+room's blocks stay out of use for QUARANTINE_S (a stage may still be writing) before they are freed.
 A request with the fake bootstrap host contacts no peer: its prompt KV (and draft context) is zeros, its first token
 is its prompt's last token, and it decodes from there (a /health_generate that exercises the model).
 """
@@ -23,12 +26,16 @@ import torch
 
 from sparkrelay.config import Config
 from sparkrelay.disagg.handoff import expected_parts, inject_context, read_meta, write_kv
+from sparkrelay.disagg.landing_buffers import LandingBuffers
 from sparkrelay.disagg.roles import IDLE_WAIT_S, EngineParts, Event, HandoffFailed, KVArrived, PDRole
 from sparkrelay.disagg.schema import compare
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import slot_index
 from sparkrelay.scheduler.request import Bootstrap, Request
 from sparkrelay.transfer.base import DecodeTransfer, KVPoll, get_backend
+
+
+QUARANTINE_S = 5.0  # a failed one-sided room's blocks wait this long before reuse (its writes may be in flight)
 
 
 @dataclass
@@ -45,9 +52,12 @@ class DecodeRole(PDRole):
         self.prealloc: dict[str, _Pending] = {}  # rid -> waiting for blocks, in arrival order
         self.transferring: dict[str, _Pending] = {}  # rid -> blocks reserved, parts on their way
         self.agent: Optional[DecodeTransfer] = None
+        self.landings: Optional[LandingBuffers] = None  # one-sided backends only
+        self.quarantine: list[tuple[float, str]] = []  # (release time, block owner), oldest first
         self.parts: Optional[EngineParts] = None
         self.handoff_bytes = 0  # bytes received from prefill stages (KV + handoff + metadata rows)
         self.context_bytes = 0  # of which DSpark context and metadata rows (everything but the target KV)
+        self.landed_rooms = 0  # rooms whose parts a one-sided backend wrote into this decode's memory
 
     def attach(self, parts: EngineParts) -> None:
         self.parts = parts
@@ -58,6 +68,10 @@ class DecodeRole(PDRole):
                                   e.heartbeat_max_failures, dc.disaggregation_bootstrap_port,
                                   auth_token=e.token(dc.disaggregation_auth_token),
                                   max_part_bytes=self._largest_part(parts.context_length))
+        if self.agent.one_sided:
+            draft_pool = parts.proposer.pool if parts.proposer is not None else None
+            self.landings = LandingBuffers(self.schema, parts.pool, draft_pool)
+            self.agent.register(self.landings.regions())
         self.agent.start()
 
     def _largest_part(self, context_length: int) -> int:
@@ -73,6 +87,7 @@ class DecodeRole(PDRole):
 
     # -- receive: prealloc -> transferring -> (the engine's) running ----------------------------------------------
     def receive(self) -> list[Event]:
+        self._release_quarantined()
         self._reserve()
         return [ev for p in list(self.transferring.values()) if (ev := self._poll(p)) is not None]
 
@@ -85,7 +100,8 @@ class DecodeRole(PDRole):
                 return
             del self.prealloc[p.req.rid]
             if not p.bootstrap.is_fake:
-                self.agent.begin(p.bootstrap.room, p.bootstrap.host, p.bootstrap.port, n)
+                landing = self.landings.landing(p.req.block_ids) if self.landings is not None else None
+                self.agent.begin(p.bootstrap.room, p.bootstrap.host, p.bootstrap.port, n, landing)
             self.transferring[p.req.rid] = p
 
     def _poll(self, p: _Pending) -> Optional[Event]:
@@ -100,6 +116,7 @@ class DecodeRole(PDRole):
         if res.state == KVPoll.Failed:
             del self.transferring[req.rid]
             self.agent.clear(req.bootstrap_room)
+            self._quarantine(req)
             code = 400 if res.permanent else 502  # 400: deterministic (a schema mismatch), a retry fails the same way
             return HandoffFailed(req, f"KV transfer of room {req.bootstrap_room} failed: {res.reason}", code)
         return None
@@ -112,14 +129,18 @@ class DecodeRole(PDRole):
         room = req.bootstrap_room
         parts = self.agent.take(room)
         self.agent.clear(room)
-        sizes = [(name, len(part.data)) for stage in parts.values() for name, part in stage.items()]
+        sizes = [(name, part.spec.nbytes) for stage in parts.values() for name, part in stage.items()]
         self.handoff_bytes += sum(n for _, n in sizes)
         self.context_bytes += sum(n for name, n in sizes if name != "kv")
         slots = self._slots(req)
         proposer = self.parts.proposer
         try:
+            if self.landings is not None:  # the target KV is in the pool already; the rest is read back
+                parts = self.landings.parts(parts, req.block_ids, slots)
+                self.landed_rooms += 1
             row = read_meta(self.schema, parts, room)
-            write_kv(self.parts.pool, parts, slots)
+            if self.landings is None:
+                write_kv(self.parts.pool, parts, slots)
             if proposer is not None:
                 req.draft_ctx_start = inject_context(proposer, self.schema, parts, row, slots)
         except Exception as e:  # whatever the bytes were, only this request fails; the engine keeps serving
@@ -144,14 +165,26 @@ class DecodeRole(PDRole):
         if p is not None and not p.bootstrap.is_fake:
             self.agent.abort(req.bootstrap_room, "aborted by the decode server's client")
             self.agent.clear(req.bootstrap_room)
+            self._quarantine(req)
         self.prealloc.pop(req.rid, None)
         super().drop(req)
 
+    def _quarantine(self, req: Request) -> None:
+        if self.landings is not None and req.block_ids:
+            owner = self.parts.scheduler.quarantine(req)
+            self.quarantine.append((time.monotonic() + QUARANTINE_S, owner))
+
+    def _release_quarantined(self) -> None:
+        now = time.monotonic()
+        while self.quarantine and self.quarantine[0][0] <= now:
+            self.parts.scheduler.release_quarantined(self.quarantine.pop(0)[1])
+
     def has_work(self) -> bool:
-        return bool(self.prealloc or self.transferring)
+        return bool(self.prealloc or self.transferring or self.quarantine)
 
     def stats(self) -> dict:
         return {"num_prealloc": len(self.prealloc), "num_transfers_inflight": len(self.transferring),
+                "num_quarantined": len(self.quarantine), "landed_rooms_total": self.landed_rooms,
                 "handoff_bytes_total": self.handoff_bytes, "context_bytes_total": self.context_bytes}
 
     def close(self) -> None:

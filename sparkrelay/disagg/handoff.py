@@ -68,7 +68,7 @@ def build_schema(config: Config, spec: Qwen3Spec, dtype: torch.dtype, env: Disag
                  int(draft_cfg.get("head_dim") or draft_cfg["hidden_size"] // heads))
     pp = config.parallel.pp_size if config.disagg.disaggregation_mode == "prefill" else 1
     return HandoffSchema(
-        version=SCHEMA_VERSION, model=model_identity(config.model.model_path), dtype=DTYPE_NAMES[dtype],
+        version=SCHEMA_VERSION, transfer_backend=config.disagg.disaggregation_transfer_backend, model=model_identity(config.model.model_path), dtype=DTYPE_NAMES[dtype],
         page_size=config.cache.page_size, num_layers=spec.num_layers, kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim, hidden_size=spec.hidden_size,
         layer_partition=tuple(pp_partition(spec.num_layers, pp)), target_layer_ids=ids,

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-SCHEMA_VERSION = 2  # 2: the metadata row carries the first token's logprobs
+SCHEMA_VERSION = 3  # 2: the metadata row carries the first token's logprobs; 3: the transfer backend
 
 
 @dataclass(frozen=True)
 class HandoffSchema:
     version: int
+    transfer_backend: str           # --disaggregation-transfer-backend: how the bytes move (zmq, mooncake, nixl)
     model: str                      # identity: sha256 of the target's config.json (canonical) and weight sizes
     dtype: str                      # KV and handoff dtype
     page_size: int
@@ -61,7 +62,7 @@ class HandoffSchema:
 
 # Fields compared between prefill and decode; layer_partition is checked separately (decode runs PP = 1 and
 # accepts any prefill PP size whose partition is the shared function's).
-COMPARED = ("version", "model", "dtype", "page_size", "num_layers", "kv_heads", "head_dim", "hidden_size",
+COMPARED = ("version", "transfer_backend", "model", "dtype", "page_size", "num_layers", "kv_heads", "head_dim", "hidden_size",
             "target_layer_ids", "hidden_width", "handoff", "tail_tokens", "prefix_cache", "draft")
 
 

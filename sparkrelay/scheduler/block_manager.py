@@ -72,6 +72,12 @@ class BlockManager:
                 self._free.append(b)
         return len(table)
 
+    def rename(self, owner: str, new_owner: str) -> None:
+        """`owner`'s blocks now belong to `new_owner` (which must own none); a no-op for an unknown owner."""
+        assert new_owner not in self._tables, f"{new_owner} already owns blocks"
+        if owner in self._tables:
+            self._tables[new_owner] = self._tables.pop(owner)
+
     def check(self) -> None:
         """Invariant: free + used == total, no block both free and owned, ref counts match the tables."""
         free = set(self._free)

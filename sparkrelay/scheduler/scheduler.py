@@ -13,6 +13,8 @@ The PD roles (disagg/) move requests in and out of the batch only through the ve
   decode:  reserve(req, n)         blocks for the prompt, before its KV is received (the prealloc queue); held
            admit_transferred(req)  the prompt's KV arrived: RUNNING with every prompt token computed
   prefill: detach(req)             the first token is sampled: out of the batch, its blocks held while they are sent
+           quarantine(req)         a failed one-sided transfer: its blocks kept (a prefill may still be writing
+                                   into them) under their own owner until release_quarantined(owner)
   both:    remove(req)             finished, failed or aborted: out of every list, blocks freed (held ones too)
 """
 
@@ -57,6 +59,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.held: dict[str, Request] = {}  # rid -> a request holding blocks outside the batch (reserved, detached)
+        self.quarantined: set[str] = set()  # owners of blocks a failed one-sided transfer may still write
         self.num_preemptions = 0
 
     # -- membership -----------------------------------------------------------------------------------------
@@ -103,10 +106,22 @@ class Scheduler:
         self.running.remove(req)
         self.held[req.rid] = req
 
+    def quarantine(self, req: Request) -> str:
+        """Keep `req`'s blocks out of use after it is removed; returns their owner for release_quarantined()."""
+        owner = f"quarantine:{req.rid}"
+        self.blocks.rename(req.rid, owner)
+        self.quarantined.add(owner)
+        req.block_ids = []
+        return owner
+
+    def release_quarantined(self, owner: str) -> None:
+        self.quarantined.discard(owner)
+        self.blocks.free(owner)
+
     def check(self) -> None:
         """The block invariant, and every block owner is a request this scheduler knows (no leaked table)."""
         self.blocks.check()
-        known = {r.rid for r in self.running} | {r.rid for r in self.waiting} | set(self.held)
+        known = {r.rid for r in self.running} | {r.rid for r in self.waiting} | set(self.held) | self.quarantined
         leaked = [owner for owner in self.blocks.owners() if owner not in known]
         assert not leaked, f"blocks held by requests the scheduler does not know: {leaked[:8]}"
 

@@ -165,6 +165,7 @@ class PrefillTransfer(TransferAgent):
 
 
 class DecodeTransfer(TransferAgent):
+    one_sided = False  # True: the prefill writes the parts into registered memory named by begin()'s landing
     """One per decode server. Constructor: (schema, compare, expected_parts, bind_host, bootstrap_timeout,
     waiting_timeout, heartbeat_interval, heartbeat_max_failures, default_bootstrap_port, max_part_bytes=2^31,
     auth_token=None).
@@ -173,28 +174,38 @@ class DecodeTransfer(TransferAgent):
     Transferring (the first part arrived) -> Success (every stage's STATUS success, every expected part present),
     or Failed, which always wins (PollResult.permanent when a retry cannot cure it)."""
 
+    def register(self, regions: list[tuple[int, int]]) -> None:
+        """Memory (address, bytes) the prefill may write into, before start() (one-sided backends; else unused)."""
+
     @abstractmethod
-    def begin(self, room: int, bootstrap_host: str, bootstrap_port: Optional[int], prompt_len: int) -> None:
+    def begin(self, room: int, bootstrap_host: str, bootstrap_port: Optional[int], prompt_len: int,
+              landing=None) -> None:
         """Start receiving `room` from the prefill whose bootstrap server is bootstrap_host:bootstrap_port (None:
-        the default port). ValueError for a bad argument or a room in use, RuntimeError when the table is full."""
+        the default port). landing (transfer/landing.py, a one-sided backend's, which needs it): where in the
+        registered memory each part goes. ValueError for a bad argument or a room in use, RuntimeError when the
+        table is full."""
 
     @abstractmethod
     def take(self, room: int) -> dict[int, dict[str, Part]]:
         """pp_rank -> part name -> Part, once the room is Success; the agent drops its reference, so take() works
-        once per room. TransferError otherwise."""
+        once per room (one-sided: the Parts have no data, the bytes are in the landing). TransferError otherwise."""
 
     @abstractmethod
     def stats(self) -> dict[str, int]:
         """Rooms held (begun, not cleared) per KVPoll state name."""
 
 
-BACKENDS = {"zmq": "sparkrelay.transfer.zmq_backend"}  # name -> module with PrefillAgent and DecodeAgent
+# name -> (module, its prefill agent class, its decode agent class)
+BACKENDS = {"zmq": ("sparkrelay.transfer.zmq_backend", "PrefillAgent", "DecodeAgent"),
+            "mooncake": ("sparkrelay.transfer.onesided", "MooncakePrefill", "MooncakeDecode"),
+            "nixl": ("sparkrelay.transfer.onesided", "NixlPrefill", "NixlDecode")}
 
 
 def get_backend(name: str) -> tuple[type[PrefillTransfer], type[DecodeTransfer]]:
-    """(PrefillAgent class, DecodeAgent class) of the named backend; ValueError naming the valid ones."""
-    module = BACKENDS.get(name)
-    if module is None:
+    """(prefill agent class, decode agent class) of the named backend; ValueError naming the valid ones. A
+    one-sided backend's engine library is imported when its agent starts, not here."""
+    entry = BACKENDS.get(name)
+    if entry is None:
         raise ValueError(f"unknown transfer backend {name!r}; valid: {', '.join(sorted(BACKENDS))}")
-    backend = importlib.import_module(module)
-    return backend.PrefillAgent, backend.DecodeAgent
+    module = importlib.import_module(entry[0])
+    return getattr(module, entry[1]), getattr(module, entry[2])

@@ -89,10 +89,13 @@ class DecodeBootstrap(Agent):
             self._forget_prefill(rec.addr, dead=False)
             self._fail(room, rec, refusal, permanent=True)  # with an ABORT naming both values to every stage
         elif current:
-            msg = TransferInfo(room, self.host, self.port, rec.prompt_len, self._schema)
+            msg = self._transfer_info(room, rec)
             for pp in sorted(rec.endpoints, reverse=True):
                 if not self._enqueue(("send", rec.endpoints[pp], msg, (room, rec))):
                     self._fail(room, rec, "decode send queue is full")
+
+    def _transfer_info(self, room: int, rec: DecodeRoom) -> TransferInfo:
+        return TransferInfo(room, self.host, self.port, rec.prompt_len, self._schema)
 
     def _refusal(self, info: dict, rec: DecodeRoom) -> tuple[str, dict[int, dict[str, PartSpec]]]:
         """(why this decode refuses the prefill's rooms, or "", pp_rank -> name -> PartSpec)."""

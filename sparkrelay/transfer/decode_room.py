@@ -39,6 +39,7 @@ class DecodeRoom:
     taken: bool = False
     permanent: bool = False  # refused for a reason a retry cannot cure (schema or auth mismatch, unplannable parts)
     told: bool = False  # an ABORT went to the prefill's stages
+    landing: Optional[dict] = None  # one-sided backends: where the prefill writes the parts (transfer/landing.py)
 
     def result(self) -> PollResult:
         return PollResult(self.state, self.reason, self.permanent)

@@ -40,6 +40,7 @@ class PrefillRoom:
     state: KVPoll = KVPoll.Bootstrapping
     reason: str = ""
     dest: Optional[Dest] = None  # the decode's PULL endpoint, from its TRANSFER_INFO
+    landing: Optional[dict] = None  # its landing map (one-sided backends write there; zmq ignores it)
     parts: Optional[list[Part]] = None
     queued: bool = False  # its push was handed to the sender
 
@@ -60,7 +61,7 @@ class PrefillRoom:
     def accept(self, info: TransferInfo, mismatches: list[str]) -> str:
         """The decode's TRANSFER_INFO, first of its kind (the caller checks dest is None). Returns why the room
         must fail, or "" (WaitingForInput, or still Failed if it failed before: the caller tells the decode)."""
-        self.dest = info.dest
+        self.dest, self.landing = info.dest, info.landing
         if self.state == KVPoll.Failed:
             return ""
         if mismatches:

@@ -6,7 +6,9 @@ Every message is one ZMQ multipart message on a PUSH -> PULL pair:
     control  [msgpack map]               TRANSFER_INFO, ABORT (decode -> prefill); STATUS (prefill -> decode)
     data     [msgpack map, raw bytes]    DATA (prefill -> decode); the bytes are exactly spec.nbytes, C order
 
-    TRANSFER_INFO {type, room, decode_host, decode_port, prompt_len, schema}
+    TRANSFER_INFO {type, room, decode_host, decode_port, prompt_len, schema, landing}
+                                                              landing: {} for zmq; a one-sided backend's write
+                                                              targets (transfer/landing.py)
     ABORT         {type, room, reason}                        reason: why the decode gave up (lenient: not a str
                                                               reads as "")
     STATUS        {type, room, pp_rank, status, reason}       status: int(KVPoll.Success) or int(KVPoll.Failed)
@@ -97,6 +99,10 @@ def _map(name: str, v: Any, room: Optional[int]) -> dict:
     return v
 
 
+def _opt_map(name: str, v: Any, room: Optional[int]) -> dict:
+    return {} if v is None else _map(name, v, room)
+
+
 def _dtype(name: str, v: Any, room: Optional[int]) -> str:
     v = _str(64)(name, v, room)
     if v not in DTYPE_SIZES:
@@ -153,12 +159,14 @@ class TransferInfo(Message):
 
     TYPE: ClassVar[str] = "TRANSFER_INFO"
     RULES: ClassVar[tuple] = (("room", _room), ("schema", _map), ("decode_host", _str(255)),
-                              ("decode_port", _int(1, 65535)), ("prompt_len", _int(0, 1 << 40)))
+                              ("decode_port", _int(1, 65535)), ("prompt_len", _int(0, 1 << 40)),
+                              ("landing", _opt_map))
     room: int
     decode_host: str
     decode_port: int
     prompt_len: int
     schema: dict
+    landing: Optional[dict] = None  # where a one-sided backend writes the parts; {} (None reads as {}) for zmq
 
     @property
     def dest(self) -> tuple[str, int]:

@@ -32,6 +32,7 @@ from sparkrelay.transfer.base import (SCHEMA_MISMATCH, Dest, DecodeTransfer, Exp
 from sparkrelay.transfer.bootstrap.prefill_book import PrefillBook
 from sparkrelay.transfer.decode_bootstrap import DecodeBootstrap
 from sparkrelay.transfer.decode_room import MAX_ROOMS, DecodeRoom, DecodeRooms
+from sparkrelay.transfer.landing import Landing
 from sparkrelay.transfer.protocol import Data, FrameError, Status
 from sparkrelay.transfer.wire import MAX_QUEUED, Outbox, advertise_host
 
@@ -80,7 +81,8 @@ class DecodeAgent(DecodeBootstrap, DecodeTransfer):
 
     # ---- engine-facing API ----
 
-    def begin(self, room: int, bootstrap_host: str, bootstrap_port: Optional[int], prompt_len: int) -> None:
+    def begin(self, room: int, bootstrap_host: str, bootstrap_port: Optional[int], prompt_len: int,
+              landing: Optional[Landing] = None) -> None:
         why = check_room(room)
         if why:
             raise ValueError(why)
@@ -92,12 +94,22 @@ class DecodeAgent(DecodeBootstrap, DecodeTransfer):
         if not isinstance(prompt_len, int) or prompt_len < 0:
             raise ValueError(f"prompt_len must be a non-negative int, got {prompt_len!r}")
         rec = DecodeRoom((bootstrap_host.strip("[]"), port), prompt_len, time.monotonic())
+        try:
+            rec.landing = self._landing(landing)
+        except ValueError as e:  # the room fails (poll says why); the engine goes on
+            rec.fail(str(e), permanent=True)
         with self._lock:
             self._table.add(room, rec)
+        if rec.state == KVPoll.Failed:
+            return
         try:
             self._work.put_nowait((room, rec))
         except queue.Full:
             self._fail(room, rec, "decode bootstrap queue is full")
+
+    def _landing(self, landing: Optional[Landing]) -> Optional[dict]:
+        """What TRANSFER_INFO carries as the room's landing: nothing here, the parts come as DATA frames."""
+        return None
 
     def take(self, room: int) -> dict[int, dict[str, Part]]:
         with self._lock:

@@ -269,6 +269,10 @@ class PrefillAgent(Agent, PrefillTransfer):
         if self.failure_prob and random.Random(room).random() < self.failure_prob:  # the same draw on every stage
             self._fail(room, INJECTED_FAILURE)
             return
+        self._deliver(out, room, rec, dest, parts)
+
+    def _deliver(self, out: Outbox, room: int, rec: PrefillRoom, dest: Dest, parts: list[Part]) -> None:
+        """The parts as DATA frames, then STATUS success (a one-sided backend writes them instead)."""
         msgs = [(Data.of(room, self.pp_rank, p), ("data", room, rec)) for p in parts]
         msgs.append((Status.success(room, self.pp_rank), ("done", room, rec)))
         for msg, tag in msgs:

@@ -52,8 +52,9 @@ def reference(prompts) -> list[dict]:
     return out
 
 
-def run_pd(tmp_path, prompts, also=None, **settings) -> list[dict]:
-    """Each prompt through the deployment, one at a time; `also(url)` runs against it before it stops."""
+def run_pd(tmp_path, prompts, also=None, decode_info=None, **settings) -> list[dict]:
+    """Each prompt through the deployment, one at a time; `also(url)` runs against it and `decode_info(decode url)`
+    against its decode server before it stops."""
     cluster = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, **settings), str(tmp_path))
     try:
         results = []
@@ -63,6 +64,8 @@ def run_pd(tmp_path, prompts, also=None, **settings) -> list[dict]:
             results.append(out)
         if also is not None:
             also(cluster.url)
+        if decode_info is not None:
+            decode_info(cluster.decode.url)
         return results
     finally:
         cluster.stop()
@@ -93,6 +96,36 @@ def test_pd_pp2_hidden_through_router(tmp_path, prompts, reference):
     results = run_pd(tmp_path, prompts, also=openai_route, pp_size=2, handoff="hidden", router="sparkrelay",
                      prefill_args=["--chunked-prefill-size", "256"])
     check_against(reference, results, exact_acceptance=True)
+
+
+@pytest.mark.parametrize("backend, mode", [("mooncake", "hidden"), ("nixl", "draft-kv")])
+def test_pd_one_sided_backend_through_router(tmp_path, prompts, reference, backend, mode):
+    """CI's end-to-end test per one-sided backend: the KV, the metadata row and the DSpark context are written by
+    the engine into the decode's registered memory (docs/dspark_pd.md, transfer backends)."""
+    flag = ["--disaggregation-transfer-backend", backend]
+    landed = []
+
+    def engine_wrote_them(url):  # every room's parts were written by the engine into the decode's memory
+        info = json.loads(urllib.request.urlopen(url + "/server_info").read())
+        landed.append(info["internal_states"][0]["landed_rooms_total"])
+        assert info["disaggregation_transfer_backend"] == backend
+
+    results = run_pd(tmp_path, prompts, pp_size=2, handoff=mode, router="sparkrelay", decode_info=engine_wrote_them,
+                     prefill_args=flag + ["--chunked-prefill-size", "256"], decode_args=flag)
+    check_against(reference, results, exact_acceptance=True)
+    assert landed == [len(prompts)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["zmq", "mooncake", "nixl"])
+@pytest.mark.parametrize("mode", ["hidden", "draft-kv", "tail"])
+def test_pd_backend_matrix(tmp_path, prompts, reference, backend, mode):
+    """Every backend x handoff mode, PP=2 through the router (the full matrix of issue #12)."""
+    flag = ["--disaggregation-transfer-backend", backend]
+    results = run_pd(tmp_path, prompts, pp_size=2, handoff=mode, router="sparkrelay", prefill_args=flag,
+                     decode_args=flag)
+    taus = check_against(reference, results, exact_acceptance=mode != "tail")
+    print(f"\n{backend} {mode}: mean accept length {sum(taus) / len(taus):.3f}")
 
 
 @pytest.mark.slow

@@ -48,6 +48,13 @@ def test_mismatched_handoff_mode(tmp_path):
     _mismatch(tmp_path, "handoff", handoff="hidden", pp_size=1, prefill_args=["--dspark-pd-handoff", "tail"])
 
 
+def test_mismatched_transfer_backend(tmp_path):
+    """Mooncake on the prefill, NIXL on the decode: refused before a byte moves, the message names both."""
+    _mismatch(tmp_path, "transfer_backend: prefill='mooncake' decode='nixl'",
+              prefill_args=["--disaggregation-transfer-backend", "mooncake"],
+              decode_args=["--disaggregation-transfer-backend", "nixl"])
+
+
 def test_decode_pp2_with_dspark_refuses_to_start():
     argv = server_argv(MODEL, free_port(), ["--disaggregation-mode", "decode", "--pp-size", "2",
                                             "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path",

@@ -56,7 +56,8 @@ def assert_drained(url: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         s = state(url)
-        busy = s["kv_used_tokens"] or s.get("num_transfers_inflight", 0) or s.get("num_prealloc", 0) or s["num_running"]
+        busy = (s["kv_used_tokens"] or s.get("num_transfers_inflight", 0) or s.get("num_prealloc", 0)
+                or s.get("num_quarantined", 0) or s["num_running"])
         if not busy and s.get("check_error") is None:
             return
         assert time.monotonic() < deadline, f"{url} did not drain: {s}"
@@ -80,14 +81,19 @@ def children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
-def test_prefill_stage_killed_mid_transfer(tmp_path, prompts, reference):
+@pytest.mark.parametrize("backend", ["zmq", pytest.param("mooncake", marks=pytest.mark.slow),
+                                     pytest.param("nixl", marks=pytest.mark.slow)])
+def test_prefill_stage_killed_mid_transfer(tmp_path, prompts, reference, backend):
     """Kill prefill A's pipeline stage 1 while long prompts are in flight: A fails them and shuts down, the decode
-    fails its rooms (A's bootstrap server is gone), and requests through prefill B still get the right tokens."""
-    a = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=2, router="none", env=FAST), str(tmp_path))
+    fails its rooms (A's bootstrap server is gone), and requests through prefill B still get the right tokens.
+    With a one-sided backend the failed rooms' pages are quarantined first, then freed (assert_drained)."""
+    flag = ["--disaggregation-transfer-backend", backend]
+    a = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=2, router="none", env=FAST, prefill_args=flag,
+                            decode_args=flag), str(tmp_path))
     b_boot, b_port = free_port(), free_port()
     b = start("prefill-b", server_argv(MODEL, b_port, [
         "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(b_boot),
-        "--speculative-draft-model-path", DRAFTER]), b_port, str(tmp_path), FAST)
+        "--speculative-draft-model-path", DRAFTER, *flag]), b_port, str(tmp_path), FAST)
     try:
         stage1 = children(a.prefill.proc.pid)
         assert stage1, "prefill A has no pipeline worker"

@@ -17,7 +17,8 @@ def test_bench_serving_fails_on_any_failed_request():
 
 
 def _mode(name: str, outputs, accept: float = 3.0, n: int = 32) -> dict:
-    return {"deployment": name, "prompt_len": n, "outputs": outputs, "accept_length": accept}
+    mode = name.split()[1] if name.startswith("PD ") else None  # bench_pd's rows: "PD <mode>[ (<backend>)]"
+    return {"deployment": name, "mode": mode, "prompt_len": n, "outputs": outputs, "accept_length": accept}
 
 
 def test_bench_pd_fails_on_corrupted_tokens_and_full_context_acceptance():

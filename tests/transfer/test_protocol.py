@@ -46,7 +46,8 @@ def test_wire_format_is_the_documented_map():
     assert msgpack.unpackb(Status.failed(ROOM, 0, "x").encode()[0]) == {
         "type": "STATUS", "room": ROOM, "pp_rank": 0, "status": int(KVPoll.Failed), "reason": "x"}
     assert list(msgpack.unpackb(TransferInfo(ROOM, "h", 1, 0, {}).encode()[0])) == [
-        "type", "room", "decode_host", "decode_port", "prompt_len", "schema"]
+        "type", "room", "decode_host", "decode_port", "prompt_len", "schema", "landing"]
+    assert TransferInfo(ROOM, "h", 1, 0, {}).landing == {}  # zmq: none; a one-sided backend's write targets
     assert TransferInfo(ROOM, "h", 1, 0, {}).encode() == TransferInfo(ROOM, "h", 1, 0, {}).encode()  # deterministic
 
 
@@ -62,6 +63,7 @@ def test_messages_are_frozen():
     (lambda: TransferInfo(ROOM, "h" * 256, 80, 5, {}), "decode_host must be a str of at most 255 chars"),
     (lambda: TransferInfo(ROOM, "h", 80, -1, {}), "prompt_len must be an int"),
     (lambda: TransferInfo(ROOM, "h", 80, 5, [1]), "schema must be a map"),
+    (lambda: TransferInfo(ROOM, "h", 80, 5, {}, [1]), "landing must be a map"),
     (lambda: Abort(True), "bootstrap_room must be an integer, got bool"),
     (lambda: Status(ROOM, 0, 5, ""), "status must be an int in 0..4"),
     (lambda: Status(ROOM, True, 4, ""), "pp_rank must be an int"),
@@ -143,5 +145,8 @@ def test_backend_registry():
     assert issubclass(prefill, PrefillTransfer) and issubclass(decode, DecodeTransfer)
     from sparkrelay.transfer.zmq_backend import DecodeAgent, PrefillAgent
     assert (prefill, decode) == (PrefillAgent, DecodeAgent)
-    with pytest.raises(ValueError, match="unknown transfer backend 'mooncake'; valid: zmq"):
-        get_backend("mooncake")
+    for name in ("mooncake", "nixl"):  # importable without the engine: it is opened on start
+        prefill, decode = get_backend(name)
+        assert issubclass(prefill, PrefillTransfer) and decode.one_sided and not get_backend("zmq")[1].one_sided
+    with pytest.raises(ValueError, match="unknown transfer backend 'rdma'; valid: mooncake, nixl, zmq"):
+        get_backend("rdma")

@@ -84,8 +84,8 @@ def test_decode_prealloc_defers_then_a_fake_request_arrives_with_zero_kv(decode)
     events = role.receive()
     assert [type(e) for e in events] == [KVArrived] and events[0].req is big
     assert events[0].first_token == big.prompt_ids[-1] and big.bootstrap_room == 0
-    assert role.stats() == {"num_prealloc": 1, "num_transfers_inflight": 0, "handoff_bytes_total": 0,
-                                 "context_bytes_total": 0}
+    assert role.stats() == {"num_prealloc": 1, "num_transfers_inflight": 0, "num_quarantined": 0,
+                            "landed_rooms_total": 0, "handoff_bytes_total": 0, "context_bytes_total": 0}
     slots = torch.tensor(sched.blocks.slots("big", 0, 13))
     assert all(bool((k[slots] == 0).all() and (v[slots] == 0).all()) for k, v in pool.layers.values())
     big.output_ids.append(events[0].first_token)

@@ -21,7 +21,7 @@ from sparkrelay.pipeline.partition import check_layer_ids, pp_partition, stage_t
 
 
 def schema(handoff="tail", tail=8, ids=(1, 3, 5, 6), partition=((0, 4), (4, 8)), hidden=16) -> HandoffSchema:
-    return HandoffSchema(1, "m", "float32", 16, 8, 2, 4, hidden, partition, ids, len(ids) * hidden, handoff,
+    return HandoffSchema(1, "zmq", "m", "float32", 16, 8, 2, 4, hidden, partition, ids, len(ids) * hidden, handoff,
                          tail if handoff == "tail" else 0, "off", (2, 2, 4) if handoff == "draft-kv" else None)
 
 

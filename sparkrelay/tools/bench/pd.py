@@ -2,7 +2,8 @@
 request for each handoff mode over prompt lengths, and `tail`'s acceptance as a function of the tail length.
 
     python -m sparkrelay.tools.bench.pd [--lengths 32,128,512,1024,2048] [--per-length 3] [--pp-size 2]
-                                  [--tails 1,2,4,8,16,64,256] [--out benchmarks/results]
+                                  [--backends zmq[,mooncake,nixl]] [--tails 1,2,4,8,16,64,256]
+                                  [--out benchmarks/results] [--name bench_pd]
 
 Every deployment is started through the real entry points (sparkrelay.tools.cluster); requests go one at a time
 (streamed /generate, greedy) so TTFT and acceptance are not mixed with queueing. Writes bench_pd.json,
@@ -63,13 +64,21 @@ def bench_modes(args, prompts: dict, log_dir: str) -> list[dict]:
         rows += run_deployment("aggregated", agg.url, None, prompts, args.max_new_tokens)
     finally:
         agg.stop()
-    for mode in ("hidden", "draft-kv", "tail"):
-        cluster = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=args.pp_size, handoff=mode), log_dir)
-        try:
-            rows += run_deployment(f"PD {mode}", cluster.url, cluster.decode.url, prompts, args.max_new_tokens)
-        finally:
-            cluster.stop()
+    for backend in args.backends:
+        for mode in ("hidden", "draft-kv", "tail"):
+            rows += [{**r, "mode": mode, "backend": backend} for r in bench_pd(args, prompts, log_dir, backend, mode)]
     return rows
+
+
+def bench_pd(args, prompts: dict, log_dir: str, backend: str, mode: str) -> list[dict]:
+    flag = ["--disaggregation-transfer-backend", backend]
+    cluster = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=args.pp_size, handoff=mode,
+                                  prefill_args=flag, decode_args=flag), log_dir)
+    name = f"PD {mode}" if backend == "zmq" else f"PD {mode} ({backend})"
+    try:
+        return run_deployment(name, cluster.url, cluster.decode.url, prompts, args.max_new_tokens)
+    finally:
+        cluster.stop()
 
 
 def bench_tails(args, log_dir: str) -> list[dict]:
@@ -99,7 +108,7 @@ def verdict(modes: list[dict], tails: list[dict]) -> list[str]:
             continue
         if r["outputs"] != agg["outputs"]:
             why.append(f"{r['deployment']}, {r['prompt_len']}-token prompts: tokens differ from aggregated")
-        full = r["deployment"] in ("PD hidden", "PD draft-kv")
+        full = r.get("mode") in ("hidden", "draft-kv")
         if full and abs(r["accept_length"] - agg["accept_length"]) > 1e-9:
             why.append(f"{r['deployment']}, {r['prompt_len']}-token prompts: accept length {r['accept_length']:.3f} "
                        f"!= aggregated {agg['accept_length']:.3f}")
@@ -117,7 +126,7 @@ def verdict_line(why: list[str]) -> str:
 
 def write_report(modes: list[dict], tails: list[dict], out: Path, args) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_pd.json").write_text(json.dumps({"args": vars(args), "modes": modes, "tails": tails}, indent=1))
+    (out / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "modes": modes, "tails": tails}, indent=1))
     lines = [f"PP={args.pp_size} prefill, {args.per_length} prompts per length, {args.max_new_tokens} new tokens, "
              "greedy, one request at a time, bundled tiny pair on CPU.", "",
              "| deployment | prompt len | TTFT ms | decode tok/s | accept len | KiB/request: all | of which DSpark context + row |",
@@ -129,8 +138,8 @@ def write_report(modes: list[dict], tails: list[dict], out: Path, args) -> None:
               "| tail rows | accept len | metadata row KiB/request |", "|---|---|---|"]
     lines += [f"| {r['tail']} | {r['accept_length']:.2f} | {r['context_bytes'] / 1024:,.1f} |" for r in tails]
     lines += ["", verdict_line(verdict(modes, tails))]
-    (out / "bench_pd.md").write_text("\n".join(lines) + "\n")
-    _plot(modes, tails, out / "bench_pd.png")
+    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    _plot(modes, tails, out / f"{args.name}.png")
     print("\n".join(lines))
 
 
@@ -169,8 +178,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tails", default="1,2,4,8,16,64,256")
     ap.add_argument("--tail-prompt-len", type=int, default=512)
     ap.add_argument("--skip-tails", action="store_true")
+    ap.add_argument("--backends", default="zmq", help="transfer backends, comma-separated (zmq, mooncake, nixl)")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--name", default="bench_pd", help="file name of the report (.json, .md, .png)")
     args = ap.parse_args(argv)
+    args.backends = args.backends.split(",")
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.tails = [int(x) for x in args.tails.split(",")]
     with tempfile.TemporaryDirectory() as logs:
