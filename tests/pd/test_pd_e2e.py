@@ -98,20 +98,25 @@ def test_pd_pp2_hidden_through_router(tmp_path, prompts, reference):
     check_against(reference, results, exact_acceptance=True)
 
 
+def landed_rooms(backend: str, landed: list[int]):
+    """A decode_info check: the decode runs `backend`; appends how many rooms an engine wrote into its memory."""
+    def check(url):
+        info = json.loads(urllib.request.urlopen(url + "/server_info").read())
+        assert info["disaggregation_transfer_backend"] == backend
+        landed.append(info["internal_states"][0]["landed_rooms_total"])
+    return check
+
+
 @pytest.mark.parametrize("backend, mode", [("mooncake", "hidden"), ("nixl", "draft-kv")])
 def test_pd_one_sided_backend_through_router(tmp_path, prompts, reference, backend, mode):
     """CI's end-to-end test per one-sided backend: the KV, the metadata row and the DSpark context are written by
     the engine into the decode's registered memory (docs/dspark_pd.md, transfer backends)."""
     flag = ["--disaggregation-transfer-backend", backend]
-    landed = []
-
-    def engine_wrote_them(url):  # every room's parts were written by the engine into the decode's memory
-        info = json.loads(urllib.request.urlopen(url + "/server_info").read())
-        landed.append(info["internal_states"][0]["landed_rooms_total"])
-        assert info["disaggregation_transfer_backend"] == backend
-
-    results = run_pd(tmp_path, prompts, pp_size=2, handoff=mode, router="sparkrelay", decode_info=engine_wrote_them,
-                     prefill_args=flag + ["--chunked-prefill-size", "256"], decode_args=flag)
+    landed: list[int] = []
+    token = {"SPARKRELAY_DISAGGREGATION_AUTH_TOKEN": "pd-secret"} if backend == "nixl" else {}  # control: HMAC
+    results = run_pd(tmp_path, prompts, pp_size=2, handoff=mode, router="sparkrelay",
+                     decode_info=landed_rooms(backend, landed), prefill_args=flag + ["--chunked-prefill-size", "256"],
+                     decode_args=flag, env=token)
     check_against(reference, results, exact_acceptance=True)
     assert landed == [len(prompts)]
 
@@ -122,9 +127,11 @@ def test_pd_one_sided_backend_through_router(tmp_path, prompts, reference, backe
 def test_pd_backend_matrix(tmp_path, prompts, reference, backend, mode):
     """Every backend x handoff mode, PP=2 through the router (the full matrix of issue #12)."""
     flag = ["--disaggregation-transfer-backend", backend]
+    landed: list[int] = []
     results = run_pd(tmp_path, prompts, pp_size=2, handoff=mode, router="sparkrelay", prefill_args=flag,
-                     decode_args=flag)
+                     decode_args=flag, decode_info=landed_rooms(backend, landed))
     taus = check_against(reference, results, exact_acceptance=mode != "tail")
+    assert landed == [0 if backend == "zmq" else len(prompts)]  # one-sided: every room written by the engine
     print(f"\n{backend} {mode}: mean accept length {sum(taus) / len(taus):.3f}")
 
 

@@ -52,9 +52,10 @@ def test_a_landing_too_large_for_one_message_fails_its_room_only(make_cluster, b
     c.run_good_room(52)
 
 
+@pytest.mark.parametrize("token", [None, "s3cret"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_parts_land_at_the_rooms_pages(make_cluster, backend):
-    c = make_cluster(backend=backend)
+def test_parts_land_at_the_rooms_pages(make_cluster, backend, token):
+    c = make_cluster(backend=backend, token=token)  # with a token every control message carries its HMAC tag
     for room, n in ((11, 5), (12, 40)):  # one page; three pages, two of them consecutive
         c.add(room, n)
         c.begin(room, c.server.port, n)
@@ -67,6 +68,7 @@ def test_parts_land_at_the_rooms_pages(make_cluster, backend):
             c.prefill_state(pp, room, KVPoll.Success)
         c.decode.clear(room)
     assert c.threads_alive() and c.decode.stats()["Failed"] == 0
+    assert sum(c.decode.rejected().values()) == 0 and all(sum(p.rejected().values()) == 0 for p in c.prefills)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
