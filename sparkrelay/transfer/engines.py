@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 import threading
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ import numpy as np
 Write = tuple[int, int, int]  # (local source address, peer destination address, bytes)
 MOONCAKE_BATCH = 1024  # Mooncake refuses larger batches (4096 failed with -1 in a probe; 1024 works)
 NIXL_TIMEOUT_S = 60.0
+NIXL_PROGRESS_DELAY_US = 100  # the agent's progress thread sleeps this long between rounds (see _paced_agent)
 
 
 class EngineMissing(RuntimeError):
@@ -138,6 +140,26 @@ def _nixl_api():
     return nixl_agent, nixl_agent_config
 
 
+def _paced_agent(name: str):
+    """A NIXL agent with the UCX backend whose progress thread sleeps NIXL_PROGRESS_DELAY_US between rounds. The
+    Python API hard-codes a delay of 0: that thread then spins a whole core (measured 1.0 CPU s per s, idle), which
+    on a small host starves the engines (PD decode fell from ~210 to ~70 tok/s); without the thread a target never
+    completes a write. Paced, it costs 0.02 CPU s per s. Callers hold NixlEngine._env_lock."""
+    nixl_agent, nixl_agent_config = _nixl_api()
+    bind = sys.modules[nixl_agent.__module__].nixlBind
+    base = bind.nixlAgentConfig
+
+    class Paced(base):
+        def __setattr__(self, key, value):
+            super().__setattr__(key, NIXL_PROGRESS_DELAY_US if key == "pthrDelay" else value)
+
+    bind.nixlAgentConfig = Paced
+    try:
+        return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    finally:
+        bind.nixlAgentConfig = base
+
+
 class NixlEngine:
     _env_lock = threading.Lock()
 
@@ -145,9 +167,8 @@ class NixlEngine:
         with self._env_lock:
             if _loopback(host):  # UCX reads it when the agent starts: keep its sockets on the loopback device
                 os.environ.setdefault("UCX_NET_DEVICES", "lo")
-            nixl_agent, nixl_agent_config = _nixl_api()
             self._name = f"sparkrelay-{os.getpid()}-{secrets.token_hex(4)}"
-            self._agent = nixl_agent(self._name, nixl_agent_config(backends=["UCX"]))
+            self._agent = _paced_agent(self._name)
         self._regs: dict[int, object] = {}
         self._peers: dict[str, bytes] = {}  # peer name -> the metadata we loaded for it
         self._lock = threading.Lock()
