@@ -18,6 +18,7 @@ is its prompt's last token, and it decodes from there (a /health_generate that e
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -27,7 +28,7 @@ import torch
 from sparkrelay.config import Config
 from sparkrelay.disagg.handoff import expected_parts, inject_context, read_meta, write_kv
 from sparkrelay.disagg.landing_buffers import LandingBuffers
-from sparkrelay.disagg.roles import IDLE_WAIT_S, EngineParts, Event, HandoffFailed, KVArrived, PDRole
+from sparkrelay.disagg.roles import EngineParts, Event, HandoffFailed, KVArrived, PDRole
 from sparkrelay.disagg.schema import compare
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import slot_index
@@ -35,6 +36,7 @@ from sparkrelay.scheduler.request import Bootstrap, Request
 from sparkrelay.transfer.base import DecodeTransfer, KVPoll, get_backend
 
 
+NEWS_WAIT_S = 0.05  # an idle decode sleeps at most this long; a room's Success / Failed or a new request wakes it
 QUARANTINE_S = 5.0  # a failed one-sided room's blocks wait this long before reuse (its writes may be in flight)
 
 
@@ -54,6 +56,7 @@ class DecodeRole(PDRole):
         self.agent: Optional[DecodeTransfer] = None
         self.landings: Optional[LandingBuffers] = None  # one-sided backends only
         self.quarantine: list[tuple[float, str]] = []  # (release time, block owner), oldest first
+        self.news = threading.Event()  # set by the agent (a room finished) and by wake() (a request arrived)
         self.parts: Optional[EngineParts] = None
         self.handoff_bytes = 0  # bytes received from prefill stages (KV + handoff + metadata rows)
         self.context_bytes = 0  # of which DSpark context and metadata rows (everything but the target KV)
@@ -72,6 +75,7 @@ class DecodeRole(PDRole):
             draft_pool = parts.proposer.pool if parts.proposer is not None else None
             self.landings = LandingBuffers(self.schema, parts.pool, draft_pool)
             self.agent.register(self.landings.regions())
+        self.agent.set_listener(self.news.set)
         self.agent.start()
 
     def _largest_part(self, context_length: int) -> int:
@@ -157,8 +161,14 @@ class DecodeRole(PDRole):
         return KVArrived(req, req.prompt_ids[-1])
 
     def wait(self, idle: bool) -> None:
+        """No polling sleep: until a room finishes or a request arrives (NEWS_WAIT_S at most, for the
+        quarantine's clock). receive() then polls every room, so a wake-up that lands after clear() is not lost."""
         if idle and self.has_work():
-            time.sleep(IDLE_WAIT_S)
+            self.news.wait(NEWS_WAIT_S)
+            self.news.clear()
+
+    def wake(self) -> None:
+        self.news.set()
 
     def drop(self, req: Request) -> None:
         p = self.transferring.pop(req.rid, None)

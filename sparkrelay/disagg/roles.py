@@ -105,6 +105,9 @@ class Handoff:
     def wait(self, idle: bool) -> None:
         """An idle step (nothing ran, nothing to report) waits here briefly when transfers are in flight."""
 
+    def wake(self) -> None:
+        """Thread safe: end a wait() now (a request or an abort arrived for the engine)."""
+
     def drop(self, req: Request) -> None:
         """The engine is done with `req` (finished, failed or aborted): forget it, abort a transfer in flight."""
 

@@ -131,6 +131,10 @@ class Engine:
             return
         self.scheduler.add(req)  # max_new_tokens 0 with prompt logprobs: the prefill scores the prompt
 
+    def wake(self) -> None:
+        """Thread safe: end the handoff's idle wait now (a command is waiting for the engine thread)."""
+        self.handoff.wake()
+
     def abort(self, rid: str) -> None:
         req = self.requests.get(rid)
         if req is None:

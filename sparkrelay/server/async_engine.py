@@ -141,6 +141,7 @@ class AsyncEngine:
         if self._thread is None:
             return
         self._inbox.put(_Stop())
+        self.engine.wake()
         self._thread.join(timeout)
         self._thread = None
 
@@ -163,6 +164,7 @@ class AsyncEngine:
         stream = OutputStream(self, rids, outputs)
         cmd = _Add(items)
         self._inbox.put(cmd)
+        self.engine.wake()  # a decode idling on transfers reads its inbox now, not after its wait
         try:
             await asyncio.wrap_future(cmd.future)
         except BaseException:
@@ -181,6 +183,7 @@ class AsyncEngine:
 
     def abort(self, rid: str) -> None:
         self._inbox.put(_Abort(rid))
+        self.engine.wake()
 
     def _unregister(self, rids: list[str]) -> None:
         for rid in rids:

@@ -174,6 +174,10 @@ class DecodeTransfer(TransferAgent):
     Transferring (the first part arrived) -> Success (every stage's STATUS success, every expected part present),
     or Failed, which always wins (PollResult.permanent when a retry cannot cure it)."""
 
+    def set_listener(self, callback: Callable[[], None]) -> None:
+        """callback() is called, from an agent thread, whenever a room reaches Success or Failed (so an engine can
+        sleep until then instead of polling)."""
+
     def register(self, regions: list[tuple[int, int]]) -> None:
         """Memory (address, bytes) the prefill may write into, before start() (one-sided backends; else unused)."""
 

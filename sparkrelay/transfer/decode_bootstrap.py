@@ -45,12 +45,16 @@ class DecodeBootstrap(Agent):
                 return
             endpoints = dict(rec.endpoints)
         logger.warning("decode: room %d failed: %s", room, reason)
+        self._news()
         if notify and not endpoints:
             known = self._book.cached(rec.addr)
             endpoints = {} if known is None else known.endpoints
         if notify and endpoints:
             rec.told = True
             self._send_abort(room, [d for d in endpoints.values() if d != skip], reason)
+
+    def _news(self) -> None:
+        """A room reached Success or Failed (the decode agent tells its listener)."""
 
     def _send_abort(self, room: int, dests: list[Dest], reason: str) -> None:
         """ABORT(room, reason) to each of dests not retired, so the prefill's log and answer say why."""

@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from sparkrelay.transfer import protocol
 from sparkrelay.transfer.agent import start_loop
@@ -60,6 +60,7 @@ class DecodeAgent(DecodeBootstrap, DecodeTransfer):
         self._work: queue.Queue = queue.Queue(MAX_ROOMS)  # (room, rec) to bootstrap
         self._next_heartbeat = 0.0
         self._misses: dict[tuple[str, int], int] = {}  # failed heartbeats in a row, per prefill
+        self._listener: Callable[[], None] = lambda: None
 
     # ---- lifecycle ----
 
@@ -110,6 +111,15 @@ class DecodeAgent(DecodeBootstrap, DecodeTransfer):
     def _landing(self, landing: Optional[Landing]) -> Optional[dict]:
         """What TRANSFER_INFO carries as the room's landing: nothing here, the parts come as DATA frames."""
         return None
+
+    def set_listener(self, callback: Callable[[], None]) -> None:
+        self._listener = callback
+
+    def _news(self) -> None:
+        try:
+            self._listener()
+        except Exception:
+            logger.exception("decode: the room listener raised")
 
     def take(self, room: int) -> dict[int, dict[str, Part]]:
         with self._lock:
@@ -208,7 +218,11 @@ class DecodeAgent(DecodeBootstrap, DecodeTransfer):
                 return
             problem = rec.stage_done(pp) if status == KVPoll.Success else None
             if status == KVPoll.Success and problem is None:
-                return
+                success = rec.state == KVPoll.Success
+        if status == KVPoll.Success and problem is None:
+            if success:
+                self._news()
+            return
         if status in (KVPoll.Failed, KVPoll.Success):  # the prefill failed the room: read /route again next time
             self._forget_prefill(rec.addr, dead=False)
         if status == KVPoll.Failed:
