@@ -151,6 +151,8 @@ class Engine:
     # -- the step ----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self._apply(self.handoff.receive())  # decode: prealloc -> transferring -> running; prefill: stage reports
+        if self._ready:  # a decode's first tokens (and finished handoffs) go out now, not after the next round
+            return self._take_ready()
         batch = self.scheduler.schedule()
         if batch is not None:
             self._postprocess(batch, self.runner.run(batch))
