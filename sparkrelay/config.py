@@ -98,9 +98,8 @@ class DisaggConfig:
                                                   "when a request's bootstrap_port is null.")
     disaggregation_bootstrap_host: str = _f("127.0.0.1", "Prefill: address the bootstrap server and the transfer "
                                                          "sockets bind (reachable at the prefill URL's host).")
-    disaggregation_transfer_backend: str = _f("zmq", "KV / handoff transfer backend: zmq (bytes over ZMQ/TCP, no extra "
-                                              "dependency), mooncake or nixl (one-sided writes into the decode's "
-                                              "memory; pip extras .[mooncake] / .[nixl]). Same on both servers.",
+    disaggregation_transfer_backend: str = _f("zmq", "KV transfer: zmq (ZMQ/TCP), mooncake or nixl (one-sided "
+                                              "writes; extras .[mooncake] / .[nixl]). Same on both servers.",
                                               TRANSFER_BACKENDS)
     dspark_pd_handoff: Optional[str] = _f(
         None, "What carries the DSpark drafter's context from prefill to decode: tail (last rows in the metadata "
