@@ -28,7 +28,7 @@ import torch
 from sparkrelay.config import Config
 from sparkrelay.disagg.handoff import expected_parts, inject_context, read_meta, write_kv
 from sparkrelay.disagg.landing_buffers import LandingBuffers
-from sparkrelay.disagg.roles import EngineParts, Event, HandoffFailed, KVArrived, PDRole
+from sparkrelay.disagg.roles import NEWS_WAIT_S, EngineParts, Event, HandoffFailed, KVArrived, PDRole
 from sparkrelay.disagg.schema import compare
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import slot_index
@@ -36,7 +36,6 @@ from sparkrelay.scheduler.request import Bootstrap, Request
 from sparkrelay.transfer.base import DecodeTransfer, KVPoll, get_backend
 
 
-NEWS_WAIT_S = 0.05  # an idle decode sleeps at most this long; a room's Success / Failed or a new request wakes it
 QUARANTINE_S = 5.0  # a failed one-sided room's blocks wait this long before reuse (its writes may be in flight)
 
 

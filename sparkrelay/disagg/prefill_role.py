@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from sparkrelay.config import Config
-from sparkrelay.disagg.roles import IDLE_WAIT_S, Event, HandedOff, HandoffFailed, PDRole
+from sparkrelay.disagg.roles import NEWS_WAIT_S, Event, HandedOff, HandoffFailed, PDRole
 from sparkrelay.disagg.stage_report import StageReport, StageReportInbox
 from sparkrelay.scheduler.request import Bootstrap, Request
 from sparkrelay.transfer.base import SCHEMA_MISMATCH, KVPoll
@@ -74,8 +74,12 @@ class PrefillRole(PDRole):
         return []
 
     def wait(self, idle: bool) -> None:
+        """No polling sleep: until a stage reports or a request arrives (wake), NEWS_WAIT_S at most."""
         if idle and self.inflight:
-            self.inbox.wait(IDLE_WAIT_S)
+            self.inbox.wait(NEWS_WAIT_S)
+
+    def wake(self) -> None:
+        self.inbox.wake()
 
     def drop(self, req: Request) -> None:
         self.inflight.pop(req.bootstrap_room, None)

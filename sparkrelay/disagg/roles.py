@@ -36,7 +36,7 @@ from sparkrelay.scheduler.scheduler import Scheduler
 from sparkrelay.spec.proposer import DSparkProposer
 from sparkrelay.transfer.base import check_room
 
-IDLE_WAIT_S = 0.005  # how long a step with only transfers in flight waits for news
+NEWS_WAIT_S = 0.05  # an idle PD step with transfers in flight waits at most this long; news and wake() end it
 
 
 # -- events: what a receive() reports -------------------------------------------------------------------------------
@@ -103,7 +103,8 @@ class Handoff:
         assert not reqs, "an aggregated engine hands nothing off"
 
     def wait(self, idle: bool) -> None:
-        """An idle step (nothing ran, nothing to report) waits here briefly when transfers are in flight."""
+        """An idle step (nothing ran, nothing to report) waits here while transfers are in flight: until news
+        arrives or wake() is called, NEWS_WAIT_S at most."""
 
     def wake(self) -> None:
         """Thread safe: end a wait() now (a request or an abort arrived for the engine)."""

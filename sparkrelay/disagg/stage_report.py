@@ -8,6 +8,7 @@ process boundary, so they are msgpack maps checked field by field on receipt, ne
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import msgpack
@@ -48,17 +49,33 @@ class StageReport:
 
 
 class StageReportInbox:
-    """Rank 0's end: a PULL socket on a random loopback port (`address` goes to every stage)."""
+    """Rank 0's end: a PULL socket on a random loopback port (`address` goes to every stage), also bound to an
+    in-process address on which `wake()` posts an empty message, so a wait ends at once when a request arrives."""
 
     def __init__(self) -> None:
-        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        ctx = zmq.Context.instance()
+        self._sock = ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         port = self._sock.bind_to_random_port("tcp://127.0.0.1")
         self.address = f"tcp://127.0.0.1:{port}"
+        wake_address = f"inproc://sparkrelay-stage-reports-{port}"
+        self._sock.bind(wake_address)
+        self._waker = ctx.socket(zmq.PUSH)
+        self._waker.setsockopt(zmq.LINGER, 0)
+        self._waker.setsockopt(zmq.SNDHWM, 1)  # one pending wake-up is enough
+        self._waker.connect(wake_address)
+        self._wake_lock = threading.Lock()  # wake() comes from any thread; a zmq socket is not thread safe
 
     def wait(self, timeout_s: float) -> bool:
-        """True once a report is waiting (at most `timeout_s`)."""
+        """True once a report or a wake-up is waiting (at most `timeout_s`)."""
         return bool(self._sock.poll(timeout_s * 1000))
+
+    def wake(self) -> None:
+        with self._wake_lock:
+            try:
+                self._waker.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # a wake-up is already pending (or the inbox is closed)
 
     def drain(self) -> list[StageReport]:
         out = []
@@ -67,12 +84,16 @@ class StageReportInbox:
                 data = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return out
+            if not data:
+                continue  # a wake-up
             try:
                 out.append(StageReport.decode(data))
             except ValueError as e:
                 logger.error("dropped a malformed stage report (%d bytes): %s", len(data), e)
 
     def close(self) -> None:
+        with self._wake_lock:
+            self._waker.close(0)
         self._sock.close(0)
 
 

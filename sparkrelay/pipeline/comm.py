@@ -98,9 +98,12 @@ class Channel:
     def send_tokens(self, rows: torch.Tensor) -> None:
         """Last rank: the micro-batch's reply, float64 [B + E, W] (descriptor.reply_shape): per sequence column 0
         the token (-1: no sample) then its logprobs; then E rows of scored prompt positions (zero-cost: E = 0 and
-        W = 1 unless some sequence asked for logprobs)."""
+        W = 1 unless some sequence asked for logprobs). Posted, not waited for: rank 0 posts its receives only once
+        it has fed the step's last micro-batch, and meanwhile this stage goes on with the next one (a blocking send
+        here would serialise the chunks of a pipelined prefill); sends that completed are dropped, `flush` waits."""
         t = rows.to(torch.float64).to(self.wire).contiguous()
-        self._wait(self._post(self.group.send, t, 0))
+        self._pending = [(w, buf) for w, buf in self._pending if not w.is_completed()]
+        self._pending.append((self._post(self.group.send, t, 0), t))
 
     def recv_tokens(self, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
         """Rank 0: each micro-batch's reply ([B_i + E_i, W_i] float64, descriptor.reply_shape of its descriptor),

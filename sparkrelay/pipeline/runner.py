@@ -42,6 +42,16 @@ from sparkrelay.runner.logprobs import from_rows
 from sparkrelay.runner.model_runner import RunResult, prompt_rows
 
 
+# Chunk pipelining (PipelineRunner._plan): a cut prefill step's chunks hold at least CHUNK_TOKENS tokens, and there
+# are at most CHUNKS_PER_STAGE per stage.
+CHUNK_TOKENS, CHUNKS_PER_STAGE = 128, 4
+
+
+def shared_threads(pp: int) -> int:
+    """Torch threads of a stage while the others may be busy: the host's cores split between the pp stages."""
+    return max(1, (os.cpu_count() or 1) // pp)
+
+
 def default_room(req: Request) -> int:
     """The request's PD bootstrap room (0: none)."""
     return int(getattr(req, "bootstrap_room", None) or 0)
@@ -59,6 +69,25 @@ def split_balanced(sizes: list[int], parts: int) -> list[list[int]]:
             runs.append(cur)
             cur = []
     return runs + [cur]
+
+
+def cut_tokens(sizes: list[int], parts: int) -> list[list[tuple[int, int, int]]]:
+    """Sequences of `sizes` tokens, laid end to end, cut into `parts` runs of about equal tokens, cutting inside a
+    sequence where a boundary falls -> per run, pieces (sequence index, first token offset, end offset)."""
+    total = sum(sizes)
+    bounds = [round(k * total / parts) for k in range(1, parts + 1)]
+    runs: list[list[tuple[int, int, int]]] = [[] for _ in range(parts)]
+    cursor, k = 0, 0
+    for i, size in enumerate(sizes):
+        lo = 0
+        while lo < size:
+            while bounds[k] <= cursor:
+                k += 1
+            hi = min(size, lo + bounds[k] - cursor)
+            runs[k].append((i, lo, hi))
+            cursor += hi - lo
+            lo = hi
+    return [r for r in runs if r]
 
 
 class PipelineRunner:
@@ -92,6 +121,7 @@ class PipelineRunner:
         self._closed, self._broken = False, None
         self.stats = {"steps": 0, "micro_batches": 0}
         if pp > 1:
+            self.stage.share_cores(torch.get_num_threads(), shared_threads(pp))
             self._start_workers(config, model, pool, sink_factory, status_address)
         self._atexit = functools.partial(_close_ref, weakref.ref(self))
         atexit.register(self._atexit)
@@ -106,7 +136,8 @@ class PipelineRunner:
         launch = {"config": config.flat(), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
                   "partition": self.partition, "num_blocks": pool.num_blocks, "capture": self.capture.to_dict(),
                   "sink_factory": sink_factory, "status_address": status_address, "backend": backend,
-                  "parent_pid": os.getpid(), "threads": max(1, (os.cpu_count() or 1) // self.pp)}
+                  "parent_pid": os.getpid(), "threads": shared_threads(self.pp),
+                  "alone_threads": torch.get_num_threads()}
         self.workers = Workers(self.pp, port, json.dumps(launch))
         try:
             self.workers.wait_ready(self._store)
@@ -144,16 +175,16 @@ class PipelineRunner:
         with self._lock:
             self._check_up()
             seqs = batch.seqs
-            runs = split_balanced([s.end - s.start for s in seqs], self.pp)
+            pieces = self._plan(batch)  # per micro-batch: (sequence index, the piece of it this micro-batch feeds)
             step, released = next(self._steps), self._take_released()
             tokens: list[torch.Tensor] = []  # per micro-batch [B_i + E_i, W_i] (Stage.run)
             mbs = []
-            for i, run in enumerate(runs):
-                scored = {j: (first, n) for j, first, _, n in prompt_rows([seqs[j] for j in run])}
-                descs = [self._desc(seqs[j], *scored.get(pos, (-1, 0))) for pos, j in enumerate(run)]
-                mb = MicroBatch(STEP, step, i, len(runs), descs, released if i == 0 else [])
+            for i, run in enumerate(pieces):
+                scored = {k: (first, n) for k, first, _, n in prompt_rows([p for _, p in run])}
+                descs = [self._desc(p, *scored.get(k, (-1, 0))) for k, (_, p) in enumerate(run)]
+                mb = MicroBatch(STEP, step, i, len(pieces), descs, released if i == 0 else [])
                 mbs.append(mb)
-                ids = [t for j in run for t in seqs[j].req.all_ids[seqs[j].start : seqs[j].end]]
+                ids = [t for _, p in run for t in p.req.all_ids[p.start : p.end]]
                 local = dataclasses.replace(mb, released=[])  # stage 0 dropped them in release() already
                 out = self.stage.run(local, input_ids=torch.tensor(ids, device=self.device))  # [T]
                 if self.channel is None:
@@ -161,13 +192,29 @@ class PipelineRunner:
                     continue
                 with self._comm():
                     self.channel.send_step(mb, out)
+            if self.stage.threads is not None:
+                torch.set_num_threads(self.stage.threads[0])  # rank 0's own setting, between steps
             if self.channel is not None:
                 with self._comm():
                     tokens = self.channel.recv_tokens([reply_shape(m.seqs) for m in mbs])
                     self.channel.flush()
             self.stats["steps"] += 1
-            self.stats["micro_batches"] += len(runs)
-            return self._result(seqs, mbs, tokens)
+            self.stats["micro_batches"] += len(pieces)
+            return self._result(seqs, [j for run in pieces for j, _ in run], mbs, tokens)
+
+    def _plan(self, batch: Batch) -> list[list[tuple[int, ScheduledSeq]]]:
+        """The step's micro-batches. With several stages, a prefill step of at least 2 * CHUNK_TOKENS tokens is cut
+        into up to CHUNKS_PER_STAGE * pp chunks of about equal tokens, cutting inside a prompt where needed (a
+        request's chunks run in order on every stage, each after the previous one's KV is in place), so that
+        stage s computes chunk k while stage s - 1 computes chunk k + 1. Otherwise whole sequences are split into
+        up to pp contiguous runs."""
+        seqs = batch.seqs
+        sizes = [s.end - s.start for s in seqs]
+        parts = min(CHUNKS_PER_STAGE * self.pp, sum(sizes) // CHUNK_TOKENS)
+        if self.pp == 1 or batch.kind != "prefill" or parts <= min(self.pp, len(seqs)):
+            return [[(j, seqs[j]) for j in run] for run in split_balanced(sizes, self.pp)]
+        return [[(j, dataclasses.replace(seqs[j], start=seqs[j].start + lo, end=seqs[j].start + hi))
+                 for j, lo, hi in run] for run in cut_tokens(sizes, parts)]
 
     def close(self) -> None:
         """Send the shutdown descriptor (with pending releases), join the workers (kill what lingers). Idempotent."""
@@ -203,25 +250,33 @@ class PipelineRunner:
                        score_first, req.prompt_ids[score_first : score_first + score_count])
 
     @staticmethod
-    def _result(seqs: list[ScheduledSeq], mbs: list[MicroBatch], rows: list[torch.Tensor]) -> RunResult:
+    def _result(seqs: list[ScheduledSeq], owners: list[int], mbs: list[MicroBatch],
+                rows: list[torch.Tensor]) -> RunResult:
         """Each micro-batch's reply [B_i + E_i, W_i] -> tokens (and logprob entries, prompt ones included) in batch
-        order (runs are contiguous)."""
-        flat, descs, prompt = [], [], []
+        order. owners: the batch index of each piece, in micro-batch order; only a sequence's last piece samples,
+        and its pieces' scored prompt positions follow one another."""
+        sampled: dict[int, tuple[list[float], SeqDesc]] = {}
+        prompt: dict[int, tuple[int, list]] = {}
+        piece = iter(owners)
         for mb, reply in zip(mbs, rows):
             r = reply.tolist()
-            flat += r[: len(mb.seqs)]
-            descs += mb.seqs
             cursor = len(mb.seqs)
-            for d in mb.seqs:
-                n = len(d.score_ids)
-                prompt.append((d.score_first, from_rows(r[cursor : cursor + n], [d.logprobs] * n)) if n else None)
-                cursor += n
-        assert all((r[0] >= 0) == s.sample for r, s in zip(flat, seqs)), "a stage sampled the wrong sequences"
-        res = RunResult([[int(r[0])] if s.sample else [] for r, s in zip(flat, seqs)], [s.end for s in seqs])
-        if any(d.logprobs >= 0 for d in descs):
-            res.logprobs = [from_rows([r[1:]], [d.logprobs]) if s.sample and d.logprobs >= 0 else []
-                            for r, d, s in zip(flat, descs, seqs)]
-            res.prompt_logprobs = prompt
+            for d, row in zip(mb.seqs, r):
+                j, n = next(piece), len(d.score_ids)
+                if d.sample:
+                    assert row[0] >= 0, "a stage did not sample a sampling sequence"
+                    sampled[j] = (row, d)
+                if n:
+                    prompt.setdefault(j, (d.score_first, []))[1].extend(
+                        from_rows(r[cursor : cursor + n], [d.logprobs] * n))
+                    cursor += n
+        assert all((j in sampled) == s.sample for j, s in enumerate(seqs)), "a stage sampled the wrong sequences"
+        res = RunResult([[int(sampled[j][0][0])] if j in sampled else [] for j in range(len(seqs))],
+                        [s.end for s in seqs])
+        if any(d.logprobs >= 0 for mb in mbs for d in mb.seqs):
+            res.logprobs = [from_rows([sampled[j][0][1:]], [sampled[j][1].logprobs])
+                            if j in sampled and sampled[j][1].logprobs >= 0 else [] for j in range(len(seqs))]
+            res.prompt_logprobs = [prompt.get(j) for j in range(len(seqs))]
         return res
 
     def _take_released(self) -> list[tuple[int, int]]:

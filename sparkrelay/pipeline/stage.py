@@ -12,6 +12,7 @@ Per micro-batch (all stages run the same descriptor, pipeline/descriptor.py):
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import time
 from typing import Optional, Protocol
@@ -129,6 +130,29 @@ def stage_delay(index: int) -> float:
         raise ConfigError(f"SPARKRELAY_TEST_PP_STAGE_DELAY={raw!r} is not 'stage:seconds'") from None
 
 
+class StageTrace:
+    """SPARKRELAY_PP_TRACE=PATH: each stage appends one JSON line per micro-batch to PATH.stage<index>.jsonl:
+    {"stage", "step", "mb", "num_mbs", "rooms", "tokens", "start", "end"} (time.monotonic(), which every process
+    on a host shares). For tests and the TTFT breakdown; off (no file, no cost) when unset."""
+
+    def __init__(self, path: str, index: int) -> None:
+        self.path, self.index = path, index
+
+    @classmethod
+    def from_env(cls, index: int) -> "StageTrace":
+        base = os.environ.get("SPARKRELAY_PP_TRACE", "")
+        return cls(f"{base}.stage{index}.jsonl" if base else "", index)
+
+    def record(self, mb: MicroBatch, began: float) -> None:
+        if not self.path:
+            return
+        line = {"stage": self.index, "step": mb.step, "mb": mb.index,
+                "num_mbs": mb.count, "rooms": [s.room for s in mb.seqs],
+                "tokens": [[s.start, s.end] for s in mb.seqs], "start": began, "end": time.monotonic()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
 class Stage:
     def __init__(self, index: int, partition: list[tuple[int, int]], model: Qwen3ForCausalLM, pool: KVPool,
                  capture: CaptureSpec, projector: Optional[ContextProjector], sink: Optional[StageSink],
@@ -140,6 +164,22 @@ class Stage:
         self.shared_gen = torch.Generator(device=device).manual_seed(seed)
         self._generators: dict[int, torch.Generator] = {}
         self.test_delay = stage_delay(index)
+        self.threads: Optional[tuple[int, int]] = None  # (alone, shared): see share_cores
+        self.trace = StageTrace.from_env(index)
+
+    def share_cores(self, alone: int, shared: int) -> None:
+        """Stages on one host share its cores: run a micro-batch with `alone` torch threads when no other stage
+        can be busy (stage 0 on a step's first micro-batch, the last stage on its last one), else `shared`."""
+        self.threads = (alone, shared)
+
+    def _set_threads(self, mb: MicroBatch) -> None:
+        if self.threads is None:
+            return
+        first, last = mb.index == 0, mb.index == mb.count - 1
+        alone = (self.index == 0 and first) or (self.is_last and last)
+        n = self.threads[0] if alone else self.threads[1]
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
 
     def release(self, released: list[tuple[int, int]]) -> None:
         for req_index, _ in released:
@@ -161,6 +201,8 @@ class Stage:
         sample), then its logprob row (runner/logprobs.py `to_rows`) when some sequence asked for logprobs; then
         the rows of the prompt positions the descriptor asked to score."""
         self.release(mb.released)
+        self._set_threads(mb)
+        began = time.monotonic()
         if self.test_delay:
             time.sleep(self.test_delay)  # SPARKRELAY_TEST_PP_STAGE_DELAY: a slow stage, for fault tests
         seqs = mb.seqs
@@ -178,6 +220,7 @@ class Stage:
                 draft_kv = self.projector.finish(nxt.partial, meta.positions)
             self.sink.after_forward(mb, meta, out, aux, draft_kv)
         if not self.is_last:
+            self.trace.record(mb, began)
             return nxt
         num_sampling = sum(s.sample for s in seqs)
         logits = out.logits[:num_sampling]  # [R, V]; then [E, V] of the scored prompt rows
@@ -188,7 +231,9 @@ class Stage:
                                  [e for e, s in zip(entries, seqs) if s.sample])
         prompt = score_rows(scored, [t for s in seqs for t in s.score_ids],
                             [s.logprobs for s in seqs for _ in s.score_ids], out.logits[num_sampling:], len(seqs))
-        return self._rows(seqs, tokens, entries, prompt)
+        rows = self._rows(seqs, tokens, entries, prompt)
+        self.trace.record(mb, began)
+        return rows
 
     def _logprobs(self, seqs: list[SeqDesc], logits: torch.Tensor, tokens: list[int]) -> list[Optional[Entry]]:
         """Per sequence: the sampled token's logprob entry from the raw logits [R, V] when it asked, else None."""

@@ -2,14 +2,14 @@
 
 Started by rank 0 (pipeline/launch.py), with its launch record, JSON, in SPARKRELAY_PP_LAUNCH:
     config (Config.flat()), dtype, partition, num_blocks, capture (CaptureSpec.to_dict()), sink_factory,
-    status_address, backend, threads, parent_pid.
+    status_address, backend, threads, alone_threads, parent_pid.
 Life: connect to rank 0's TCPStore on 127.0.0.1:P -> load layers [start, end) of the target (load_qwen3) and a
 KVPool for them with rank 0's num_blocks and page size (block tables come in each descriptor) -> set `ready/R`
 (or `error/R` with the message) -> join the process group -> serve micro-batches until a SHUTDOWN descriptor
 (passed on first). An error of its own exits with code 1 (rank 0's watchdog names the stage); losing a peer
 exits with PEER_LOST_EXIT (3), which the watchdog does not take for the root cause; the parent's death exits too.
-Threads: torch.set_num_threads(threads), threads = cpu_count // pp_size, at least 1: the stages share the cores
-(rank 0 keeps the engine's own setting).
+Threads: threads = cpu_count // pp_size (at least 1) while other stages may be busy, and alone_threads (rank 0's
+own setting) for a step's last micro-batch on the last stage, when the others are done (Stage.share_cores).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def serve(stage: Stage, channel: Channel) -> None:
             stage.release(mb.released)
             if not stage.is_last:
                 channel.send_step(mb, None)
-                channel.flush()
+            channel.flush()
             stage.close()
             return
         out = stage.run(mb, inp=inp)
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:
         store.set(f"error/{args.rank}", f"{type(e).__name__}: {e}")
         raise
+    stage.share_cores(launch["alone_threads"], launch["threads"])
     store.set(f"ready/{args.rank}", "1")
     group = make_group(store, args.rank, args.world_size, launch["backend"])
     channel = Channel(group, args.rank, args.world_size, launch["backend"], device, shape)

@@ -5,6 +5,7 @@ dead stage makes run() fail promptly with its name; --pp-size beyond the layer c
 process outlives its engine.
 """
 
+import json
 import os
 import signal
 import time
@@ -203,3 +204,38 @@ def test_partial_projection_equals_drafter_context_kv(pp, bundled_model_dir, bun
         assert sorted(rows) == list(range(len(p)))
         assert torch.allclose(torch.stack([rows[j] for j in range(len(p))]), ref, atol=1e-4, rtol=1e-4)
     assert not child_pids()
+
+
+def read_trace(base: Path, stage: int) -> list[dict]:
+    return [json.loads(line) for line in Path(f"{base}.stage{stage}.jsonl").read_text().splitlines()]
+
+
+def test_chunks_pipeline_across_stages(bundled_model_dir, tmp_path, monkeypatch):
+    """A 512-token prompt on 2 stages is cut into 4 chunks of 128 (pipeline/runner.py CHUNK_TOKENS): stage 1 runs
+    chunk k while stage 0 runs chunk k + 1 (the stages' recorded intervals overlap), and the tokens, the prompt's
+    logprobs and the sampled token's logprobs equal PP = 1's."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(bundled_model_dir)).encode(Path(__file__).read_text())[:512]
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, return_logprob=True,
+                            top_logprobs_num=2, logprob_start_len=100)
+    settings = dict(page_size=4, chunked_prefill_size=2048, max_total_tokens=4096)
+    ref = LLM(str(bundled_model_dir), **settings)
+    want = ref.generate([ids], params)[0]
+    ref.engine.close()
+    monkeypatch.setenv("SPARKRELAY_PP_TRACE", str(tmp_path / "trace"))
+    monkeypatch.setenv("SPARKRELAY_TEST_PP_STAGE_DELAY", "0:0.02")  # stage 0 a little slower: overlap is certain
+    llm = LLM(str(bundled_model_dir), pp_size=2, **settings)
+    got = llm.generate([ids], params)[0]
+    llm.engine.close()
+    assert got["output_ids"] == want["output_ids"]
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        assert [e[1] for e in got["meta_info"][key]] == [e[1] for e in want["meta_info"][key]]
+        assert [e[0] for e in got["meta_info"][key]] == pytest.approx([e[0] for e in want["meta_info"][key]],
+                                                                        abs=1e-4)
+    s0, s1 = ([r for r in read_trace(tmp_path / "trace", s) if r["num_mbs"] == 4] for s in (0, 1))
+    assert [r["tokens"] for r in s0] == [[[128 * k, 128 * (k + 1)]] for k in range(4)]
+    assert [r["tokens"] for r in s1] == [r["tokens"] for r in s0]
+    assert s1[0]["start"] < s0[3]["end"], "stage 1 waited for stage 0's last chunk"
+    overlaps = [k for k in range(3) if s1[k]["start"] < s0[k + 1]["end"] and s0[k + 1]["start"] < s1[k]["end"]]
+    assert overlaps, f"no chunk ran on stage 1 while stage 0 ran the next: {s0} {s1}"

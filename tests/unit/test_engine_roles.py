@@ -7,6 +7,7 @@ HandoffFailed; a fake bootstrap request finishes once its first token is sampled
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from sparkrelay.config import Config
 from sparkrelay.disagg.decode_role import DecodeRole
 from sparkrelay.disagg.prefill_role import PrefillRole
-from sparkrelay.disagg.roles import EngineParts, HandedOff, Handoff, HandoffFailed, KVArrived
+from sparkrelay.disagg.roles import NEWS_WAIT_S, EngineParts, HandedOff, Handoff, HandoffFailed, KVArrived
 from sparkrelay.disagg.stage_report import StageReport, StageReportOutbox
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.scheduler.block_manager import BlockManager
@@ -160,3 +161,32 @@ def test_prefill_fake_request_finishes_without_a_transfer(prefill):
     assert prefill.stats() == {"num_transfers_inflight": 0} and prefill.has_work()
     assert [(type(e), e.req) for e in prefill.receive()] == [(HandedOff, req)]
     assert not prefill.has_work()
+
+
+def test_prefill_wait_ends_on_wake_or_report(prefill):
+    """An idle prefill with a transfer in flight waits for news, not a polling period: wake() (a request arrived)
+    or a stage's report ends the wait at once; with neither it waits NEWS_WAIT_S."""
+    role = prefill
+    req = request("a", 5)
+    role.take(req, Bootstrap("127.0.0.1", None, 21))
+    req.output_ids.append(3)
+    role.send([req])
+    t = time.monotonic()
+    role.wait(idle=True)
+    assert time.monotonic() - t >= NEWS_WAIT_S * 0.9
+    timer = threading.Timer(0.01, role.wake)
+    timer.start()
+    t = time.monotonic()
+    role.wait(idle=True)
+    assert time.monotonic() - t < NEWS_WAIT_S * 0.8
+    timer.join()
+    assert role.receive() == [] and role.has_work()  # a wake-up is not a report
+    out = StageReportOutbox(role.status_address)
+    try:
+        threading.Timer(0.01, out.send, [StageReport(21, 0, KVPoll.Success)]).start()
+        t = time.monotonic()
+        role.wait(idle=True)
+        assert time.monotonic() - t < NEWS_WAIT_S * 0.8
+        time.sleep(0.02)
+    finally:
+        out.close()

@@ -134,9 +134,10 @@ def write_report(modes: list[dict], tails: list[dict], out: Path, args) -> None:
     for r in modes:
         lines.append(f"| {r['deployment']} | {r['prompt_len']} | {1000 * r['ttft_s']:.0f} | {r['decode_tok_s']:.1f} | "
                      f"{r['accept_length']:.2f} | {r['handoff_bytes'] / 1024:,.0f} | {r['context_bytes'] / 1024:,.1f} |")
-    lines += ["", f"`tail` acceptance vs tail length ({args.tail_prompt_len}-token prompts):", "",
-              "| tail rows | accept len | metadata row KiB/request |", "|---|---|---|"]
-    lines += [f"| {r['tail']} | {r['accept_length']:.2f} | {r['context_bytes'] / 1024:,.1f} |" for r in tails]
+    if tails:  # --skip-tails: no section
+        lines += ["", f"`tail` acceptance vs tail length ({args.tail_prompt_len}-token prompts):", "",
+                  "| tail rows | accept len | metadata row KiB/request |", "|---|---|---|"]
+        lines += [f"| {r['tail']} | {r['accept_length']:.2f} | {r['context_bytes'] / 1024:,.1f} |" for r in tails]
     lines += ["", verdict_line(verdict(modes, tails))]
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     _plot(modes, tails, out / f"{args.name}.png")
