@@ -33,6 +33,7 @@ from sparkrelay.disagg.schema import compare
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import slot_index
 from sparkrelay.scheduler.request import Bootstrap, Request
+from sparkrelay.trace import timeline
 from sparkrelay.transfer.base import DecodeTransfer, KVPoll, get_backend
 
 
@@ -115,7 +116,10 @@ class DecodeRole(PDRole):
         res = self.agent.poll(req.bootstrap_room)
         if res.state == KVPoll.Success:
             del self.transferring[req.rid]
-            return self._commit(req)
+            timeline.mark("decode", "arrived", room=req.bootstrap_room)
+            event = self._commit(req)
+            timeline.mark("decode", "committed", room=req.bootstrap_room)
+            return event
         if res.state == KVPoll.Failed:
             del self.transferring[req.rid]
             self.agent.clear(req.bootstrap_room)

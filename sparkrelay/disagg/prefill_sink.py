@@ -27,6 +27,7 @@ from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import slot_index
 from sparkrelay.models.loader import read_config
 from sparkrelay.models.qwen3 import Qwen3Spec
+from sparkrelay.trace import timeline
 from sparkrelay.transfer.base import KVPoll, Part
 from sparkrelay.transfer.base import get_backend
 from sparkrelay.disagg.stage_report import StageReport, StageReportOutbox
@@ -63,6 +64,7 @@ class PrefillSink:
 
     def _notify(self, room: int, state: KVPoll, reason: str) -> None:
         """Agent threads report a terminal state: forward it to rank 0, drop what this stage kept for the room."""
+        timeline.mark(f"stage{self.stage}", "sent", room=room, state=state.name)
         with self._lock:
             self.rooms.pop(room, None)
             self._status.send(StageReport(room, self.stage, state, reason))
@@ -153,6 +155,7 @@ class PrefillSink:
     def _send(self, room: int, st: _Room) -> None:
         parts, st.parts = st.parts, []
         st.aux = st.draft = st.tail = None
+        timeline.mark(f"stage{self.stage}", "send", room=room)
         self.agent.send(room, parts)
 
     def release(self, rooms: list[int]) -> None:

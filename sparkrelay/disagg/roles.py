@@ -83,6 +83,7 @@ class EngineParts:
 class Handoff:
     """No handoff (aggregated serving): every hook is a no-op. The PD roles override what they need."""
 
+    role = "aggregated"        # what the engine serves as: aggregated, prefill or decode
     status_address = ""        # where pipeline stages report their part of a transfer ("": nowhere)
     sends_first_token = False  # True (prefill): a sampled first token ends the request's compute on this server
 
@@ -125,8 +126,6 @@ class Handoff:
 class PDRole(Handoff):
     """What both PD roles share: this side's handoff schema and the table of rooms in flight. A request with the
     fake bootstrap host keeps room 0 (none): no stage captures or sends for it and no peer hears of it."""
-
-    role = ""
 
     def __init__(self, config: Config, dtype: torch.dtype) -> None:
         self.config = config

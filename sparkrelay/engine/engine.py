@@ -28,6 +28,7 @@ from sparkrelay.scheduler.block_manager import BlockManager
 from sparkrelay.scheduler.request import Bootstrap, Request, RequestError, RequestOutput, SamplingParams, Status
 from sparkrelay.scheduler.scheduler import Batch, Scheduler
 from sparkrelay.scheduler.stop import StopChecker
+from sparkrelay.trace import timeline
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class Engine:
         self.validate(prompt_ids, params)
         req = Request(rid, list(prompt_ids), params, self.eos_token_ids, arrival_time=time.monotonic())
         self.requests[rid] = req
+        timeline.mark(self.handoff.role, "queued", t=req.arrival_time, rid=rid, room=bootstrap.room if bootstrap else 0)
         self.counters["prompt_tokens"] += len(prompt_ids)
         if self.handoff.take(req, bootstrap):
             return  # decode: scheduled once its prompt's KV arrived
@@ -197,6 +199,7 @@ class Engine:
         """A prefill's first token ends the request's compute here: no stop rule (the decode applies them), out
         of the batch with its blocks held until every stage has sent its part."""
         req.first_token_time = now
+        timeline.mark("prefill", "sampled", rid=req.rid, room=req.bootstrap_room)
         req.output_ids.append(token)
         if lps is not None:  # also in the metadata row, for the decode
             req.logprobs.add_output(lps)
@@ -256,6 +259,8 @@ class Engine:
         self.spec_stats.record(proposed, committed, min(accepted, committed))
 
     def _emit(self, req: Request, new_ids: list[int]) -> None:
+        if len(new_ids) == len(req.output_ids) and new_ids:
+            timeline.mark(self.handoff.role, "first_token", rid=req.rid, room=req.bootstrap_room)
         tau = req.spec_committed / req.spec_verify_ct if req.spec_verify_ct else None
         lp = req.logprobs.snapshot() if req.logprobs is not None else None
         self._ready.append(RequestOutput(req.rid, new_ids, list(req.output_ids), req.is_finished, req.finish_reason,

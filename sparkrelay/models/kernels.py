@@ -18,16 +18,28 @@ whose `x @ weight_t` dispatches faster (~6 us against ~17 us for a 256x256 weigh
 An LM head is kept besides its nn.Linear (tied, that is the embedding the lookup reads): `fast_head` gives it a
 second, packed copy on CPU (a bfloat16 [151936, 1024] head: ~25 ms instead of ~45 ms per one-row product, for
 311 MB more memory; a float32 head of that shape costs 622 MB more).
+
+oneDNN keeps what it built for each input shape in two caches, ideep's (LRU_CACHE_CAPACITY) and its own primitive
+cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY), 1,024 entries each by default. A server sees a new row count with every
+new prompt length and batch, so its memory grew with them: the bundled model over 127 prompt lengths and a few
+batches, +509 MiB; a prefill server under the soak, +250 MiB in two minutes and still climbing. Importing this
+module caps both at ONEDNN_CACHE_ENTRIES unless the user set them: +78 MiB for the same sweep, and neither the
+sweep (3.3 s against 3.5-3.9 s) nor DSpark batches of 1-8 (2.20 s against 2.05-2.24 s) got slower. Both are read
+when oneDNN first builds something, so this must run before the first product (it does: every layer comes from here).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 from torch import nn
 
 PACK_MIN_FP32 = 1 << 19  # float32 weights from this many elements up are packed only (module docstring)
+ONEDNN_CACHE_ENTRIES = 64  # per oneDNN shape cache (module docstring)
+for _var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+    os.environ.setdefault(_var, str(ONEDNN_CACHE_ENTRIES))  # inherited by the pipeline stages' processes too
 
 
 class TLinear(nn.Module):

@@ -12,7 +12,6 @@ Per micro-batch (all stages run the same descriptor, pipeline/descriptor.py):
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import time
 from typing import Optional, Protocol
@@ -30,6 +29,7 @@ from sparkrelay.pipeline.descriptor import MicroBatch, SeqDesc, reply_shape, tok
 from sparkrelay.pipeline.partition import stage_taps
 from sparkrelay.runner.logprobs import Entry, Scored, score_rows, to_rows, token_logprobs
 from sparkrelay.runner.sampler import PenaltyRows, SamplingBatch, apply_penalties, sample
+from sparkrelay.trace import timeline
 
 PREFILL_SINK_FACTORY = "sparkrelay.disagg.prefill_sink:make_stage_sink"
 # Where a stage's sink reports per-room status to rank 0: PipelineRunner(status_address=...), handed unchanged to
@@ -130,29 +130,6 @@ def stage_delay(index: int) -> float:
         raise ConfigError(f"SPARKRELAY_TEST_PP_STAGE_DELAY={raw!r} is not 'stage:seconds'") from None
 
 
-class StageTrace:
-    """SPARKRELAY_PP_TRACE=PATH: each stage appends one JSON line per micro-batch to PATH.stage<index>.jsonl:
-    {"stage", "step", "mb", "num_mbs", "rooms", "tokens", "start", "end"} (time.monotonic(), which every process
-    on a host shares). For tests and the TTFT breakdown; off (no file, no cost) when unset."""
-
-    def __init__(self, path: str, index: int) -> None:
-        self.path, self.index = path, index
-
-    @classmethod
-    def from_env(cls, index: int) -> "StageTrace":
-        base = os.environ.get("SPARKRELAY_PP_TRACE", "")
-        return cls(f"{base}.stage{index}.jsonl" if base else "", index)
-
-    def record(self, mb: MicroBatch, began: float) -> None:
-        if not self.path:
-            return
-        line = {"stage": self.index, "step": mb.step, "mb": mb.index,
-                "num_mbs": mb.count, "rooms": [s.room for s in mb.seqs],
-                "tokens": [[s.start, s.end] for s in mb.seqs], "start": began, "end": time.monotonic()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
-
-
 class Stage:
     def __init__(self, index: int, partition: list[tuple[int, int]], model: Qwen3ForCausalLM, pool: KVPool,
                  capture: CaptureSpec, projector: Optional[ContextProjector], sink: Optional[StageSink],
@@ -165,12 +142,18 @@ class Stage:
         self._generators: dict[int, torch.Generator] = {}
         self.test_delay = stage_delay(index)
         self.threads: Optional[tuple[int, int]] = None  # (alone, shared): see share_cores
-        self.trace = StageTrace.from_env(index)
 
     def share_cores(self, alone: int, shared: int) -> None:
         """Stages on one host share its cores: run a micro-batch with `alone` torch threads when no other stage
         can be busy (stage 0 on a step's first micro-batch, the last stage on its last one), else `shared`."""
         self.threads = (alone, shared)
+
+    def _trace(self, mb: MicroBatch, began: float) -> None:
+        """SPARKRELAY_TRACE (trace/timeline.py): the micro-batch's interval on this stage."""
+        if timeline.enabled():
+            timeline.mark(f"stage{self.index}", "chunk", step=mb.step, mb=mb.index, num_mbs=mb.count,
+                          rooms=[s.room for s in mb.seqs], tokens=[[s.start, s.end] for s in mb.seqs], start=began,
+                          end=time.monotonic())
 
     def _set_threads(self, mb: MicroBatch) -> None:
         if self.threads is None:
@@ -220,7 +203,7 @@ class Stage:
                 draft_kv = self.projector.finish(nxt.partial, meta.positions)
             self.sink.after_forward(mb, meta, out, aux, draft_kv)
         if not self.is_last:
-            self.trace.record(mb, began)
+            self._trace(mb, began)
             return nxt
         num_sampling = sum(s.sample for s in seqs)
         logits = out.logits[:num_sampling]  # [R, V]; then [E, V] of the scored prompt rows
@@ -232,7 +215,7 @@ class Stage:
         prompt = score_rows(scored, [t for s in seqs for t in s.score_ids],
                             [s.logprobs for s in seqs for _ in s.score_ids], out.logits[num_sampling:], len(seqs))
         rows = self._rows(seqs, tokens, entries, prompt)
-        self.trace.record(mb, began)
+        self._trace(mb, began)
         return rows
 
     def _logprobs(self, seqs: list[SeqDesc], logits: torch.Tensor, tokens: list[int]) -> list[Optional[Entry]]:

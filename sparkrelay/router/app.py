@@ -32,6 +32,7 @@ from sparkrelay.router.rewrite import (CHAT, COMPLETIONS, GENERATE, BadRequest, 
                                        batch_size, decode_error, draw_rooms, error_body, is_json, parse_object,
                                        sse_error, with_bootstrap)
 from sparkrelay.router.upstream import Reply, both, send, should_retry
+from sparkrelay.trace import timeline
 
 log = logging.getLogger("sparkrelay.router")
 FORWARDED_HEADERS = ("authorization",)
@@ -57,8 +58,12 @@ class Router:
         content = json.dumps(with_bootstrap(body, p, rooms, batch)).encode()
         log.debug("%s room=%s prefill=%s decode=%s", path, rooms if batch else rooms[0], p.url, d)
         self.metrics.attempts.labels(path).inc()
+        timeline.mark("router", "in", rooms=rooms)
         p_task = asyncio.create_task(send(self.client, "POST", p.url + path, content, headers))
         d_task = asyncio.create_task(send(self.client, "POST", d + path, content, headers, stream))
+        if timeline.enabled():
+            for task, side in ((p_task, "prefill"), (d_task, "decode")):
+                task.add_done_callback(lambda _, side=side: timeline.mark("router", "replied", rooms=rooms, side=side))
         try:
             return await both(p_task, d_task)
         except asyncio.CancelledError:  # the client went away: drop any stream already opened
@@ -109,7 +114,11 @@ def _relay(d: Reply, done: Callable[[], None], inputs: Optional[dict] = None) ->
     async def chunks() -> AsyncIterator[bytes]:
         try:
             source = upstream.aiter_bytes()
+            first = True
             async for chunk in (source if inputs is None else merge_stream(source, inputs)):
+                if first:
+                    timeline.mark("router", "first_chunk")
+                    first = False
                 yield chunk
         except httpx.HTTPError as e:
             log.warning("decode stream broke: %s: %s", type(e).__name__, e)

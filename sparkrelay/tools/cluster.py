@@ -183,19 +183,22 @@ def stream_generate(url: str, ids: list[int], max_new: int) -> dict:
                                                                  "ignore_eos": True}}
     req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
     start, ttft, last = time.perf_counter(), None, None
+    t_send = time.monotonic()  # the clock of trace/timeline.py, for the TTFT breakdown
     with urllib.request.urlopen(req, timeout=600) as r:
         for line in r:
             line = line.strip()
             if not line.startswith(b"data:") or line == b"data: [DONE]":
                 continue
-            ttft = ttft if ttft is not None else time.perf_counter() - start
+            if ttft is None:
+                ttft, t_first = time.perf_counter() - start, time.monotonic()
             last = json.loads(line[5:])
     total = time.perf_counter() - start
     if last is None or "error" in last:
         raise RuntimeError(f"request failed: {last}")
     meta = last["meta_info"]
     n = meta["completion_tokens"]
-    return {"ttft_s": ttft, "total_s": total, "tokens": n, "decode_tok_s": (n - 1) / max(total - ttft, 1e-9),
+    return {"ttft_s": ttft, "t_send": t_send, "t_first": t_first, "total_s": total, "tokens": n,
+            "decode_tok_s": (n - 1) / max(total - ttft, 1e-9),
             "accept_length": meta.get("spec_accept_length"), "output_ids": last.get("output_ids")}
 
 

@@ -5,7 +5,6 @@ dead stage makes run() fail promptly with its name; --pp-size beyond the layer c
 process outlives its engine.
 """
 
-import json
 import os
 import signal
 import time
@@ -22,6 +21,7 @@ from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.dspark import load_dspark
 from sparkrelay.pipeline.capture import CaptureSpec
 from sparkrelay.pipeline.runner import PipelineRunner
+from sparkrelay.trace import timeline
 
 SETTINGS = dict(page_size=4, chunked_prefill_size=16, max_total_tokens=2048)
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
@@ -206,8 +206,8 @@ def test_partial_projection_equals_drafter_context_kv(pp, bundled_model_dir, bun
     assert not child_pids()
 
 
-def read_trace(base: Path, stage: int) -> list[dict]:
-    return [json.loads(line) for line in Path(f"{base}.stage{stage}.jsonl").read_text().splitlines()]
+def read_trace(folder: Path, stage: int) -> list[dict]:
+    return [e for e in timeline.read(str(folder)) if e["source"] == f"stage{stage}" and e["event"] == "chunk"]
 
 
 def test_chunks_pipeline_across_stages(bundled_model_dir, tmp_path, monkeypatch):
@@ -223,7 +223,7 @@ def test_chunks_pipeline_across_stages(bundled_model_dir, tmp_path, monkeypatch)
     ref = LLM(str(bundled_model_dir), **settings)
     want = ref.generate([ids], params)[0]
     ref.engine.close()
-    monkeypatch.setenv("SPARKRELAY_PP_TRACE", str(tmp_path / "trace"))
+    monkeypatch.setenv(timeline.ENV, str(tmp_path / "trace"))
     monkeypatch.setenv("SPARKRELAY_TEST_PP_STAGE_DELAY", "0:0.02")  # stage 0 a little slower: overlap is certain
     llm = LLM(str(bundled_model_dir), pp_size=2, **settings)
     got = llm.generate([ids], params)[0]

@@ -10,6 +10,7 @@ PKG = Path(__file__).resolve().parents[2] / "sparkrelay"
 RANKS = {
     "sparkrelay": 0,  # the package's lazy re-exports
     "sparkrelay.config": 0,
+    "sparkrelay.trace": 0,
     "sparkrelay.envs": 1,
     "sparkrelay.scheduler": 1,
     "sparkrelay.models": 1,
@@ -27,7 +28,7 @@ RANKS = {
     "sparkrelay.launch_server": 8,
     "sparkrelay.tools": 9,
 }
-TORCH_FREE = ("sparkrelay.scheduler", "sparkrelay.config", "sparkrelay.envs", "sparkrelay.spec.stats",
+TORCH_FREE = ("sparkrelay.trace", "sparkrelay.scheduler", "sparkrelay.config", "sparkrelay.envs", "sparkrelay.spec.stats",
               "sparkrelay.pipeline.partition", "sparkrelay.transfer", "sparkrelay.router", "sparkrelay.launch_router")
 
 

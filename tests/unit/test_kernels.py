@@ -1,5 +1,6 @@
 """Frozen linear kernels: packed bfloat16 (oneDNN) and weight-only int8 against F.linear; whole models with them."""
 
+import os
 import shutil
 
 import pytest
@@ -191,3 +192,30 @@ def test_layers_compile(kind):
     for rows in (1, 5):
         x = torch.randn(rows, 128).to(torch.bfloat16)
         torch.testing.assert_close(compiled(x), layer(x), **BF16)
+
+
+SWEEP = """
+import torch
+from sparkrelay.models.kernels import PackedLinear
+def rss(): return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) // 1024
+layers = [PackedLinear(torch.randn(1024, 256), None), PackedLinear(torch.randn(256, 1024), None)]
+x = {256: torch.randn(1, 256), 1024: torch.randn(1, 1024)}
+for n in range(200, 440):  # 240 row counts of about one size: each a new shape for oneDNN
+    for layer in layers:
+        layer(x[layer.in_features].expand(n, -1).contiguous())
+    if n == 280:  # 81 row counts x 2 weights: both caps (ONEDNN_CACHE_ENTRIES) reached
+        base = rss()
+print(rss() - base)
+"""
+
+
+def test_onednn_shape_caches_are_bounded():
+    """Every new row count makes oneDNN build and cache a kernel; kernels.py caps both of its caches, so a server
+    that sees every prompt length stops growing (uncapped, the last 160 row counts of this sweep add ~190 MiB)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    out = subprocess.run([sys.executable, "-c", SWEEP], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) < 60, f"RSS grew by {out.stdout.split()[-1]} MiB over 160 new row counts"

@@ -15,13 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator, Optional
 
 from sparkrelay.tools.cluster import PDSettings, free_port, handoff_bytes, server_argv, start, start_pd, stream_generate
+from sparkrelay.tools.bench import breakdown
+from sparkrelay.tools.bench.breakdown import mean_breakdown, request_breakdown
 from sparkrelay.tools.corpus import read_texts, stdlib_files
+from sparkrelay.trace import timeline
 
 MODEL, DRAFTER = "models/tiny-qwen3", "models/tiny-qwen3-dspark"
 
@@ -40,16 +46,30 @@ def prompts_by_length(lengths: list[int], per_length: int) -> dict[int, list[lis
     return out
 
 
-def run_deployment(name: str, url: str, decode_url: str | None, prompts: dict, max_new: int) -> list[dict]:
+@contextmanager
+def traced(log_dir: str) -> Iterator[str]:
+    """SPARKRELAY_TRACE for the processes started inside (they inherit this environment): -> the trace folder."""
+    folder = tempfile.mkdtemp(prefix="trace-", dir=log_dir)
+    os.environ[timeline.ENV] = folder
+    try:
+        yield folder
+    finally:
+        del os.environ[timeline.ENV]
+
+
+def run_deployment(name: str, url: str, decode_url: str | None, prompts: dict, max_new: int,
+                   trace: Optional[str] = None) -> list[dict]:
     stream_generate(url, prompts[min(prompts)][0], 4)  # warm-up (and router registration)
     rows = []
     for n, group in prompts.items():
         before = handoff_bytes(decode_url) if decode_url else (0, 0)
         runs = [stream_generate(url, p, max_new) for p in group]
         after = handoff_bytes(decode_url) if decode_url else (0, 0)
+        events = timeline.read(trace) if trace else []
         rows.append({"deployment": name, "prompt_len": n, "handoff_bytes": (after[0] - before[0]) / len(group),
                      "context_bytes": (after[1] - before[1]) / len(group),
                      **{k: sum(r[k] for r in runs) / len(runs) for k in ("ttft_s", "decode_tok_s", "accept_length")},
+                     "breakdown": mean_breakdown([request_breakdown(events, r["t_send"], r["t_first"]) for r in runs]),
                      "outputs": [r["output_ids"] for r in runs]})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "outputs"}), flush=True)
     return rows
@@ -58,10 +78,11 @@ def run_deployment(name: str, url: str, decode_url: str | None, prompts: dict, m
 def bench_modes(args, prompts: dict, log_dir: str) -> list[dict]:
     rows = []
     port = free_port()
-    agg = start("aggregated", server_argv(MODEL, port, ["--speculative-algorithm", "DSPARK",
-                                                       "--speculative-draft-model-path", DRAFTER]), port, log_dir)
+    with traced(log_dir) as trace:
+        agg = start("aggregated", server_argv(MODEL, port, ["--speculative-algorithm", "DSPARK",
+                                                           "--speculative-draft-model-path", DRAFTER]), port, log_dir)
     try:
-        rows += run_deployment("aggregated", agg.url, None, prompts, args.max_new_tokens)
+        rows += run_deployment("aggregated", agg.url, None, prompts, args.max_new_tokens, trace)
     finally:
         agg.stop()
     for backend in args.backends:
@@ -72,11 +93,12 @@ def bench_modes(args, prompts: dict, log_dir: str) -> list[dict]:
 
 def bench_pd(args, prompts: dict, log_dir: str, backend: str, mode: str) -> list[dict]:
     flag = ["--disaggregation-transfer-backend", backend]
-    cluster = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=args.pp_size, handoff=mode,
-                                  prefill_args=flag, decode_args=flag), log_dir)
     name = f"PD {mode}" if backend == "zmq" else f"PD {mode} ({backend})"
+    with traced(log_dir) as trace:
+        cluster = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=args.pp_size, handoff=mode,
+                                      prefill_args=flag, decode_args=flag), log_dir)
     try:
-        return run_deployment(name, cluster.url, cluster.decode.url, prompts, args.max_new_tokens)
+        return run_deployment(name, cluster.url, cluster.decode.url, prompts, args.max_new_tokens, trace)
     finally:
         cluster.stop()
 
@@ -138,9 +160,12 @@ def write_report(modes: list[dict], tails: list[dict], out: Path, args) -> None:
         lines += ["", f"`tail` acceptance vs tail length ({args.tail_prompt_len}-token prompts):", "",
                   "| tail rows | accept len | metadata row KiB/request |", "|---|---|---|"]
         lines += [f"| {r['tail']} | {r['accept_length']:.2f} | {r['context_bytes'] / 1024:,.1f} |" for r in tails]
+    lines += ["", f"Where the time to first token goes (ms, mean per request; tools/bench/breakdown.py, "
+              f"{args.name}_ttft.png):", "", *breakdown.markdown(modes)]
     lines += ["", verdict_line(verdict(modes, tails))]
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     _plot(modes, tails, out / f"{args.name}.png")
+    breakdown.plot(modes, out / f"{args.name}_ttft.png")
     print("\n".join(lines))
 
 
