@@ -22,6 +22,12 @@ PROG = "python -m sparkrelay.launch_server"
 EPILOG = f"""\
 environment variables (PD disaggregation; the SPARKRELAY_ name wins when both it and its SGLANG_ alias are set):
 {env_help()}
+other variables:
+  SPARKRELAY_TRACE=DIR
+      every process (servers, pipeline stages, router) appends per-request timeline events to DIR/*.jsonl
+      (sparkrelay/trace/timeline.py; bench_pd's TTFT breakdown reads them)
+  ONEDNN_PRIMITIVE_CACHE_CAPACITY, LRU_CACHE_CAPACITY (default 64 each)
+      oneDNN's kernel caches, one entry per input shape (sparkrelay/models/kernels.py)
 
 docs: README.md (quick start), docs/dspark_pd.md (PD + DSpark: how to run, every PD flag, the handoff modes),
 docs/reliability.md (failures, bind address, auth token), docs/architecture.md (code map). Model folders are
