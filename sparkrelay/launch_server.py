@@ -123,19 +123,17 @@ def _uvicorn_server(app, config: Config):
 def serve(config: Config) -> None:
 
     from sparkrelay.engine.engine import build_engine
-    from sparkrelay.server.async_engine import AsyncEngine, EngineThread
+    from sparkrelay.server.async_engine import AsyncEngine
     from sparkrelay.server.http_server import build_app
 
     sock = bind("--port", "--host", config.server.host, config.server.port)  # held while the model loads
-    thread = EngineThread()  # builds the engine, then runs its loop: one thread runs torch (its docstring)
     try:
-        engine = thread.call(lambda: build_engine(config))
+        engine = build_engine(config)
     except BaseException:
-        thread.finish()
         sock.close()
         raise
     try:
-        app = build_app(AsyncEngine(engine, thread), config)
+        app = build_app(AsyncEngine(engine), config)
         server = _uvicorn_server(app, config)
         server.run(sockets=[sock])
         if not server.started:

@@ -114,49 +114,11 @@ class OutputStream:
         self._owner._unregister(self.rids)
 
 
-class EngineThread:
-    """The one thread of a server process that runs torch: `call(build)` builds the engine on it, then `finish(loop)`
-    runs the engine loop on it until that returns, and the thread ends.
-
-    Why one: the engine built on the main thread and stepped on another decoded ~20% slower (bundled model, 156
-    against 174 tok/s in one process; 142 against 172-187 in another run), and as fast when built and stepped on the
-    same thread (207 against 213). Each thread that runs torch gets its own OpenMP team, and with more OpenMP threads
-    than cores libgomp cuts its spin-waiting for all of them (OMP_WAIT_POLICY=PASSIVE removed the gap, and slowed
-    the single-thread case by ~20%)."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._serve, name="sparkrelay-engine", daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            fn, done, last = self._jobs.get()
-            try:
-                done.set_result(fn())
-            except BaseException as e:
-                done.set_exception(e)
-            if last:
-                return
-
-    def call(self, fn):
-        """Run fn() on this thread; its result, or its exception raised here."""
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((fn, done, False))
-        return done.result()
-
-    def finish(self, fn=lambda: None) -> None:
-        """Run fn() on this thread (not waiting for it), then end the thread."""
-        self._jobs.put((fn, concurrent.futures.Future(), True))
-
-
 class AsyncEngine:
-    """Owns an Engine in a background thread. Start it from the event loop that will consume outputs.
-    `thread`: the EngineThread that built the engine, to run its loop on (default: a new thread)."""
+    """Owns an Engine in a background thread. Start it from the event loop that will consume outputs."""
 
-    def __init__(self, engine, thread: Optional[EngineThread] = None):
+    def __init__(self, engine):
         self.engine = engine
-        self._engine_thread = thread
         self._inbox: queue.Queue = queue.Queue()
         self._queues: dict[str, asyncio.Queue] = {}  # touched only on the event loop thread
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -172,11 +134,6 @@ class AsyncEngine:
         if self._thread is not None and self._thread.is_alive():
             return
         self._loop = asyncio.get_running_loop()
-        if self._engine_thread is not None:
-            self._thread = self._engine_thread.thread
-            self._engine_thread.finish(self._run)
-            self._engine_thread = None  # its thread ends with the loop: a later start() makes a new one
-            return
         self._thread = threading.Thread(target=self._run, name="sparkrelay-engine", daemon=True)
         self._thread.start()
 

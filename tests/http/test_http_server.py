@@ -253,42 +253,6 @@ def test_async_engine_generate_cancel_aborts(tiny_model_dir):
         ae.stop()
 
 
-def test_engine_thread_builds_and_steps_on_one_thread(tiny_model_dir, monkeypatch):
-    """launch_server builds the engine on the thread that later runs its loop (EngineThread: a second thread running
-    torch slowed decoding ~20%); a build error is raised on the caller's thread and ends the thread."""
-    import threading
-
-    from testkit.http import make_config, make_engine
-    from sparkrelay.scheduler.request import SamplingParams
-    from sparkrelay.server.async_engine import AsyncEngine, EngineThread
-
-    thread = EngineThread()
-    built_on: list[int] = []
-    engine = thread.call(lambda: built_on.append(threading.get_ident()) or make_engine(make_config(tiny_model_dir)))
-    stepped_on: set[int] = set()
-    step = engine.step
-    monkeypatch.setattr(engine, "step", lambda: stepped_on.add(threading.get_ident()) or step())
-    ae = AsyncEngine(engine, thread)
-
-    async def run():
-        await ae.start()
-        return [o async for o in ae.generate("t", [5, 6, 7], SamplingParams(max_new_tokens=3, temperature=0))]
-
-    try:
-        outs = asyncio.run(run())
-        assert outs[-1].finished and len(outs[-1].output_ids) == 3
-        assert stepped_on == {built_on[0]} == {thread.thread.ident} and built_on[0] != threading.get_ident()
-    finally:
-        ae.stop()
-    assert not thread.thread.is_alive()
-    failing = EngineThread()
-    with pytest.raises(ValueError, match="no model"):
-        failing.call(lambda: (_ for _ in ()).throw(ValueError("no model")))
-    failing.finish()
-    failing.thread.join(5)
-    assert not failing.thread.is_alive()
-
-
 # ---------------------------------------------------------------- real uvicorn + official openai client
 
 def test_openai_client_against_uvicorn(tiny_model_dir):
