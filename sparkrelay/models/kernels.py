@@ -23,9 +23,11 @@ oneDNN keeps what it built for each input shape in two caches, ideep's (LRU_CACH
 cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY), 1,024 entries each by default. A server sees a new row count with every
 new prompt length and batch, so its memory grew with them: the bundled model over 127 prompt lengths and a few
 batches, +509 MiB; a prefill server under the soak, +250 MiB in two minutes and still climbing. Importing this
-module caps both at ONEDNN_CACHE_ENTRIES unless the user set them: +78 MiB for the same sweep, and neither the
-sweep (3.3 s against 3.5-3.9 s) nor DSpark batches of 1-8 (2.20 s against 2.05-2.24 s) got slower. Both are read
-when oneDNN first builds something, so this must run before the first product (it does: every layer comes from here).
+module caps both at ONEDNN_CACHE_ENTRIES unless the user set them: +78 MiB for the same sweep, which took 3.3 s
+against 3.5-3.9 s; DSpark batches of 1 to 8 in turn took 5.16 and 5.34 s against 5.22 and 4.48 s uncapped (a cost
+of up to ~10% when batch sizes keep changing is not ruled out), and the soak served no fewer requests. Both are
+read when oneDNN first builds something, so this must run before the first product (it does: every layer comes
+from here).
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ RANKS = {
     "sparkrelay.launch_server": 8,
     "sparkrelay.tools": 9,
 }
-TORCH_FREE = ("sparkrelay.trace", "sparkrelay.scheduler", "sparkrelay.config", "sparkrelay.envs", "sparkrelay.spec.stats",
-              "sparkrelay.pipeline.partition", "sparkrelay.transfer", "sparkrelay.router", "sparkrelay.launch_router")
+TORCH_FREE = ("sparkrelay.trace", "sparkrelay.scheduler", "sparkrelay.config", "sparkrelay.envs",
+              "sparkrelay.spec.stats", "sparkrelay.pipeline.partition", "sparkrelay.transfer", "sparkrelay.router", "sparkrelay.launch_router")
 
 
 def box(module: str) -> str:

@@ -90,7 +90,8 @@ def markdown(rows: list[dict]) -> list[str]:
         if not b:
             continue
         cells = [f"{b[k]:.1f}" if k in b else "-" for k in (*SEGMENTS, *extra)]
-        lines.append(f"| {r['deployment']} | {r['prompt_len']} | {1000 * r['ttft_s']:.0f} | " + " | ".join(cells) + " |")
+        head = f"| {r['deployment']} | {r['prompt_len']} | {1000 * r['ttft_s']:.0f} | "
+        lines.append(head + " | ".join(cells) + " |")
     return lines
 
 
