@@ -29,7 +29,8 @@ RANKS = {
     "sparkrelay.tools": 9,
 }
 TORCH_FREE = ("sparkrelay.trace", "sparkrelay.scheduler", "sparkrelay.config", "sparkrelay.envs",
-              "sparkrelay.spec.stats", "sparkrelay.pipeline.partition", "sparkrelay.transfer", "sparkrelay.router", "sparkrelay.launch_router")
+              "sparkrelay.spec.stats", "sparkrelay.pipeline.partition", "sparkrelay.transfer", "sparkrelay.router",
+              "sparkrelay.launch_router")
 
 
 def box(module: str) -> str:
