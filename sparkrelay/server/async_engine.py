@@ -1,82 +1,43 @@
-"""Runs the synchronous Engine in one dedicated thread and bridges its outputs to asyncio.
+"""The asyncio side of the engine: HTTP handlers submit engine requests and read their outputs here, whichever
+thread or process owns the Engine (engine_loop.py runs it; engine_messages.py are the messages).
 
-    asyncio side (HTTP handlers)                    engine thread (owns Engine; the only caller)
-    ----------------------------                    --------------------------------------------
-    submit() --_Add(items, Future)--> inbox ------> add_request() each; Future gets None or the RequestError
-    OutputStream.close() --_Abort(rid)--> inbox --> abort()
-    OutputStream <- asyncio.Queue <- call_soon_threadsafe(_deliver, outputs) <- step()
+    asyncio side (HTTP handlers)                        the engine's owner (EngineLoop, one thread)
+    ----------------------------                        -------------------------------------------
+    submit() --AddItems(batch, items)------------->     add_request() each --Added(batch, error)--> the Future
+    OutputStream.close() --AbortRequest(rid)------>     abort()
+    OutputStream <- asyncio.Queue <- _on_message <-     step() --Progress(outputs, stats)
+                                                        a dead pipeline stage --Fatal(error)
 
-The thread drains the inbox, steps while the engine has work, and blocks on the inbox when idle
-(running `engine.check()` each time it goes idle). An exception from `step()` is logged; every
-in-flight request then gets an abort output with status 500 and the thread keeps serving.
+`AsyncEngine` runs the loop in a thread of this process (tests, embedding the app); `EngineProcess`
+(engine_process.py, what `launch_server` uses) runs it as the scheduler process, as SGLang does.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import itertools
 import logging
 import os
-import queue
-import secrets
 import signal
 import threading
-import time
-import uuid
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
-from sparkrelay.scheduler.request import FAKE_BOOTSTRAP_HOST, Bootstrap, RequestError, RequestOutput, SamplingParams
+from sparkrelay.scheduler.request import RequestError, RequestOutput, SamplingParams
+from sparkrelay.server.engine_loop import EngineLoop, abort_output
+from sparkrelay.server.engine_messages import (AbortRequest, AddItems, Added, EngineInfo, Fatal, GenerationItem,
+                                               Progress, Shutdown)
 
 logger = logging.getLogger(__name__)
 
-IDLE_TICK_S = 1.0
-
-
-@dataclass(frozen=True)
-class GenerationItem:
-    """One engine request: n > 1 and batch inputs are split into several items before they get here."""
-
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    bootstrap: Optional[Bootstrap] = None  # the PD router's fields, one room per item
-
-    @classmethod
-    def health_check(cls, prompt_ids: list[int], disaggregation_mode: str) -> "GenerationItem":
-        """/health_generate's request, a real greedy generation. On a PD server it carries SGLang's fake bootstrap
-        host (a random room), so no peer is contacted: a prefill computes the prompt and sends nothing; a decode
-        takes zero KV and a fake first token, then decodes one more token (hence 2 tokens, EOS ignored)."""
-        rid = f"health-{uuid.uuid4().hex}"
-        if disaggregation_mode == "null":
-            return cls(rid, prompt_ids, SamplingParams(max_new_tokens=1, temperature=0.0))
-        room = secrets.randbelow((1 << 63) - 1) + 1
-        params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
-        return cls(rid, prompt_ids, params, Bootstrap(FAKE_BOOTSTRAP_HOST, None, room))
-
-
-@dataclass
-class _Add:
-    items: list[GenerationItem]
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-
-
-@dataclass
-class _Abort:
-    rid: str
-
-
-class _Stop:
-    pass
+__all__ = ["AsyncEngine", "EngineClient", "EngineFailed", "EngineStopped", "GenerationItem", "OutputStream"]
 
 
 class EngineStopped(RuntimeError):
-    """The engine thread has stopped (shutdown, or a fatal pipeline failure): HTTP 503."""
+    """The engine has stopped (shutdown, or a fatal pipeline failure): HTTP 503."""
 
 
-def _abort_output(rid: str, message: str, status_code: int) -> RequestOutput:
-    reason = {"type": "abort", "message": message, "status_code": status_code}
-    return RequestOutput(rid, [], [], True, reason, 0, "")
+class EngineFailed(RuntimeError):
+    """The engine failed to add a request for a reason that is not the request's: HTTP 500."""
 
 
 class OutputStream:
@@ -86,7 +47,7 @@ class OutputStream:
     always call it (try/finally) so a client that goes away frees its KV blocks.
     """
 
-    def __init__(self, owner: "AsyncEngine", rids: list[str], outputs: asyncio.Queue):
+    def __init__(self, owner: "EngineClient", rids: list[str], outputs: asyncio.Queue):
         self._owner = owner
         self.rids = rids
         self._pending = set(rids)
@@ -114,40 +75,34 @@ class OutputStream:
         self._owner._unregister(self.rids)
 
 
-class AsyncEngine:
-    """Owns an Engine in a background thread. Start it from the event loop that will consume outputs."""
+class EngineClient:
+    """Requests in, outputs out, over the typed messages; a transport subclass says how they travel
+    (`_start_transport`, `_send`, `stop`, `_transport_alive`). Start it from the event loop that consumes outputs."""
 
-    def __init__(self, engine):
-        self.engine = engine
-        self._inbox: queue.Queue = queue.Queue()
-        self._queues: dict[str, asyncio.Queue] = {}  # touched only on the event loop thread
+    def __init__(self, info: EngineInfo, tokenizer):
+        self.info, self.tokenizer = info, tokenizer
+        self._queues: dict[str, asyncio.Queue] = {}  # every field here is touched on the event loop thread only
+        self._adds: dict[int, asyncio.Future] = {}
+        self._batches = itertools.count(1)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._thread: Optional[threading.Thread] = None
-        self._live: set[str] = set()  # touched only on the engine thread
-        self.last_stats: dict = dict(engine.stats())  # snapshot replaced by the engine thread
-        self.num_step_failures = 0
-        self.check_error: Optional[str] = None  # the last idle invariant check's failure, if any
+        self._stopped: Optional[str] = None  # why the engine stopped, once it has
+        self.last_stats: dict = {}  # the engine's stats after its last step
 
-    # ---- lifecycle (event loop side) ----
+    @property
+    def num_step_failures(self) -> int:
+        return int(self.last_stats.get("num_step_failures", 0))
 
-    async def start(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="sparkrelay-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self._thread is None:
-            return
-        self._inbox.put(_Stop())
-        self.engine.wake()
-        self._thread.join(timeout)
-        self._thread = None
+    @property
+    def check_error(self) -> Optional[str]:
+        return self.last_stats.get("check_error")
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._stopped is None and self._transport_alive()
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._start_transport()
 
     # ---- requests (event loop side) ----
 
@@ -157,17 +112,18 @@ class AsyncEngine:
         if len(set(rids)) != len(rids) or any(r in self._queues for r in rids):
             raise RequestError(f"request id already in use: {rids}")
         if not self.is_alive:
-            raise EngineStopped("the engine is not running")
+            raise EngineStopped(self._stopped or "the engine is not running")
         outputs: asyncio.Queue = asyncio.Queue()
         for rid in rids:
             self._queues[rid] = outputs
         stream = OutputStream(self, rids, outputs)
-        cmd = _Add(items)
-        self._inbox.put(cmd)
-        self.engine.wake()  # a decode idling on transfers reads its inbox now, not after its wait
+        batch = next(self._batches)
+        self._adds[batch] = added = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wrap_future(cmd.future)
+            self._send(AddItems(batch, tuple(items)))
+            _raise_for(await added)
         except BaseException:
+            self._adds.pop(batch, None)
             stream.close()  # also covers cancellation while waiting: the add may have happened
             raise
         return stream
@@ -182,139 +138,96 @@ class AsyncEngine:
             stream.close()
 
     def abort(self, rid: str) -> None:
-        self._inbox.put(_Abort(rid))
-        self.engine.wake()
+        if self._stopped is None:
+            self._send(AbortRequest(rid))
 
     def _unregister(self, rids: list[str]) -> None:
         for rid in rids:
             self._queues.pop(rid, None)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            q = self._queues.get(out.rid)
-            if q is not None:
-                q.put_nowait(out)
+    # ---- messages from the engine (event loop thread) ----
 
-    # ---- engine thread ----
-
-    def _run(self) -> None:
-        was_busy = True
-        while True:
-            busy = self.engine.has_work()
-            if was_busy and not busy:
-                self._idle_check()
-            was_busy = busy
-            if self._fatal():
-                return
-            for cmd in self._drain(block=not busy):
-                if isinstance(cmd, _Stop):
-                    self._abort_all("server shutting down", 503)
-                    return
-                self._apply(cmd)
-            if self.engine.has_work():
-                self._step()
-
-    def _fatal(self) -> bool:
-        """A dead pipeline stage: fail every request in flight, stop this thread (/health turns 503) and ask the
-        process to shut down (SIGTERM), as SGLang does when a scheduler rank dies; a PD decode peer then sees the
-        prefill's bootstrap server go away and fails its rooms."""
-        error = self.engine.fatal_error() if hasattr(self.engine, "fatal_error") else None
-        if error is None:
-            return False
-        logger.critical("the engine cannot continue: %s; shutting the server down", error)
-        self._abort_all(f"the server is shutting down: {error}", 503)
-        self._refuse_pending(f"the server is shutting down: {error}")
-        os.kill(os.getpid(), signal.SIGTERM)
-        return True
-
-    def _refuse_pending(self, message: str) -> None:
-        """Requests still in the inbox of a thread that stops: their submitters get an error, not a hang."""
-        for cmd in self._drain(block=False):
-            if isinstance(cmd, _Add) and not cmd.future.done():
-                cmd.future.set_exception(EngineStopped(message))
-
-    def _drain(self, block: bool) -> list:
-        if block:  # wake up now and then to notice a dead pipeline stage while idle
-            try:
-                first = [self._inbox.get(timeout=IDLE_TICK_S)]
-            except queue.Empty:
-                return []
-        cmds = first if block else []
-        while True:
-            try:
-                cmds.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return cmds
-
-    def _apply(self, cmd) -> None:
-        if isinstance(cmd, _Abort):
-            if cmd.rid in self._live:
-                self._live.discard(cmd.rid)
-                self.engine.abort(cmd.rid)
-        else:
-            self._add(cmd)
-        self._refresh_stats()
-
-    def _add(self, cmd: _Add) -> None:
-        added: list[str] = []
-        try:
-            for it in cmd.items:
-                self.engine.add_request(it.rid, it.prompt_ids, it.params, it.bootstrap)
-                added.append(it.rid)
-        except Exception as e:  # RequestError -> 400; anything else -> 500, both reported to the caller
-            for rid in added:
-                self.engine.abort(rid)
-            cmd.future.set_exception(e)
-            return
-        self._live.update(added)
-        cmd.future.set_result(None)
-
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            logger.exception("engine step failed; aborting %d in-flight requests", len(self._live))
-            self.num_step_failures += 1
-            self._abort_all(f"internal engine error: {type(e).__name__}: {e}", 500)
-            time.sleep(0.01)  # a persistently failing engine must not spin the CPU
-            return
-        for out in outputs:
-            if out.finished:
-                self._live.discard(out.rid)
-        if outputs:
-            self._post(outputs)
-        self._refresh_stats()
-
-    def _abort_all(self, message: str, status_code: int) -> None:
-        outputs = [_abort_output(rid, message, status_code) for rid in sorted(self._live)]
-        for rid in list(self._live):
-            try:
-                self.engine.abort(rid)
-            except Exception:
-                logger.exception("abort of %s failed", rid)
-        self._live.clear()
-        self._post(outputs)
-        self._refresh_stats()
-
-    def _post(self, outputs: list[RequestOutput]) -> None:
+    def _post(self, msg) -> None:
+        """Thread safe: hand one engine message to the event loop."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
             try:
-                loop.call_soon_threadsafe(self._deliver, outputs)
+                loop.call_soon_threadsafe(self._on_message, msg)
             except RuntimeError:  # loop closed between the check and the call
                 pass
 
-    def _idle_check(self) -> None:
-        """Invariants while idle (no block in use, tables consistent); the last result is in /server_info."""
-        try:
-            self.engine.check()
-            self.check_error = None
-        except Exception as e:
-            self.check_error = f"{type(e).__name__}: {e}"
-            logger.exception("engine invariant check failed while idle")
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, Progress):
+            self.last_stats = msg.stats or self.last_stats
+            for out in msg.outputs:
+                q = self._queues.get(out.rid)
+                if q is not None:
+                    q.put_nowait(out)
+        elif isinstance(msg, Added):
+            future = self._adds.pop(msg.batch, None)
+            if future is not None and not future.done():
+                future.set_result(msg)
+        elif isinstance(msg, Fatal) and self._stopped is None:
+            self._engine_gone(f"the server is shutting down: {msg.error}")
+            os.kill(os.getpid(), signal.SIGTERM)  # as SGLang's server does when its scheduler dies
 
-    def _refresh_stats(self) -> None:
-        try:
-            self.last_stats = dict(self.engine.stats()) | {"check_error": self.check_error}
-        except Exception:
-            logger.exception("engine.stats() failed")
+    def _engine_gone(self, reason: str) -> None:
+        """Nothing more will come from the engine: every waiting add and every open stream ends with a 503."""
+        self._stopped = self._stopped or reason
+        for future in self._adds.values():
+            if not future.done():
+                future.set_result(Added(0, reason, 503))
+        self._adds.clear()
+        for rid, q in list(self._queues.items()):
+            q.put_nowait(abort_output(rid, reason, 503))
+
+    # ---- the transport ----
+
+    def _start_transport(self) -> None:
+        raise NotImplementedError
+
+    def _send(self, cmd) -> None:
+        raise NotImplementedError
+
+    def _transport_alive(self) -> bool:
+        raise NotImplementedError
+
+    def stop(self, timeout: float = 10.0) -> None:
+        raise NotImplementedError
+
+
+def _raise_for(added: Added) -> None:
+    if added.error is None:
+        return
+    if added.status == 400:
+        raise RequestError(added.error)
+    raise (EngineStopped if added.status == 503 else EngineFailed)(added.error)
+
+
+class AsyncEngine(EngineClient):
+    """The Engine stepped by an EngineLoop in a thread of this process (tests, and anyone embedding the app)."""
+
+    def __init__(self, engine):
+        super().__init__(EngineInfo.of(engine), engine.tokenizer)
+        self.engine = engine
+        self._engine_loop = EngineLoop(engine, emit=self._post)
+        self._thread: Optional[threading.Thread] = None
+        self.last_stats = dict(engine.stats())
+
+    def _start_transport(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._engine_loop.run, name="sparkrelay-engine", daemon=True)
+            self._thread.start()
+
+    def _send(self, cmd) -> None:
+        self._engine_loop.put(cmd)
+
+    def _transport_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        self._engine_loop.put(Shutdown())
+        self._thread.join(timeout)
+        self._thread = None

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sparkrelay.config import Config
 from sparkrelay.scheduler.request import RequestOutput
 from sparkrelay.server import protocol as P
-from sparkrelay.server.async_engine import AsyncEngine, OutputStream
+from sparkrelay.server.async_engine import EngineClient, OutputStream
 from sparkrelay.server.metrics import Metrics
 
 T = TypeVar("T")
@@ -69,13 +69,12 @@ def failure(out: RequestOutput) -> Optional[str]:
 
 
 class ServerState:
-    def __init__(self, engine: AsyncEngine, config: Config):
+    def __init__(self, engine: EngineClient, config: Config):
         self.engine = engine
         self.config = config
         self.metrics = Metrics()
-        e = engine.engine
-        self.tokenizer = e.tokenizer
-        self.limits = P.Limits(context_length=e.context_length, max_n=config.scheduler.max_n)
+        self.tokenizer = engine.tokenizer
+        self.limits = P.Limits(context_length=engine.info.context_length, max_n=config.scheduler.max_n)
         self.model_name = config.model.served_model_name or config.model.model_path
         self._prep: Optional[concurrent.futures.ThreadPoolExecutor] = None  # started on first use
 

@@ -3,7 +3,7 @@
 Life of an HTTP generation request:
   1. FastAPI validates the JSON into a protocol model (bad shape -> 400 via the validation handler).
   2. protocol.*_items turns it into engine items (bad values -> RequestError -> 400).
-  3. AsyncEngine.submit adds them atomically in the engine thread (engine's RequestError -> 400).
+  3. EngineClient.submit adds them atomically in the engine's loop (engine's RequestError -> 400).
   4. Outputs stream back; a streaming response sends SSE chunks, a plain one waits while watching for
      a client disconnect. Leaving early in any way closes the stream, which aborts unfinished requests.
 """
@@ -29,7 +29,8 @@ import sparkrelay
 from sparkrelay.config import Config
 from sparkrelay.scheduler.request import RequestError, RequestOutput
 from sparkrelay.server import protocol as P
-from sparkrelay.server.async_engine import AsyncEngine, EngineStopped, GenerationItem
+from sparkrelay.server.async_engine import EngineClient, EngineFailed, EngineStopped
+from sparkrelay.server.engine_messages import GenerationItem
 from sparkrelay.server.common import (ServerError, ServerState, error_response, stream_error_response,
                                       wants_stream_error)
 from sparkrelay.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
@@ -117,6 +118,10 @@ def _install_error_handlers(app: FastAPI, s: ServerState) -> None:
     async def _on_engine_stopped(_req, exc: EngineStopped):
         return error_response(503, str(exc))
 
+    @app.exception_handler(EngineFailed)
+    async def _on_engine_failed(_req, exc: EngineFailed):
+        return error_response(500, str(exc))
+
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(_req, exc: StarletteHTTPException):
         return error_response(exc.status_code, str(exc.detail))
@@ -130,17 +135,13 @@ def _install_error_handlers(app: FastAPI, s: ServerState) -> None:
 def _resolved_settings(s: ServerState) -> dict:
     """The settings whose flag default means "decide at start" (None, auto), as the engine resolved them, so
     /server_info shows the figures in force (as SGLang's does), not the unresolved flags."""
-    e = s.engine.engine
-    proposer, workers = getattr(e, "proposer", None), getattr(getattr(e, "runner", None), "workers", None)
-    out = {"context_length": e.context_length, "max_total_tokens": e.max_total_tokens,
+    info = s.engine.info
+    out = {"context_length": info.context_length, "max_total_tokens": info.max_total_tokens,
            "tokenizer_path": s.config.model.tokenizer_path or s.config.model.model_path,
            "served_model_name": s.model_name, "dspark_pd_handoff": s.config.disagg.handoff}
-    if getattr(e, "dtype", None) is not None:
-        out["dtype"] = str(e.dtype).removeprefix("torch.")
-    if proposer is not None:
-        out["speculative_num_draft_tokens"] = proposer.max_drafts
-    if workers is not None:
-        out["dist_init_port"] = workers.port
+    for name in ("dtype", "speculative_num_draft_tokens", "dist_init_port"):
+        if getattr(info, name) is not None:
+            out[name] = getattr(info, name)
     return out
 
 
@@ -170,7 +171,7 @@ def _install_info_routes(app: FastAPI, s: ServerState) -> None:
         return flat | {"version": sparkrelay.__version__, "internal_states": [state]}
 
     def model_info():
-        return dict(s.engine.engine.model_info)
+        return dict(s.engine.info.model_info)
 
     for path, fn in (("/server_info", server_info), ("/get_server_info", server_info),
                      ("/model_info", model_info), ("/get_model_info", model_info)):
@@ -259,8 +260,9 @@ def _install_generation_routes(app: FastAPI, s: ServerState) -> None:
     _document_bodies(app, (P.GenerateRequest, P.CompletionRequest, P.ChatCompletionRequest))
 
 
-def build_app(async_engine: AsyncEngine, config: Config) -> FastAPI:
-    """The HTTP app; its lifespan starts the engine thread on the serving loop and stops it at shutdown."""
+def build_app(async_engine: EngineClient, config: Config) -> FastAPI:
+    """The HTTP app; its lifespan connects the engine (thread or process) to the serving loop and stops it at
+    shutdown."""
     s = ServerState(async_engine, config)
 
     @contextlib.asynccontextmanager

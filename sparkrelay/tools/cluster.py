@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -55,6 +56,7 @@ class Server:
         return True
 
     def stop(self, timeout: float = 15.0) -> None:
+        ports = _listening_ports(self.proc.pid)
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -62,12 +64,69 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)
+        _wait_gone(self.proc.pid, ports, 10.0)
 
     def kill(self) -> None:
-        """SIGKILL the whole process group (the server and its pipeline stages): a crash, not a shutdown."""
+        """SIGKILL the whole process group (the server, its scheduler process and its pipeline stages): a crash,
+        not a shutdown. Returns once none of them runs and the ports they listened on are free."""
+        ports = _listening_ports(self.proc.pid)
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+        _wait_gone(self.proc.pid, ports, 10.0)
+
+
+def _group(pgid: int) -> list[int]:
+    """The running processes of group `pgid` (zombies do not count)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, _ppid, group = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(group) == pgid and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def _listening_ports(pgid: int) -> set[int]:
+    """The TCP ports the group's processes listen on (their socket inodes looked up in /proc/net/tcp)."""
+    inodes = set()
+    for pid in _group(pgid):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+    ports = set()
+    with contextlib.suppress(OSError), open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT does not count
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _wait_gone(pgid: int, ports: set[int], timeout: float) -> None:
+    """Until no process of the group runs and the ports it listened on can be bound again: a killed process's
+    sockets are closed after it stops running, not always before its parent reaps it."""
+    deadline = time.monotonic() + timeout
+    while _group(pgid) or not all(map(_port_free, ports)):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.02)
 
 
 def healthy(url: str, path: str = "/health") -> bool:

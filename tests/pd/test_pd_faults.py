@@ -10,6 +10,7 @@ The killed-prefill case runs on every CI run; the others that need extra servers
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import random
@@ -76,9 +77,17 @@ def pd_request(pool, prefill_url: str, decode_url: str, ids: list[int], boot_por
     return pool.submit(post, prefill_url + "/generate", b), pool.submit(post, decode_url + "/generate", b)
 
 
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
+def stage_workers(pid: int) -> list[int]:
+    """The pipeline stage processes under a server (children of its scheduler process)."""
+    found, todo = [], [pid]
+    while todo:
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(todo.pop())], capture_output=True, text=True).stdout
+        for kid in map(int, out.split()):
+            todo.append(kid)
+            with contextlib.suppress(OSError), open(f"/proc/{kid}/cmdline") as f:
+                if "sparkrelay.pipeline.worker" in f.read():
+                    found.append(kid)
+    return found
 
 
 @pytest.mark.parametrize("backend", ["zmq", pytest.param("mooncake", marks=pytest.mark.slow),
@@ -95,7 +104,7 @@ def test_prefill_stage_killed_mid_transfer(tmp_path, prompts, reference, backend
         "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(b_boot),
         "--speculative-draft-model-path", DRAFTER, *flag]), b_port, str(tmp_path), FAST)
     try:
-        stage1 = children(a.prefill.proc.pid)
+        stage1 = stage_workers(a.prefill.proc.pid)
         assert stage1, "prefill A has no pipeline worker"
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             inflight = [pd_request(pool, a.prefill.url, a.decode.url, prompts[-1], a.bootstrap_port) for _ in range(6)]

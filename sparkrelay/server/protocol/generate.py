@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Optional, Union
 
 from sparkrelay.scheduler.request import MAX_TOP_LOGPROBS, RequestError, SamplingParams
-from sparkrelay.server.async_engine import GenerationItem
+from sparkrelay.server.engine_messages import GenerationItem
 from sparkrelay.server.protocol.common import Limits, Routed, Strict, check_extras, check_max_tokens, check_prompt, \
     sampling, tokenize
 

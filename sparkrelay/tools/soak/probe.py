@@ -43,7 +43,13 @@ def _label(server: str, pid: int, root: int) -> str:
         argv = open(f"/proc/{pid}/cmdline").read().split("\0")
     except OSError:
         argv = []
-    return f"{server}/stage{argv[argv.index('--rank') + 1]}" if "--rank" in argv[:-1] else f"{server}/child{pid}"
+    if "--rank" in argv[:-1]:
+        return f"{server}/stage{argv[argv.index('--rank') + 1]}"
+    try:
+        comm = open(f"/proc/{pid}/comm").read().strip()
+    except OSError:
+        comm = ""
+    return f"{server}/scheduler" if comm.startswith("sparkrelay-sch") else f"{server}/child{pid}"
 
 
 def snapshot(cluster: PDCluster) -> dict[str, dict]:

@@ -1,0 +1,167 @@
+"""The loop that owns an Engine: the only caller of its methods, on one thread (the scheduler process's main thread,
+or the in-process engine thread), fed by typed commands and reporting typed events (engine_messages.py).
+
+    put(AddItems | AbortRequest | Shutdown)  (any thread) -> inbox, Engine.wake()
+    run():  drain the inbox -> add_request / abort -> step() while there is work -> emit(Added | Progress | Fatal)
+
+It blocks on the inbox when idle (running `engine.check()` each time it goes idle). An exception from `step()` is
+logged; every in-flight request then gets an abort output with status 500 and the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from typing import Callable, Optional
+
+from sparkrelay.scheduler.request import RequestError, RequestOutput
+from sparkrelay.server.engine_messages import AbortRequest, AddItems, Added, Fatal, Progress, Shutdown
+
+logger = logging.getLogger(__name__)
+
+IDLE_TICK_S = 1.0  # an idle loop wakes this often to notice a dead pipeline stage
+STATS_EVERY_S = 0.05
+
+
+def abort_output(rid: str, message: str, status_code: int) -> RequestOutput:
+    reason = {"type": "abort", "message": message, "status_code": status_code}
+    return RequestOutput(rid, [], [], True, reason, 0, "")
+
+
+class EngineLoop:
+    def __init__(self, engine, emit: Callable[[object], None]):
+        self.engine = engine
+        self._emit = emit  # called on the loop's thread only
+        self._inbox: queue.Queue = queue.Queue()
+        self._live: set[str] = set()
+        self.num_step_failures = 0
+        self.check_error: Optional[str] = None  # the last idle invariant check's failure, if any
+        self._stats_at = 0.0
+
+    def put(self, cmd) -> None:
+        """Thread safe: queue a command and end the engine's idle wait."""
+        self._inbox.put(cmd)
+        self.engine.wake()
+
+    def run(self) -> None:
+        """Serve commands until Shutdown (every live request then gets a 503 abort) or a fatal engine error."""
+        self._emit(Progress((), self._stats()))
+        was_busy = True
+        while True:
+            busy = self.engine.has_work()
+            if was_busy and not busy:
+                self._idle_check()
+            was_busy = busy
+            if self._fatal():
+                return
+            for cmd in self._drain(block=not busy):
+                if isinstance(cmd, Shutdown):
+                    self._abort_all(cmd.reason, 503)
+                    return
+                self._apply(cmd)
+            if self.engine.has_work():
+                self._step()
+
+    def _fatal(self) -> bool:
+        """A dead pipeline stage: fail every request in flight and report Fatal; the server then shuts down, as
+        SGLang's does when a scheduler rank dies (a PD decode peer sees the prefill's bootstrap server go away)."""
+        error = self.engine.fatal_error() if hasattr(self.engine, "fatal_error") else None
+        if error is None:
+            return False
+        logger.critical("the engine cannot continue: %s; shutting the server down", error)
+        self._abort_all(f"the server is shutting down: {error}", 503)
+        for cmd in self._drain(block=False):  # queued adds get an answer, not a hang
+            if isinstance(cmd, AddItems):
+                self._emit(Added(cmd.batch, f"the server is shutting down: {error}", 503))
+        self._emit(Fatal(error))
+        return True
+
+    def _drain(self, block: bool) -> list:
+        cmds = []
+        if block:
+            try:
+                cmds.append(self._inbox.get(timeout=IDLE_TICK_S))
+            except queue.Empty:
+                return []
+        while True:
+            try:
+                cmds.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _apply(self, cmd) -> None:
+        if isinstance(cmd, AbortRequest):
+            if cmd.rid in self._live:
+                self._live.discard(cmd.rid)
+                self.engine.abort(cmd.rid)
+        else:
+            self._emit(self._add(cmd))
+        self._emit(Progress((), self._stats()))
+
+    def _add(self, cmd: AddItems) -> Added:
+        added: list[str] = []
+        try:
+            for it in cmd.items:
+                self.engine.add_request(it.rid, it.prompt_ids, it.params, it.bootstrap)
+                added.append(it.rid)
+        except Exception as e:  # RequestError -> 400; anything else -> 500, both reported to the caller
+            for rid in added:
+                self.engine.abort(rid)
+            if isinstance(e, RequestError):
+                return Added(cmd.batch, str(e), 400)
+            logger.exception("adding requests failed")
+            return Added(cmd.batch, f"internal error: {type(e).__name__}: {e}", 500)
+        self._live.update(added)
+        return Added(cmd.batch)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; aborting %d in-flight requests", len(self._live))
+            self.num_step_failures += 1
+            self._abort_all(f"internal engine error: {type(e).__name__}: {e}", 500)
+            time.sleep(0.01)  # a persistently failing engine must not spin the CPU
+            return
+        finished = False
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.rid)
+                finished = True
+        stats = self._stats() if finished or self._stats_due() else {}
+        if outputs or stats:
+            self._emit(Progress(tuple(outputs), stats))
+
+    def _stats_due(self) -> bool:
+        """Stats go out when the engine goes idle, and at most every STATS_EVERY_S while it is busy (they cost
+        the engine thread a dict per step, and a frame across the process boundary)."""
+        return not self.engine.has_work() or time.monotonic() - self._stats_at >= STATS_EVERY_S
+
+    def _abort_all(self, message: str, status_code: int) -> None:
+        outputs = [abort_output(rid, message, status_code) for rid in sorted(self._live)]
+        for rid in list(self._live):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                logger.exception("abort of %s failed", rid)
+        self._live.clear()
+        self._emit(Progress(tuple(outputs), self._stats()))
+
+    def _idle_check(self) -> None:
+        """Invariants while idle (no block in use, tables consistent); the last result is in /server_info."""
+        try:
+            self.engine.check()
+            self.check_error = None
+        except Exception as e:
+            self.check_error = f"{type(e).__name__}: {e}"
+            logger.exception("engine invariant check failed while idle")
+
+    def _stats(self) -> dict:
+        self._stats_at = time.monotonic()
+        try:
+            stats = dict(self.engine.stats())
+        except Exception:
+            logger.exception("engine.stats() failed")
+            stats = {}
+        return stats | {"check_error": self.check_error, "num_step_failures": self.num_step_failures}

@@ -1,0 +1,107 @@
+"""launch_server runs its engine in a scheduler process (server/engine_process.py): either process going away takes
+the other one with it, a request in flight then ends with an error instead of hanging, and nothing is orphaned."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from sparkrelay.tools.cluster import free_port, server_argv, start
+
+SCHED = "sparkrelay-sche"  # /proc/PID/comm keeps 15 bytes of the name the scheduler process gives itself
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+def _serve(model: Path, tmp_path: Path):
+    port = free_port()
+    server = start("server", server_argv(str(model), port, ["--log-level", "info"]), port, str(tmp_path))
+    scheduler = [k for k in _children(server.proc.pid) if Path(f"/proc/{k}/comm").read_text().strip() == SCHED]
+    assert len(scheduler) == 1, _children(server.proc.pid)
+    return server, scheduler[0]
+
+
+def test_a_dead_scheduler_process_ends_the_server_and_its_requests(tiny_model_dir, tmp_path):
+    server, scheduler = _serve(tiny_model_dir, tmp_path)
+    try:
+        body = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 1000,
+                                                                            "temperature": 0, "ignore_eos": True}}
+        chunks: list[str] = []
+
+        def stream():
+            with httpx.stream("POST", server.url + "/generate", json=body, timeout=30) as r:
+                chunks.extend(r.iter_lines())
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        time.sleep(1.0)
+        os.kill(scheduler, signal.SIGKILL)
+        reader.join(20)
+        assert not reader.is_alive(), "the streamed request hung after its engine died"
+        assert any("scheduler process exited" in c for c in chunks), chunks[-3:]
+        assert server.proc.wait(20) is not None  # the HTTP server shut itself down (SGLang does the same)
+    finally:
+        server.kill()
+
+
+def test_a_dead_http_process_ends_the_scheduler_process(tiny_model_dir, tmp_path):
+    server, scheduler = _serve(tiny_model_dir, tmp_path)
+    try:
+        r = httpx.post(server.url + "/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200, r.text
+        os.kill(server.proc.pid, signal.SIGKILL)
+        assert _wait_gone(scheduler, 10), "the scheduler process outlived its HTTP server"
+        assert server.wait_for_log("the HTTP process (pid")
+    finally:
+        server.kill()
+
+
+def test_sigterm_stops_both_processes_cleanly(tiny_model_dir, tmp_path):
+    server, scheduler = _serve(tiny_model_dir, tmp_path)
+    os.kill(server.proc.pid, signal.SIGTERM)  # only the HTTP process, as a supervisor may do
+    assert server.proc.wait(20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
+    assert _wait_gone(scheduler, 5)
+    assert "Traceback" not in server.log_tail(200), server.log_tail(200)
+
+
+def test_openmp_policy_lowers_spinning_only_where_processes_share_cores(monkeypatch):
+    import sys
+
+    from sparkrelay.config import Config
+    from sparkrelay.launch_server import SHARED_CORES_SPIN, openmp_policy
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # as in a fresh launch_server, before torch loads
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    assert openmp_policy(Config()) is None and "GOMP_SPINCOUNT" not in os.environ  # aggregated: libgomp's default
+    assert openmp_policy(Config().replace(pp_size=2)) == SHARED_CORES_SPIN == os.environ["GOMP_SPINCOUNT"]
+    monkeypatch.setenv("GOMP_SPINCOUNT", "50")
+    assert openmp_policy(Config().replace(disaggregation_mode="decode")) is None  # the user's value wins
+    assert os.environ["GOMP_SPINCOUNT"] == "50"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    assert openmp_policy(Config().replace(disaggregation_mode="prefill")) is None
