@@ -33,6 +33,7 @@ from sparkrelay.models.qwen3 import load_qwen3
 from sparkrelay.pipeline.capture import CaptureSpec, PayloadShape
 from sparkrelay.pipeline.comm import Channel, PeerLost, make_group
 from sparkrelay.pipeline.descriptor import SHUTDOWN
+from sparkrelay.pipeline.heap import HeapTrimmer
 from sparkrelay.pipeline.launch import LAUNCH_ENV, LOAD_TIMEOUT_S, PEER_LOST_EXIT, RENDEZVOUS_HOST
 from sparkrelay.pipeline.stage import Stage, build_stage
 
@@ -68,7 +69,9 @@ def load(rank: int, launch: dict) -> tuple[Stage, PayloadShape, torch.device]:
 
 @torch.inference_mode()
 def serve(stage: Stage, channel: Channel) -> None:
-    """Receive, run, pass on, in micro-batch order, until SHUTDOWN."""
+    """Receive, run, pass on, in micro-batch order, until SHUTDOWN; the freed heap goes back to the OS between
+    micro-batches (pipeline/heap.py)."""
+    heap = HeapTrimmer()
     while True:
         mb, inp = channel.recv_step()
         if mb.kind == SHUTDOWN:
@@ -84,6 +87,7 @@ def serve(stage: Stage, channel: Channel) -> None:
         else:
             channel.flush()  # the previous micro-batch's sends, before posting this one's
             channel.send_step(mb, out)
+        heap.maybe_trim()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,8 +4,9 @@ or the in-process engine thread), fed by typed commands and reporting typed even
     put(AddItems | AbortRequest | Shutdown)  (any thread) -> inbox, Engine.wake()
     run():  drain the inbox -> add_request / abort -> step() while there is work -> emit(Added | Progress | Fatal)
 
-It blocks on the inbox when idle (running `engine.check()` each time it goes idle). An exception from `step()` is
-logged; every in-flight request then gets an abort output with status 500 and the loop keeps serving.
+It blocks on the inbox when idle (running `engine.check()` each time it goes idle); between steps it hands the freed
+heap back to the OS now and then (pipeline/heap.py). An exception from `step()` is logged; every in-flight request
+then gets an abort output with status 500 and the loop keeps serving.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import queue
 import time
 from typing import Callable, Optional
 
+from sparkrelay.pipeline.heap import HeapTrimmer
 from sparkrelay.scheduler.request import RequestError, RequestOutput
 from sparkrelay.server.engine_messages import AbortRequest, AddItems, Added, Fatal, Progress, Shutdown
 
@@ -36,6 +38,7 @@ class EngineLoop:
         self._inbox: queue.Queue = queue.Queue()
         self._live: set[str] = set()
         self.num_step_failures = 0
+        self._heap = HeapTrimmer()
         self.check_error: Optional[str] = None  # the last idle invariant check's failure, if any
         self._stats_at = 0.0
 
@@ -62,6 +65,7 @@ class EngineLoop:
                 self._apply(cmd)
             if self.engine.has_work():
                 self._step()
+                self._heap.maybe_trim()
 
     def _fatal(self) -> bool:
         """A dead pipeline stage: fail every request in flight and report Fatal; the server then shuts down, as
