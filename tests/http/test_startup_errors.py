@@ -267,3 +267,17 @@ def test_training_tools_do_not_overwrite_bundled_models_by_default(module, tool,
     assert args.out == f".cache/{tool}/model"
     assert mod.parse_args(["--work-dir", "/tmp/w"]).out == "/tmp/w/model"
     assert mod.parse_args(["--out", bundled]).out == bundled  # only when asked
+
+
+def test_the_api_socket_sends_without_nagle():
+    """Accepted connections inherit TCP_NODELAY from the socket `bind` makes (asyncio sets it only on sockets whose
+    proto is IPPROTO_TCP; the bootstrap server's socket was not, and answered keep-alive requests 44 ms late)."""
+    import socket
+
+    from sparkrelay.launch_server import bind
+
+    sock = bind("--port", "--host", "127.0.0.1", 0)
+    try:
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        sock.close()

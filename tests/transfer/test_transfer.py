@@ -420,3 +420,25 @@ def test_close_is_idempotent_and_frees_the_port():
     d.start()
     d.close()
     d.close()
+
+
+def test_bootstrap_connections_send_without_nagle():
+    """asyncio sets TCP_NODELAY only on sockets made with proto IPPROTO_TCP; without it a keep-alive reply's body
+    waited 44 ms for the delayed ACK of its headers. The accepted connection must have it."""
+    import socket
+    import time
+
+    server = BootstrapServer(HOST, 0, 1, SCHEMA, None, 16, "bfloat16")
+    server.start()
+    try:
+        with socket.create_connection((HOST, server.port)) as c:
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert c.recv(4096).startswith(b"HTTP/1.1 200")
+            deadline = time.monotonic() + 5
+            while not server._server.server_state.connections and time.monotonic() < deadline:
+                time.sleep(0.01)
+            (conn,) = server._server.server_state.connections
+            sock = conn.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        server.stop()
