@@ -34,7 +34,7 @@ from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import slot_index
 from sparkrelay.scheduler.request import Bootstrap, Request
 from sparkrelay.trace import timeline
-from sparkrelay.transfer.base import DecodeTransfer, KVPoll, get_backend
+from sparkrelay.transfer.base import DecodeTransfer, KVPoll, get_backend, split_piece
 
 
 QUARANTINE_S = 5.0  # a failed one-sided room's blocks wait this long before reuse (its writes may be in flight)
@@ -138,7 +138,7 @@ class DecodeRole(PDRole):
         self.agent.clear(room)
         sizes = [(name, part.spec.nbytes) for stage in parts.values() for name, part in stage.items()]
         self.handoff_bytes += sum(n for _, n in sizes)
-        self.context_bytes += sum(n for name, n in sizes if name != "kv")
+        self.context_bytes += sum(n for name, n in sizes if split_piece(name)[0] != "kv")
         slots = self._slots(req)
         proposer = self.parts.proposer
         try:

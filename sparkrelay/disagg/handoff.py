@@ -2,11 +2,14 @@
 how the decode injects the handed-off context into its draft KV cache.
 
 Parts of one room (PartSpec name, sender, shape; n = prompt length):
-    kv        every stage      [layers of the stage, 2 (K, V), n, kv_heads, head_dim]   layer_ids = global ids
-    meta      last stage       [row bytes] uint8: the metadata row (disagg/metadata.py): first token, tail, room
-    hidden    last stage       [n, W]  mode hidden: every prompt position's aux row (taps in target_layer_ids order)
-    draft_kv  last stage       [draft layers, 2, n, kv_heads, head_dim]  mode draft-kv: the drafter's context K/V
-A prefill that captures nothing (no layer ids) sends kv + meta only; its schema says handoff "none".
+    kv@a        every stage    [layers of the stage, 2 (K, V), t, kv_heads, head_dim]   layer_ids = global ids
+    hidden@a    last stage     [t, W]  mode hidden: the aux rows of positions a..a+t-1 (taps in target_layer_ids order)
+    draft_kv@a  last stage     [draft layers, 2, t, kv_heads, head_dim]  mode draft-kv: the drafter's context K/V
+    meta        last stage     [row bytes] uint8: the metadata row (disagg/metadata.py): first token, tail, room
+The prompt is cut into pieces of STREAM_TOKENS positions, a = 0, STREAM_TOKENS, ..., t = STREAM_TOKENS (the last one
+what is left): a stage sends each piece as soon as its chunks covered it, while the prefill goes on (SGLang sends
+each chunk's KV as it is computed); the metadata row goes last, once the first token is sampled. A prefill that
+captures nothing (no layer ids) sends kv + meta only; its schema says handoff "none".
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ from sparkrelay.envs import TAIL_TOKENS, DisaggEnv
 from sparkrelay.models.qwen3 import Qwen3Spec
 from sparkrelay.pipeline.capture import resolve_capture, resolve_layer_ids
 from sparkrelay.pipeline.partition import pp_partition
-from sparkrelay.transfer.base import Part, PartSpec
+from sparkrelay.transfer.base import Part, PartSpec, piece_name, split_piece
 
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+# Positions per streamed piece: the pipeline's smallest chunk (pipeline/runner.py CHUNK_TOKENS), so a chunk of a
+# long prompt completes about one piece and its KV leaves while the next chunk computes.
+STREAM_TOKENS = 128
 
 
 def _draft_config(path: Optional[str]) -> Optional[dict]:
@@ -68,12 +74,14 @@ def build_schema(config: Config, spec: Qwen3Spec, dtype: torch.dtype, env: Disag
                  int(draft_cfg.get("head_dim") or draft_cfg["hidden_size"] // heads))
     pp = config.parallel.pp_size if config.disagg.disaggregation_mode == "prefill" else 1
     return HandoffSchema(
-        version=SCHEMA_VERSION, transfer_backend=config.disagg.disaggregation_transfer_backend, model=model_identity(config.model.model_path), dtype=DTYPE_NAMES[dtype],
+        version=SCHEMA_VERSION, transfer_backend=config.disagg.disaggregation_transfer_backend,
+        model=model_identity(config.model.model_path), dtype=DTYPE_NAMES[dtype],
         page_size=config.cache.page_size, num_layers=spec.num_layers, kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim, hidden_size=spec.hidden_size,
         layer_partition=tuple(pp_partition(spec.num_layers, pp)), target_layer_ids=ids,
         hidden_width=len(ids) * spec.hidden_size, handoff=mode,
-        tail_tokens=env.tail_tokens if mode == "tail" else 0, prefix_cache="off", draft=draft)
+        tail_tokens=env.tail_tokens if mode == "tail" else 0, prefix_cache="off", draft=draft,
+        stream_tokens=STREAM_TOKENS)
 
 
 def expected_parts(prefill_schema: dict, prompt_len: int) -> dict[int, list[PartSpec]]:
@@ -83,17 +91,37 @@ def expected_parts(prefill_schema: dict, prompt_len: int) -> dict[int, list[Part
     if list(s.layer_partition) != pp_partition(s.num_layers, stages):
         raise ValueError(f"layer_partition {list(s.layer_partition)} is not pp_partition({s.num_layers}, {stages}) "
                          f"= {pp_partition(s.num_layers, stages)}: the two sides split layers differently")
-    n = prompt_len
-    out = {st: [PartSpec("kv", tuple(range(a, b)), s.dtype, (b - a, 2, n, s.kv_heads, s.head_dim))]
-           for st, (a, b) in enumerate(s.layer_partition)}
+    spans = pieces(prompt_len, s.stream_tokens)
+    kv_heads, hd = s.kv_heads, s.head_dim
+    out = {st: [PartSpec(piece_name("kv", a), tuple(range(lo, hi)), s.dtype, (hi - lo, 2, b - a, kv_heads, hd))
+                for a, b in spans] for st, (lo, hi) in enumerate(s.layer_partition)}
     last = out[stages - 1]
-    last.append(PartSpec("meta", (), "uint8", (MetadataLayout.of(s).nbytes,)))
     if s.handoff == "hidden":
-        last.append(PartSpec("hidden", s.target_layer_ids, s.dtype, (n, s.hidden_width)))
+        last += [PartSpec(piece_name("hidden", a), s.target_layer_ids, s.dtype, (b - a, s.hidden_width))
+                 for a, b in spans]
     elif s.handoff == "draft-kv":
         layers, heads, hd = s.draft
-        last.append(PartSpec("draft_kv", tuple(range(layers)), s.dtype, (layers, 2, n, heads, hd)))
+        last += [PartSpec(piece_name("draft_kv", a), tuple(range(layers)), s.dtype, (layers, 2, b - a, heads, hd))
+                 for a, b in spans]
+    last.append(PartSpec("meta", (), "uint8", (MetadataLayout.of(s).nbytes,)))
     return out
+
+
+def pieces(n: int, size: int) -> list[tuple[int, int]]:
+    """[a, b) of each streamed piece of an n-position prompt."""
+    if size < 1:
+        raise ValueError(f"stream_tokens {size} must be at least 1")
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+def of_kind(stage: dict[str, Part], base: str) -> list[tuple[int, Part]]:
+    """(first position, part) of every piece of `base` a stage sent, by position."""
+    out = []
+    for name, part in stage.items():
+        kind, start = split_piece(name)
+        if kind == base:
+            out.append((start, part))
+    return sorted(out, key=lambda x: x[0])
 
 
 def tensor_of(part: Part) -> torch.Tensor:
@@ -122,21 +150,25 @@ def read_meta(schema: HandoffSchema, parts: dict[int, dict[str, Part]], room: in
 
 
 def write_kv(pool, parts: dict[int, dict[str, Part]], slots: torch.Tensor) -> None:
-    """Every stage's `kv` part into the decode pool at `slots` [n], paired by global layer id (never by position,
-    the stages may split the layers differently from the pool's order); each of the pool's layers must be covered
-    exactly once."""
+    """Every stage's `kv` pieces into the decode pool at their positions' `slots` ([n] for the prompt), paired by
+    global layer id (never by position, the stages may split the layers differently from the pool's order); each
+    of the pool's layers must be covered exactly once."""
     seen: list[int] = []
     for stage in sorted(parts):
-        kv = tensor_of(parts[stage]["kv"])  # [L_s, 2, n, kv_heads, head_dim]
-        for i, layer in enumerate(parts[stage]["kv"].spec.layer_ids):
-            if layer not in pool.layers:
-                raise HandoffError(f"stage {stage} sent KV for layer {layer}, which the decode pool does not have")
-            k_pool, v_pool = pool.layers[layer]
-            k_pool.index_copy_(0, slots, kv[i, 0].to(k_pool.device))
-            v_pool.index_copy_(0, slots, kv[i, 1].to(v_pool.device))
-            seen.append(layer)
+        kv_pieces = of_kind(parts[stage], "kv")
+        for start, part in kv_pieces:
+            kv = tensor_of(part)  # [L_s, 2, t, kv_heads, head_dim]
+            at = slots[start : start + kv.shape[2]]
+            for i, layer in enumerate(part.spec.layer_ids):
+                if layer not in pool.layers:
+                    raise HandoffError(f"stage {stage} sent KV for layer {layer}, which the decode pool does not have")
+                k_pool, v_pool = pool.layers[layer]
+                k_pool.index_copy_(0, at, kv[i, 0].to(k_pool.device))
+                v_pool.index_copy_(0, at, kv[i, 1].to(v_pool.device))
+        seen += list(kv_pieces[0][1].spec.layer_ids) if kv_pieces else []
     if sorted(seen) != sorted(pool.layers):
-        raise HandoffError(f"the prefill stages sent KV for layers {sorted(seen)}; the decode needs {sorted(pool.layers)}")
+        raise HandoffError(f"the prefill stages sent KV for layers {sorted(seen)}; the decode needs "
+                           f"{sorted(pool.layers)}")
 
 
 def _finite(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -154,8 +186,12 @@ def inject_context(proposer, schema: HandoffSchema, parts: dict[int, dict[str, P
     n, dev = slots.shape[0], slots.device
     last = parts[max(parts)]  # the prefill's last stage (this side's schema has its own, PP = 1, partition)
     if schema.handoff == "hidden":
-        features = _finite("hidden", tensor_of(last["hidden"]).to(dev))  # [n, W]
-        proposer.write_features(features, torch.arange(n, device=dev), slots)
+        if not of_kind(last, "hidden"):
+            raise HandoffError("no hidden rows arrived")
+        for start, part in of_kind(last, "hidden"):
+            features = _finite("hidden", tensor_of(part).to(dev))  # [t, W]
+            t = features.shape[0]
+            proposer.write_features(features, torch.arange(start, start + t, device=dev), slots[start : start + t])
         return 0
     if schema.handoff == "tail":
         k = int(row.tail_valid.sum())
@@ -168,12 +204,16 @@ def inject_context(proposer, schema: HandoffSchema, parts: dict[int, dict[str, P
         proposer.write_features(features, torch.arange(n - k, n, device=dev), slots[n - k :])
         return n - k
     if schema.handoff == "draft-kv":
-        kv = _finite("draft K/V", tensor_of(last["draft_kv"]).to(dev))  # [Ld, 2, n, kv_heads, head_dim]
-        if kv.shape[0] != len(proposer.pool.layers):
-            raise HandoffError(f"draft K/V for {kv.shape[0]} layers; the drafter has {len(proposer.pool.layers)}")
-        for layer, (k_pool, v_pool) in proposer.pool.layers.items():
-            k_pool.index_copy_(0, slots, kv[layer, 0].to(k_pool.dtype))
-            v_pool.index_copy_(0, slots, kv[layer, 1].to(v_pool.dtype))
+        if not of_kind(last, "draft_kv"):
+            raise HandoffError("no draft K/V arrived")
+        for start, part in of_kind(last, "draft_kv"):
+            kv = _finite("draft K/V", tensor_of(part).to(dev))  # [Ld, 2, t, kv_heads, head_dim]
+            if kv.shape[0] != len(proposer.pool.layers):
+                raise HandoffError(f"draft K/V for {kv.shape[0]} layers; the drafter has {len(proposer.pool.layers)}")
+            at = slots[start : start + kv.shape[2]]
+            for layer, (k_pool, v_pool) in proposer.pool.layers.items():
+                k_pool.index_copy_(0, at, kv[layer, 0].to(k_pool.dtype))
+                v_pool.index_copy_(0, at, kv[layer, 1].to(v_pool.dtype))
         return 0
     raise HandoffError(f"handoff mode {schema.handoff!r} carries no drafter context; the decode drafter would start "
                        "cold (set SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS or give the prefill the drafter's config)")

@@ -19,7 +19,7 @@ import torch
 from sparkrelay.disagg.metadata import TORCH_DTYPES, MetadataLayout
 from sparkrelay.disagg.schema import HandoffSchema
 from sparkrelay.kvcache.pool import KVPool
-from sparkrelay.transfer.base import Part
+from sparkrelay.transfer.base import Part, PartSpec, piece_name, split_piece
 from sparkrelay.transfer.landing import Landing
 
 
@@ -67,19 +67,27 @@ class LandingBuffers:
 
     def parts(self, taken: dict[int, dict[str, Part]], block_ids: list[int],
               slots: torch.Tensor) -> dict[int, dict[str, Part]]:
-        """The last stage's landed parts (meta and the DSpark context) as Parts with their bytes (copies)."""
+        """The last stage's landed parts (meta and the DSpark context) as Parts with their bytes (copies); the
+        context's pieces, landed at their positions, are read back as one piece of every position ("hidden@0")."""
         last = max(taken)
         out: dict[str, Part] = {}
         for name, part in taken[last].items():
-            if name == "meta":
+            kind = split_piece(name)[0]
+            if kind == "meta":
                 out[name] = Part(part.spec, self.meta[block_ids[0], : part.spec.nbytes].numpy().tobytes())
-            elif name == "hidden":
-                out[name] = Part(part.spec, _bytes(self.hidden.index_select(0, slots)))  # [n, W]
-            elif name == "draft_kv":
+            elif kind == "hidden" and piece_name(kind, 0) not in out:
+                rows = self.hidden.index_select(0, slots)  # [n, W]
+                out[piece_name(kind, 0)] = Part(_spec(part.spec, kind, rows), _bytes(rows))
+            elif kind == "draft_kv" and piece_name(kind, 0) not in out:
                 kv = torch.stack([torch.stack([k.index_select(0, slots), v.index_select(0, slots)])
                                   for k, v in self.draft.layers.values()])  # [Ld, 2, n, kv_heads, head_dim]
-                out[name] = Part(part.spec, _bytes(kv))
+                out[piece_name(kind, 0)] = Part(_spec(part.spec, kind, kv), _bytes(kv))
         return {last: out}
+
+
+def _spec(piece: PartSpec, kind: str, t: torch.Tensor) -> PartSpec:
+    """A piece's spec widened to the whole prompt's rows `t`."""
+    return PartSpec(piece_name(kind, 0), piece.layer_ids, piece.dtype, tuple(t.shape))
 
 
 def _bytes(t: torch.Tensor) -> bytes:

@@ -1,25 +1,26 @@
 """The prefill side of the handoff, one per pipeline stage: capture -> pack -> send.
 
-Every stage keeps, per room, what it must hand off and sends it through its own PrefillAgent:
-    all stages   the K/V of its own layers for the whole prompt, gathered once the last chunk is computed
-    last stage   + the aux rows [n, W] (hidden), only the last `tail` of them [tail, W] (tail), or the draft K/V
-                 (draft-kv), filled chunk by chunk at absolute positions, and the metadata row, packed once the
-                 first token is sampled (room last)
-Each agent's terminal status (Success / Failed + reason) goes to rank 0's status socket as a `StageReport` (disagg/stage_report.py)
-{room, stage, state, reason}; rank 0 finishes the prefill request when every stage has reported.
+Every stage streams, per room, what it must hand off through its own PrefillAgent (disagg/handoff.py, the parts):
+    all stages   the K/V of its own layers, a piece of STREAM_TOKENS positions as soon as its chunks covered it
+    last stage   + the aux rows (hidden) or the draft K/V (draft-kv) of the same positions with each piece, filled
+                 chunk by chunk at absolute positions; only the last `tail` aux rows [tail, W] (tail), kept for the
+                 metadata row, packed once the first token is sampled and sent last (room last)
+Each agent's terminal status (Success / Failed + reason) goes to rank 0's status socket as a `StageReport`
+(disagg/stage_report.py) {room, stage, state, reason}; rank 0 finishes the prefill request when every stage has
+reported.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from sparkrelay.config import Config
-from sparkrelay.disagg.handoff import build_schema, part_of
+from sparkrelay.disagg.handoff import build_schema, part_of, pieces
 from sparkrelay.disagg.metadata import MetadataLayout, MetadataRow, TailRows, pack
 from sparkrelay.disagg.schema import HandoffSchema, compare
 from sparkrelay.envs import DisaggEnv
@@ -28,7 +29,7 @@ from sparkrelay.models.attention import slot_index
 from sparkrelay.models.loader import read_config
 from sparkrelay.models.qwen3 import Qwen3Spec
 from sparkrelay.trace import timeline
-from sparkrelay.transfer.base import KVPoll, Part
+from sparkrelay.transfer.base import KVPoll, Part, piece_name
 from sparkrelay.transfer.base import get_backend
 from sparkrelay.disagg.stage_report import StageReport, StageReportOutbox
 
@@ -38,10 +39,10 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Room:
     prompt_len: int
+    sent: int = 0                            # positions whose pieces went to the agent
     aux: Optional[torch.Tensor] = None       # [n, W] last stage, hidden
     tail: Optional[TailRows] = None          # [tail, W] last stage, tail: only the last rows are ever kept
     draft: Optional[torch.Tensor] = None     # [Ld, 2, n, kv, hd] last stage, draft-kv
-    parts: list[Part] = field(default_factory=list)
 
 
 class PrefillSink:
@@ -56,10 +57,11 @@ class PrefillSink:
         dc = config.disagg
         url = f"http://{dc.disaggregation_bootstrap_host}:{dc.disaggregation_bootstrap_port}"
         prefill_agent = get_backend(dc.disaggregation_transfer_backend)[0]  # --disaggregation-transfer-backend
-        self.agent = prefill_agent(stage, len(partition), schema.to_dict(), compare, url, dc.disaggregation_bootstrap_host,
-                                  env.bootstrap_timeout, self._notify, prefill_http_port=config.server.port,
-                                  auth_token=env.token(dc.disaggregation_auth_token),
-                                  failure_prob=env.test_failure_prob)
+        self.agent = prefill_agent(stage, len(partition), schema.to_dict(), compare, url,
+                                   dc.disaggregation_bootstrap_host, env.bootstrap_timeout, self._notify,
+                                   prefill_http_port=config.server.port,
+                                   auth_token=env.token(dc.disaggregation_auth_token),
+                                   failure_prob=env.test_failure_prob)
         self.agent.start()
 
     def _notify(self, room: int, state: KVPoll, reason: str) -> None:
@@ -94,10 +96,18 @@ class PrefillSink:
             for layer, (k, v) in enumerate(draft_kv):
                 st.draft[layer, 0, seq.start : seq.end] = k[row : row + t]
                 st.draft[layer, 1, seq.start : seq.end] = v[row : row + t]
-        if seq.end == seq.prompt_len:
-            st.parts.append(self._kv_part(seq.block_ids, seq.prompt_len))
-            if not self.is_last:
-                self._send(seq.room, st)
+        self._stream(seq.room, st, seq.end, seq.block_ids)
+
+    def _stream(self, room: int, st: _Room, computed: int, block_ids: list[int]) -> None:
+        """Hand over every piece the computed positions [0, computed) complete; a stage other than the last ends
+        the room with its last piece (the last stage ends it with the metadata row, in on_sampled)."""
+        n, parts = st.prompt_len, []
+        for a, b in pieces(n, self.schema.stream_tokens):
+            if st.sent <= a and b <= computed:
+                parts += self._pieces(st, block_ids, a, b)
+                st.sent = b
+        if parts:
+            self._send(room, st, parts, last=st.sent == n and not self.is_last)
 
     def _new_room(self, room: int, n: int) -> _Room:
         """Registered before the agent hears of it, so a Failed report (which pops it) cannot come first."""
@@ -116,30 +126,31 @@ class PrefillSink:
     def pool_dtype(self) -> torch.dtype:
         return next(iter(self.pool.layers.values()))[0].dtype
 
-    def _kv_part(self, block_ids: list[int], n: int) -> Part:
-        slots = slot_index([block_ids], n, self.pool.page_size)[0].to(next(iter(self.pool.layers.values()))[0].device)
+    def _pieces(self, st: _Room, block_ids: list[int], a: int, b: int) -> list[Part]:
+        """The parts of positions [a, b): this stage's K/V [L, 2, t, kv, hd], and on the last stage the context."""
+        device = next(iter(self.pool.layers.values()))[0].device
+        slots = slot_index([block_ids], b, self.pool.page_size)[0][a:].to(device)  # [t]: positions a..b-1
         kv = torch.stack([torch.stack([k.index_select(0, slots), v.index_select(0, slots)])
-                          for k, v in self.pool.layers.values()])  # [L, 2, n, kv, hd]
-        return part_of("kv", tuple(self.pool.layers), kv)
+                          for k, v in self.pool.layers.values()])  # [L, 2, t, kv, hd]
+        out = [part_of(piece_name("kv", a), tuple(self.pool.layers), kv)]
+        if st.aux is not None:
+            out.append(part_of(piece_name("hidden", a), self.schema.target_layer_ids, st.aux[a:b]))
+        if st.draft is not None:
+            out.append(part_of(piece_name("draft_kv", a), tuple(range(self.schema.draft[0])), st.draft[:, :, a:b]))
+        return out
 
     def on_sampled(self, mb, tokens: list[int], logprobs: list) -> None:
         """Last stage: the first token (and its logprobs, when asked) is known; pack the metadata row (room last)
-        and send everything."""
+        and send it, the room's last part (every piece went out with its chunk)."""
         sampled = [s for s in mb.seqs if s.sample]
         for seq, token, entry in zip(sampled, tokens, logprobs):
             st = self.rooms.get(seq.room) if seq.room else None
             if st is None:
                 continue
-            st.parts.extend(self._last_parts(seq.room, st, token, entry or (0.0, [])))
-            self._send(seq.room, st)
+            self._send(seq.room, st, [self._meta(seq.room, st, token, entry or (0.0, []))], last=True)
 
-    def _last_parts(self, room: int, st: _Room, token: int, entry: tuple) -> list[Part]:
+    def _meta(self, room: int, st: _Room, token: int, entry: tuple) -> Part:
         s, dtype = self.schema, self.pool_dtype
-        parts = []
-        if s.handoff == "hidden":
-            parts.append(part_of("hidden", s.target_layer_ids, st.aux))
-        elif s.handoff == "draft-kv":
-            parts.append(part_of("draft_kv", tuple(range(s.draft[0])), st.draft))
         if s.handoff == "tail":
             tail = st.tail
             row = MetadataRow(token, room, tail.rows[-1], tail.rows, tail.valid, first_logprob=entry[0],
@@ -149,14 +160,13 @@ class PrefillSink:
             row = MetadataRow(token, room, empty, empty.view(0, s.hidden_width), torch.zeros(0, dtype=torch.bool),
                               first_logprob=entry[0], top_logprobs=entry[1])
         meta = torch.frombuffer(bytearray(pack(self.layout, row)), dtype=torch.uint8)
-        parts.append(part_of("meta", (), meta))
-        return parts
+        return part_of("meta", (), meta)
 
-    def _send(self, room: int, st: _Room) -> None:
-        parts, st.parts = st.parts, []
-        st.aux = st.draft = st.tail = None
-        timeline.mark(f"stage{self.stage}", "send", room=room)
-        self.agent.send(room, parts)
+    def _send(self, room: int, st: _Room, parts: list[Part], last: bool) -> None:
+        if last:
+            st.aux = st.draft = st.tail = None
+        timeline.mark(f"stage{self.stage}", "send", room=room, last=last)
+        self.agent.send(room, parts, last=last)
 
     def release(self, rooms: list[int]) -> None:
         """Rank 0 is done with these rooms (finished, failed or aborted by its client): a room not yet sent

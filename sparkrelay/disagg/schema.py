@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-SCHEMA_VERSION = 3  # 2: the metadata row carries the first token's logprobs; 3: the transfer backend
+SCHEMA_VERSION = 4  # 2: the metadata row carries the first token's logprobs; 3: the transfer backend; 4: streamed
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class HandoffSchema:
     tail_tokens: int                # rows of the tail handoff (0 unless handoff == tail)
     prefix_cache: str               # radix policy: "off" (no prefix reuse on either side)
     draft: Optional[tuple[int, int, int]]  # draft-kv: (draft layers, draft kv heads, draft head_dim)
+    stream_tokens: int              # positions per streamed piece (the decode plans the prefill's pieces with it)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -61,9 +62,10 @@ class HandoffSchema:
 
 
 # Fields compared between prefill and decode; layer_partition is checked separately (decode runs PP = 1 and
-# accepts any prefill PP size whose partition is the shared function's).
-COMPARED = ("version", "transfer_backend", "model", "dtype", "page_size", "num_layers", "kv_heads", "head_dim", "hidden_size",
-            "target_layer_ids", "hidden_width", "handoff", "tail_tokens", "prefix_cache", "draft")
+# accepts any prefill PP size whose partition is the shared function's); stream_tokens is the prefill's to choose
+# (the decode reads it from the prefill's record to plan the pieces).
+COMPARED = ("version", "transfer_backend", "model", "dtype", "page_size", "num_layers", "kv_heads", "head_dim",
+            "hidden_size", "target_layer_ids", "hidden_width", "handoff", "tail_tokens", "prefix_cache", "draft")
 
 
 def compare(prefill: dict, decode: dict) -> list[str]:

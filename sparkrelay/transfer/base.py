@@ -79,6 +79,25 @@ class Part:
     data: bytes  # exactly spec.nbytes bytes, C order
 
 
+# A part streamed in pieces: "kv@256" holds positions 256.. of the whole part "kv" (as many as its shape says); a
+# name without "@" is a whole part, from position 0.
+PIECE_SEP = "@"
+
+
+def piece_name(base: str, start: int) -> str:
+    return f"{base}{PIECE_SEP}{start}"
+
+
+def split_piece(name: str) -> tuple[str, int]:
+    """'kv@256' -> ('kv', 256); 'meta' -> ('meta', 0). ValueError for a malformed position."""
+    base, sep, start = name.partition(PIECE_SEP)
+    if not sep:
+        return name, 0
+    if not start.isdigit() or len(start) > 10:
+        raise ValueError(f"part name {name!r}: {start!r} is not a position")
+    return base, int(start)
+
+
 # (ours, theirs) schema dicts -> a list of "field: prefill=X decode=Y" mismatches (empty when they agree)
 SchemaCompare = Callable[[dict, dict], list[str]]
 # (the prefill's schema dict, prompt_len) -> {pp_rank: [PartSpec, ...]} the decode side must receive
@@ -158,10 +177,11 @@ class PrefillTransfer(TransferAgent):
         ABORT already came. ValueError for a bad or duplicate room, RuntimeError when the room table is full."""
 
     @abstractmethod
-    def send(self, room: int, parts: list[Part]) -> None:
-        """Hand over the room's parts (each exactly spec.nbytes bytes; the agent keeps references, copies
-        nothing); they go out once the decode's TRANSFER_INFO is there. Never blocks. KeyError for a room not
-        added, ValueError for a second send or a part whose size does not match its spec."""
+    def send(self, room: int, parts: list[Part], last: bool = True) -> None:
+        """Hand over some of the room's parts (each exactly spec.nbytes bytes; the agent keeps references, copies
+        nothing); they go out once the decode's TRANSFER_INFO is there, in hand-over order, and STATUS success
+        follows the parts of the hand-over flagged `last`. Never blocks. KeyError for a room not added, ValueError
+        for a send after the last, a part name sent before, or a part whose size does not match its spec."""
 
 
 class DecodeTransfer(TransferAgent):

@@ -10,7 +10,8 @@ per room it names the room's pages and the addresses of each region:
     meta      one address                                      the room's metadata row (whole part)
     slot(t) = pages[t // page_size] * page_size + t % page_size; consecutive pages make one write.
 
-A part's bytes are C order over [planes..., n, row] (kv: [layers, 2, n, heads, head_dim] -> planes (layer, K|V)).
+A part's bytes are C order over [planes..., t, row] (kv: [layers, 2, t, heads, head_dim] -> planes (layer, K|V)),
+t its positions: the whole prompt, or a streamed piece's ("kv@256": positions 256..256 + t - 1).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from sparkrelay.transfer.base import Part
+from sparkrelay.transfer.base import Part, split_piece
 from sparkrelay.transfer.protocol import MAX_LIST_LEN, FrameError
 
 MAX_ADDR = (1 << 64) - 1
@@ -123,56 +124,66 @@ def _blob(v: Any) -> bytes:
     return v
 
 
-def runs(pages: tuple[int, ...], page_size: int, n: int) -> list[tuple[int, int, int]]:
-    """(first token, first slot, tokens) of each stretch of consecutive slots holding tokens 0..n-1."""
+def runs(pages: tuple[int, ...], page_size: int, n: int, start: int = 0) -> list[tuple[int, int, int]]:
+    """(first token - start, first slot, tokens) of each stretch of consecutive slots holding tokens start..n-1."""
     if n > len(pages) * page_size:
         raise ValueError(f"{n} tokens need {-(-n // page_size)} pages, the landing has {len(pages)}")
     out: list[list[int]] = []
-    for i in range(-(-n // page_size)):
-        t, slot, k = i * page_size, pages[i] * page_size, min(page_size, n - i * page_size)
+    for i in range(start // page_size, -(-n // page_size)):
+        lo, hi = max(start, i * page_size), min(n, (i + 1) * page_size)
+        slot = pages[i] * page_size + lo - i * page_size
         if out and out[-1][1] + out[-1][2] == slot:
-            out[-1][2] += k
+            out[-1][2] += hi - lo
         else:
-            out.append([t, slot, k])
+            out.append([lo - start, slot, hi - lo])
     return [tuple(r) for r in out]
 
 
-def _paged(src: int, spec_planes: list[tuple[int, int]], n: int, row: int, stretches) -> list[tuple[int, int, int]]:
-    """Writes of a part laid out [planes, n, row bytes] into per-plane bases; spec_planes: (plane index, base)."""
+def _paged(src: int, spec_planes: list[tuple[int, int]], t: int, row: int, stretches) -> list[tuple[int, int, int]]:
+    """Writes of a part laid out [planes, t, row bytes] into per-plane bases; spec_planes: (plane index, base)."""
     out = []
     for plane, base in spec_planes:
-        for t, slot, k in stretches:
-            out.append((src + (plane * n + t) * row, base + slot * row, k * row))
+        for first, slot, k in stretches:
+            out.append((src + (plane * t + first) * row, base + slot * row, k * row))
     return out
 
 
 def writes(landing: Landing, parts: list[Part], addrs: dict[str, int], n: int) -> list[tuple[int, int, int]]:
     """(source address, destination address, bytes) for every part of one stage (addrs: part name -> the address of
-    its bytes); ValueError when the landing cannot hold a part."""
-    stretches = runs(landing.pages, landing.page_size, n)
+    its bytes; a piece, "kv@256", lands at its positions); ValueError when the landing cannot hold a part."""
     out: list[tuple[int, int, int]] = []
     for part in parts:
-        out += _part_writes(landing, part, addrs[part.spec.name], n, stretches)
+        out += _part_writes(landing, part, addrs[part.spec.name], n)
     return out
 
 
-def _part_writes(landing: Landing, part: Part, src: int, n: int, stretches) -> list[tuple[int, int, int]]:
+def _tokens(spec) -> int:
+    """Positions a KV-like [planes..., 2, t, ...] or row [t, W] part covers."""
+    return spec.shape[0] if len(spec.shape) == 2 else spec.shape[2]
+
+
+def _part_writes(landing: Landing, part: Part, src: int, n: int) -> list[tuple[int, int, int]]:
     spec = part.spec
-    if spec.name == "meta":
+    base, start = split_piece(spec.name)
+    if base == "meta":
         if spec.nbytes > landing.meta_bytes or not landing.meta:
             raise ValueError(f"the metadata row is {spec.nbytes} bytes, the landing holds {landing.meta_bytes}")
         return [(src, landing.meta, spec.nbytes)]
-    if spec.name == "hidden":
-        _check_row("hidden", spec.nbytes // max(n, 1), landing.hidden_row, landing.hidden)
-        return _paged(src, [(0, landing.hidden)], n, landing.hidden_row, stretches)
-    planes, row = _planes(landing, spec.name)
-    _check_row(spec.name, spec.nbytes // max(1, 2 * len(spec.layer_ids) * n), row, 1)
+    t = _tokens(spec)
+    if start + t > n:
+        raise ValueError(f"part {spec.name!r} covers positions {start}..{start + t - 1}, the prompt has {n}")
+    stretches = runs(landing.pages, landing.page_size, start + t, start)
+    if base == "hidden":
+        _check_row(base, spec.nbytes // max(t, 1), landing.hidden_row, landing.hidden)
+        return _paged(src, [(0, landing.hidden)], t, landing.hidden_row, stretches)
+    planes, row = _planes(landing, base)
+    _check_row(base, spec.nbytes // max(1, 2 * len(spec.layer_ids) * t), row, 1)
     bases: list[tuple[int, int]] = []
     for i, layer in enumerate(spec.layer_ids):
         if layer not in planes:
             raise ValueError(f"part {spec.name!r}: the landing has no layer {layer} (it has {sorted(planes)})")
         bases += [(2 * i, planes[layer][0]), (2 * i + 1, planes[layer][1])]
-    return _paged(src, bases, n, row, stretches)
+    return _paged(src, bases, t, row, stretches)
 
 
 def _planes(landing: Landing, name: str) -> tuple[Planes, int]:

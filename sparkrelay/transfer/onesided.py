@@ -60,12 +60,12 @@ class OneSidedPrefill(PrefillAgent):
         if self._engine is not None:
             self._engine.close()
 
-    def _deliver(self, out: Outbox, room: int, rec: PrefillRoom, dest: Dest, parts: list[Part]) -> None:
-        self._writes.put((room, rec, dest, parts))  # the sender thread never blocks on a write
+    def _deliver(self, out: Outbox, room: int, rec: PrefillRoom, dest: Dest, parts: list[Part], last: bool) -> None:
+        self._writes.put((room, rec, dest, parts, last))  # the sender thread never blocks on a write
 
     def _write_step(self) -> None:
         try:
-            room, rec, dest, parts = self._writes.get(timeout=0.1)
+            room, rec, dest, parts, last = self._writes.get(timeout=0.1)
         except queue.Empty:
             return
         with self._lock:
@@ -82,7 +82,8 @@ class OneSidedPrefill(PrefillAgent):
         except Exception as e:  # the engine's failure fails this room only; the decode hears why
             self._fail(room, f"{self.engine_name} write to the decode engine {landing.peer} failed: {engine_error(e)}")
             return
-        self._enqueue(("written", room, rec, dest))
+        if last:  # every hand-over written, in order (one writer thread): the STATUS success may go
+            self._enqueue(("written", room, rec, dest))
 
     def _write(self, landing: Landing, parts: list[Part], n: int) -> None:
         addrs = {p.spec.name: buffer_address(p.data) for p in parts}

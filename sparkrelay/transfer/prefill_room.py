@@ -4,6 +4,10 @@
     add ─> Bootstrapping ──accept(TRANSFER_INFO)──> WaitingForInput ──start_push──> Transferring ──succeed──> Success
     fail(reason) from any live state ──> Failed   (no TRANSFER_INFO within bootstrap_timeout: expire() names it)
 
+The parts come in one or more hand-overs (a prefill stage streams its KV chunk by chunk), the last one flagged:
+each push takes every part handed over so far, and the push that takes the last hand-over ends with the STATUS
+success. At most one push per room waits in the sender's queue at a time; parts handed over meanwhile ride on it.
+
 The decode usually sends its TRANSFER_INFO (or ABORT) before this stage schedules the request: such a message
 waits in `early` until add() (at most MAX_EARLY of them, for at most bootstrap_timeout). A cleared room's late
 messages are dropped for a while (`cleared`). A decode whose sends timed out is `dead` until it sends a
@@ -13,7 +17,7 @@ TRANSFER_INFO again.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from sparkrelay.transfer.base import SCHEMA_MISMATCH, Dest, KVPoll, Part, PollResult
@@ -41,8 +45,11 @@ class PrefillRoom:
     reason: str = ""
     dest: Optional[Dest] = None  # the decode's PULL endpoint, from its TRANSFER_INFO
     landing: Optional[dict] = None  # its landing map (one-sided backends write there; zmq ignores it)
-    parts: Optional[list[Part]] = None
-    queued: bool = False  # its push was handed to the sender
+    pending: list[Part] = field(default_factory=list)  # handed over, not taken by a push yet
+    names: set[str] = field(default_factory=set)  # every part name handed over (each is sent once)
+    final: bool = False  # the last hand-over happened
+    queued: bool = False  # a push is waiting in the sender's queue
+    closing: bool = False  # the push of the last hand-over was taken: its STATUS success is on the way
 
     def result(self) -> PollResult:
         return PollResult(self.state, self.reason)
@@ -55,7 +62,7 @@ class PrefillRoom:
         """Failed, dropping the parts; False (nothing changed) when already Failed or Success."""
         if self.finished:
             return False
-        self.state, self.reason, self.parts = KVPoll.Failed, reason, None
+        self.state, self.reason, self.pending = KVPoll.Failed, reason, []
         return True
 
     def accept(self, info: TransferInfo, mismatches: list[str]) -> str:
@@ -72,17 +79,33 @@ class PrefillRoom:
         self.state = max(self.state, KVPoll.WaitingForInput)
         return ""
 
-    def hand_over(self, room: int, parts: list[Part]) -> None:
-        if self.parts is not None or self.queued:
-            raise ValueError(f"room {room}: send() called twice")
-        self.parts = None if self.state == KVPoll.Failed else list(parts)  # failed: already reported, send nothing
+    def hand_over(self, room: int, parts: list[Part], last: bool) -> None:
+        """ValueError for a hand-over after the last one, or a part name handed over before."""
+        if self.final:
+            raise ValueError(f"room {room}: send() after its last send")
+        twice = sorted(self.names.intersection(p.spec.name for p in parts))
+        if twice:
+            raise ValueError(f"room {room}: part(s) {twice} were sent before")
+        self.names.update(p.spec.name for p in parts)
+        self.final = last
+        if self.state != KVPoll.Failed:  # failed: already reported, send nothing
+            self.pending.extend(parts)
 
     def take_push(self) -> bool:
-        """True once both the parts and the destination are known: the caller queues the push (once)."""
-        if self.dest is None or self.parts is None or self.queued or self.state == KVPoll.Failed:
+        """True when a push is due (the destination known, something handed over and no push waiting): the caller
+        queues it."""
+        if self.dest is None or self.queued or self.closing or self.state == KVPoll.Failed:
+            return False
+        if not self.pending and not self.final:
             return False
         self.queued = True
         return True
+
+    def take_parts(self) -> tuple[list[Part], bool]:
+        """The queued push runs: (every part handed over so far, whether the last hand-over is among them)."""
+        parts, self.pending, self.queued = self.pending, [], False
+        self.closing = self.final
+        return parts, self.final
 
     def start_push(self) -> None:
         self.state = max(self.state, KVPoll.Transferring)
@@ -91,7 +114,7 @@ class PrefillRoom:
         """Its last frame (STATUS success) went out: Success, unless it failed meanwhile."""
         if self.state == KVPoll.Failed:
             return False
-        self.state, self.parts = KVPoll.Success, None
+        self.state, self.pending = KVPoll.Success, []
         return True
 
 

@@ -112,7 +112,7 @@ class PrefillAgent(Agent, PrefillTransfer):
         elif early is not None and early.info is not None:
             self._apply_info(early.info, defer=True)
 
-    def send(self, room: int, parts: list[Part]) -> None:
+    def send(self, room: int, parts: list[Part], last: bool = True) -> None:
         names = [p.spec.name for p in parts]
         if len(set(names)) != len(names):
             raise ValueError(f"room {room}: duplicate part names {names}")
@@ -124,7 +124,7 @@ class PrefillAgent(Agent, PrefillTransfer):
             rec = self._table.rooms.get(room)
             if rec is None:
                 raise KeyError(f"room {room} was never added to prefill pp_rank {self.pp_rank} (or was cleared)")
-            rec.hand_over(room, parts)
+            rec.hand_over(room, parts, last)
             full = self._queue_push_locked(room, rec)
         if full:
             self._fail(room, "prefill send queue is full", defer=True)
@@ -261,7 +261,8 @@ class PrefillAgent(Agent, PrefillTransfer):
         with self._lock:
             if self._table.rooms.get(room) is not rec or rec.state == KVPoll.Failed:
                 return
-            dest, parts, dead = rec.dest, rec.parts, rec.dest in self._table.dead
+            dest, dead = rec.dest, rec.dest in self._table.dead
+            parts, last = rec.take_parts()
             rec.start_push()
         if dead:
             self._fail(room, f"decode at {dest[0]}:{dest[1]} is unreachable (an earlier send to it timed out)")
@@ -269,12 +270,14 @@ class PrefillAgent(Agent, PrefillTransfer):
         if self.failure_prob and random.Random(room).random() < self.failure_prob:  # the same draw on every stage
             self._fail(room, INJECTED_FAILURE)
             return
-        self._deliver(out, room, rec, dest, parts)
+        self._deliver(out, room, rec, dest, parts, last)
 
-    def _deliver(self, out: Outbox, room: int, rec: PrefillRoom, dest: Dest, parts: list[Part]) -> None:
-        """The parts as DATA frames, then STATUS success (a one-sided backend writes them instead)."""
+    def _deliver(self, out: Outbox, room: int, rec: PrefillRoom, dest: Dest, parts: list[Part], last: bool) -> None:
+        """The parts as DATA frames, then, after the last hand-over's, STATUS success (a one-sided backend writes
+        them instead)."""
         msgs = [(Data.of(room, self.pp_rank, p), ("data", room, rec)) for p in parts]
-        msgs.append((Status.success(room, self.pp_rank), ("done", room, rec)))
+        if last:
+            msgs.append((Status.success(room, self.pp_rank), ("done", room, rec)))
         for msg, tag in msgs:
             if not self._put(out, dest, msg, tag):
                 return

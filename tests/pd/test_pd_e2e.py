@@ -85,8 +85,30 @@ def check_against(reference: list[dict], results: list[dict], exact_acceptance: 
     return taus
 
 
+def traced(tmp_path) -> dict:
+    return {"SPARKRELAY_TRACE": str(tmp_path / "trace")}
+
+
+def assert_streamed(tmp_path, stages: int = 2) -> None:
+    """The longest prompt's handoff left in pieces while its prefill computed: on every stage, several sends, the
+    first before the stage had computed its last two chunks (trace/timeline.py events)."""
+    from sparkrelay.trace import timeline
+
+    events = timeline.read(str(tmp_path / "trace"))
+    chunks = [e for e in events if e["event"] == "chunk"]
+    rooms = [r for e in chunks for r in e["rooms"]]
+    room = max(set(rooms), key=rooms.count)  # the >1,000-token prompt: the most chunks
+    for stage in range(stages):
+        ends = [e["end"] for e in chunks if e["source"] == f"stage{stage}" and room in e["rooms"]]
+        sends = [e["t"] for e in events if e["source"] == f"stage{stage}" and e["event"] == "send"
+                 and e.get("room") == room]
+        assert len(ends) >= 4 and len(sends) >= 4, (stage, len(ends), len(sends))
+        assert min(sends) < sorted(ends)[-2], f"stage {stage} sent nothing before its last two chunks"
+
+
 def test_pd_pp2_hidden_through_router(tmp_path, prompts, reference):
-    """CI's end-to-end PD test: PP=2 prefill (no drafter) + DSpark decode + sparkrelay router."""
+    """CI's end-to-end PD test: PP=2 prefill (no drafter) + DSpark decode + sparkrelay router; the long prompt's
+    handoff streams while the prefill computes."""
     def openai_route(url):  # the OpenAI routes carry the bootstrap fields too (docs/pd_protocol.md, failure mode 6)
         status, out = post(url + "/v1/completions", {"prompt": prompts[3], "max_tokens": MAX_NEW, "temperature": 0})
         assert status == 200 and out["choices"][0]["text"] == reference[3]["text"], out
@@ -94,8 +116,9 @@ def test_pd_pp2_hidden_through_router(tmp_path, prompts, reference):
     # chunked prefill on the prefill side: the >1,000-token prompt is captured in 256-token chunks at absolute
     # positions (docs/pd_protocol.md, failure mode 21)
     results = run_pd(tmp_path, prompts, also=openai_route, pp_size=2, handoff="hidden", router="sparkrelay",
-                     prefill_args=["--chunked-prefill-size", "256"])
+                     prefill_args=["--chunked-prefill-size", "256"], prefill_env=traced(tmp_path))
     check_against(reference, results, exact_acceptance=True)
+    assert_streamed(tmp_path)
 
 
 def landed_rooms(backend: str, landed: list[int]):
@@ -116,9 +139,10 @@ def test_pd_one_sided_backend_through_router(tmp_path, prompts, reference, backe
     token = {"SPARKRELAY_DISAGGREGATION_AUTH_TOKEN": "pd-secret"} if backend == "nixl" else {}  # control: HMAC
     results = run_pd(tmp_path, prompts, pp_size=2, handoff=mode, router="sparkrelay",
                      decode_info=landed_rooms(backend, landed), prefill_args=flag + ["--chunked-prefill-size", "256"],
-                     decode_args=flag, env=token)
+                     decode_args=flag, env=token, prefill_env=traced(tmp_path))
     check_against(reference, results, exact_acceptance=True)
     assert landed == [len(prompts)]
+    assert_streamed(tmp_path)
 
 
 @pytest.mark.slow

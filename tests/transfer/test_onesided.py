@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparkrelay.transfer.base import KVPoll
+from sparkrelay.transfer.base import KVPoll, Part, PartSpec
 from sparkrelay.transfer.landing import Landing, pack_pages, runs, unpack_pages, writes
 
 from testkit.transfer import HOST, make_parts
@@ -32,6 +32,19 @@ def test_writes_place_each_plane_at_its_layer_and_refuse_a_landing_that_cannot_h
     with pytest.raises(ValueError, match="16 bytes per token, the landing's rows are 32"):
         writes(Landing("p", b"", 4, (7, 2), {2: (1, 2), 3: (3, 4)}, 32, meta=9, meta_bytes=32), parts,
                {"kv": 0, "meta": 0}, 5)
+
+
+def test_a_streamed_piece_lands_at_its_positions():
+    """A piece "kv@3" of 2 positions goes where tokens 3 and 4 of the prompt live, not at the room's first slot."""
+    assert runs((3, 4, 9), 4, 10, start=5) == [(0, 17, 3), (3, 36, 2)]
+    piece = Part(PartSpec("kv@3", (2, 3), "bfloat16", (2, 2, 2, 8)), bytes(128))  # 16-byte rows
+    landing = Landing("p", b"", 4, (7, 2), {2: (1000, 2000), 3: (3000, 4000)}, 16, meta=9000, meta_bytes=32)
+    got = writes(landing, [piece], {"kv@3": 0}, 5)
+    # plane (layer 2, K): token 3 -> page 7 (slot 31), token 4 -> page 2 (slot 8); each plane holds 2 rows
+    assert got[:2] == [(0, 1000 + 31 * 16, 16), (16, 1000 + 8 * 16, 16)] and got[2] == (32, 2000 + 31 * 16, 16)
+    assert len(got) == 8
+    with pytest.raises(ValueError, match="positions 4..5, the prompt has 5"):
+        writes(landing, [Part(PartSpec("kv@4", (2, 3), "bfloat16", (2, 2, 2, 8)), bytes(128))], {"kv@4": 0}, 5)
 
 
 def test_pages_travel_as_runs():

@@ -28,18 +28,42 @@ def test_prefill_room_happy_path_in_either_order():
         assert t.add(7, 5, now=0.0) is None
         rec = t.rooms[7]
         assert rec.result() == PollResult(KVPoll.Bootstrapping) and 7 in t.pending
-        steps = [lambda: t.accept(7, rec, info(7), []), lambda: rec.hand_over(7, [Part(KV, b"")])]
+        steps = [lambda: t.accept(7, rec, info(7), []), lambda: rec.hand_over(7, [Part(KV, b"")], True)]
         for step in (steps if info_first else steps[::-1]):
             assert not rec.take_push()  # not before both the destination and the parts are known
             assert not step()
         assert rec.state == KVPoll.WaitingForInput and rec.dest == DEST and 7 not in t.pending
         assert rec.take_push() and not rec.take_push()  # handed to the sender once
-        with pytest.raises(ValueError, match="send\\(\\) called twice"):
-            rec.hand_over(7, [])
+        with pytest.raises(ValueError, match="send\\(\\) after its last send"):
+            rec.hand_over(7, [], True)
+        assert rec.take_parts() == ([Part(KV, b"")], True) and not rec.take_push()
         rec.start_push()
         assert rec.state == KVPoll.Transferring
-        assert rec.succeed() and rec.state == KVPoll.Success and rec.parts is None
+        assert rec.succeed() and rec.state == KVPoll.Success and rec.pending == []
         assert not rec.fail("too late") and rec.state == KVPoll.Success
+
+
+def test_prefill_room_streams_its_hand_overs():
+    """A stage hands its parts over chunk by chunk: one push waits at a time and takes every part handed over so
+    far; the push that takes the last hand-over ends the room (its STATUS success follows)."""
+    kv0, kv1 = Part(PartSpec("kv@0", (0, 1), "bfloat16", (2, 2, 3, 8)), b""), Part(
+        PartSpec("kv@3", (0, 1), "bfloat16", (2, 2, 2, 8)), b"")
+    t = PrefillRooms("prefill pp_rank 0")
+    t.add(7, 5, now=0.0)
+    rec = t.rooms[7]
+    rec.hand_over(7, [kv0], False)
+    assert not rec.take_push()  # no destination yet
+    t.accept(7, rec, info(7), [])
+    assert rec.take_push() and not rec.take_push()
+    rec.hand_over(7, [kv1], False)
+    assert not rec.take_push()  # rides on the push already queued
+    assert rec.take_parts() == ([kv0, kv1], False)
+    assert not rec.take_push()  # nothing new handed over
+    with pytest.raises(ValueError, match="kv@3"):
+        rec.hand_over(7, [kv1], True)  # each part once
+    rec.hand_over(7, [Part(META, b"")], True)
+    assert rec.take_push() and rec.take_parts() == ([Part(META, b"")], True)
+    assert not rec.take_push() and rec.closing
 
 
 def test_prefill_room_refusals():
@@ -54,8 +78,8 @@ def test_prefill_room_refusals():
     rec = t.rooms[3]
     assert rec.fail("rejected by the scheduler") and not rec.fail("again")
     assert t.accept(3, rec, info(3), []) == "" and rec.state == KVPoll.Failed and rec.dest == DEST  # tell it now
-    rec.hand_over(3, [Part(KV, b"")])
-    assert rec.parts is None and not rec.take_push()  # a failed room sends nothing
+    rec.hand_over(3, [Part(KV, b"")], True)
+    assert rec.pending == [] and not rec.take_push()  # a failed room sends nothing
     with pytest.raises(ValueError, match="already in use on prefill pp_rank 1"):
         t.add(3, 5, 0.0)
 

@@ -442,3 +442,31 @@ def test_bootstrap_connections_send_without_nagle():
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("backend", ["zmq", "mooncake", "nixl"])
+def test_a_stage_streams_its_parts_in_several_sends(make_cluster, backend):
+    """A stage hands its parts over as they are computed (send(..., last=False), then the last one): the decode
+    holds the room open until the last hand-over's STATUS success, and gets every byte of every hand-over."""
+    from testkit.transfer import make_parts
+
+    c = make_cluster(backend=backend)
+    room = 31
+    c.add(room)
+    kv, meta = make_parts(1, room)
+    c.prefills[1].send(room, [kv], last=False)  # before the decode's TRANSFER_INFO: waits for it
+    c.begin(room, c.server.port)
+    c.send(room, 0)
+    c.prefill_state(1, room, KVPoll.Transferring)
+    time.sleep(0.2)
+    assert c.decode.poll(room).state in (KVPoll.WaitingForInput, KVPoll.Transferring)  # the last part is missing
+    assert c.prefills[1].poll(room).state == KVPoll.Transferring
+    with pytest.raises(ValueError, match="sent before"):
+        c.prefills[1].send(room, [kv])
+    c.prefills[1].send(room, [meta], last=True)
+    c.decode_state(room, KVPoll.Success)
+    got = c.received(room, c.decode.take(room))
+    assert got[1] == {"kv": kv.data, "meta": meta.data}
+    c.prefill_state(1, room, KVPoll.Success)
+    with pytest.raises(ValueError, match="after its last send"):
+        c.prefills[1].send(room, [])

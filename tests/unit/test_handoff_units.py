@@ -20,9 +20,9 @@ from sparkrelay.models.qwen3 import Qwen3Spec
 from sparkrelay.pipeline.partition import check_layer_ids, pp_partition, stage_taps, tap_owner
 
 
-def schema(handoff="tail", tail=8, ids=(1, 3, 5, 6), partition=((0, 4), (4, 8)), hidden=16) -> HandoffSchema:
+def schema(handoff="tail", tail=8, ids=(1, 3, 5, 6), partition=((0, 4), (4, 8)), hidden=16, stream=4) -> HandoffSchema:
     return HandoffSchema(1, "zmq", "m", "float32", 16, 8, 2, 4, hidden, partition, ids, len(ids) * hidden, handoff,
-                         tail if handoff == "tail" else 0, "off", (2, 2, 4) if handoff == "draft-kv" else None)
+                         tail if handoff == "tail" else 0, "off", (2, 2, 4) if handoff == "draft-kv" else None, stream)
 
 
 # ---------------------------------------------------------------- metadata row
@@ -143,23 +143,28 @@ def test_build_schema_from_config(bundled_model_dir, bundled_drafter_dir):
 # ---------------------------------------------------------------- expected parts, KV pairing, injection
 
 def test_expected_parts_per_stage():
-    parts = expected_parts(schema(handoff="hidden").to_dict(), 10)
-    assert [p.name for p in parts[0]] == ["kv"] and parts[0][0].layer_ids == (0, 1, 2, 3)
-    assert [p.name for p in parts[1]] == ["kv", "meta", "hidden"]
-    assert parts[1][0].shape == (4, 2, 10, 2, 4) and parts[1][2].shape == (10, 64)
+    parts = expected_parts(schema(handoff="hidden").to_dict(), 10)  # pieces of 4 positions: 0-3, 4-7, 8-9
+    assert [p.name for p in parts[0]] == ["kv@0", "kv@4", "kv@8"] and parts[0][0].layer_ids == (0, 1, 2, 3)
+    assert [p.name for p in parts[1]] == ["kv@0", "kv@4", "kv@8", "hidden@0", "hidden@4", "hidden@8", "meta"]
+    assert parts[1][0].shape == (4, 2, 4, 2, 4) and parts[1][2].shape == (4, 2, 2, 2, 4)
+    assert parts[1][3].shape == (4, 64) and parts[1][5].shape == (2, 64)
     dkv = expected_parts(schema(handoff="draft-kv").to_dict(), 10)
-    assert dkv[1][-1].name == "draft_kv" and dkv[1][-1].shape == (2, 2, 10, 2, 4)
+    assert dkv[1][-2].name == "draft_kv@8" and dkv[1][-2].shape == (2, 2, 2, 2, 4)
+    assert [p.name for p in expected_parts(schema(stream=128).to_dict(), 10)[0]] == ["kv@0"]
     with pytest.raises(ValueError, match="split layers differently"):
         expected_parts(schema(partition=((0, 5), (5, 8))).to_dict(), 10)
 
 
-def test_kv_pairs_by_global_layer_id():
+def test_kv_pairs_by_global_layer_id_piece_by_piece():
     pool = KVPool(range(8), 4, 4, 2, 4, torch.float32, "cpu")
     slots = torch.tensor([5, 6, 7])
     kv0, kv1 = torch.randn(4, 2, 3, 2, 4), torch.randn(4, 2, 3, 2, 4)
-    parts = {1: {"kv": part_of("kv", (4, 5, 6, 7), kv1)}, 0: {"kv": part_of("kv", (0, 1, 2, 3), kv0)}}
+    parts = {1: {"kv@0": part_of("kv@0", (4, 5, 6, 7), kv1[:, :, :2]),
+                 "kv@2": part_of("kv@2", (4, 5, 6, 7), kv1[:, :, 2:])},
+             0: {"kv@0": part_of("kv@0", (0, 1, 2, 3), kv0)}}
     write_kv(pool, parts, slots)
     assert torch.equal(pool.layers[2][0][slots], kv0[2, 0]) and torch.equal(pool.layers[7][1][slots], kv1[3, 1])
+    assert torch.equal(pool.layers[5][0][slots], kv1[1, 0])
     with pytest.raises(HandoffError, match="layers"):
         write_kv(pool, {0: parts[0]}, slots)
 
@@ -194,21 +199,27 @@ def test_tail_injection_uses_absolute_positions(n):
         inject_context(rec, s, {1: {}}, row, slots)
 
 
-def test_hidden_and_draft_kv_injection_and_cold_drafter():
+def test_hidden_and_draft_kv_injection_piece_by_piece_and_cold_drafter():
     rec, n = _Recorder(), 5
-    slots = torch.arange(n)
+    slots = torch.arange(10, 10 + n)
     hidden = torch.randn(n, 64)
     s = schema(handoff="hidden")
-    assert inject_context(rec, s, {1: {"hidden": part_of("hidden", s.target_layer_ids, hidden)}}, None, slots) == 0
-    assert rec.calls[0][1] == list(range(n)) and torch.equal(rec.calls[0][0], hidden)
+    ids = s.target_layer_ids
+    pieces = {"hidden@4": part_of("hidden@4", ids, hidden[4:]), "hidden@0": part_of("hidden@0", ids, hidden[:4])}
+    assert inject_context(rec, s, {1: pieces}, None, slots) == 0
+    assert [c[1] for c in rec.calls] == [[0, 1, 2, 3], [4]] and [c[2] for c in rec.calls] == [[10, 11, 12, 13], [14]]
+    assert torch.equal(torch.cat([c[0] for c in rec.calls]), hidden)
     bad = hidden.clone()
     bad[2, 3] = float("nan")
     with pytest.raises(HandoffError, match="NaN"):
-        inject_context(rec, s, {1: {"hidden": part_of("hidden", s.target_layer_ids, bad)}}, None, slots)
+        inject_context(rec, s, {1: {"hidden@0": part_of("hidden@0", ids, bad)}}, None, slots)
+    with pytest.raises(HandoffError, match="no hidden rows"):
+        inject_context(rec, s, {1: {}}, None, slots)
     d = schema(handoff="draft-kv")
     dkv = torch.randn(2, 2, n, 2, 4)
-    inject_context(rec, d, {1: {"draft_kv": part_of("draft_kv", (0, 1), dkv)}}, None, slots)
-    assert torch.equal(rec.pool.layers[1][1][slots], dkv[1, 1])
+    inject_context(rec, d, {1: {"draft_kv@0": part_of("draft_kv@0", (0, 1), dkv[:, :, :3]),
+                                "draft_kv@3": part_of("draft_kv@3", (0, 1), dkv[:, :, 3:])}}, None, slots)
+    assert torch.equal(rec.pool.layers[1][1][slots], dkv[1, 1]) and torch.equal(rec.pool.layers[0][0][slots], dkv[0, 0])
     with pytest.raises(HandoffError, match="cold"):
         inject_context(rec, dataclasses.replace(s, handoff="none"), {1: {}}, None, slots)
 

@@ -161,7 +161,7 @@ def test_tail_last_row_field_is_checked_by_the_decode():
     """The metadata row's last_hidden is the tail's last row: the decode refuses a row where they differ."""
     w, n = 2 * 16, 12
     schema = HandoffSchema(SCHEMA_VERSION, "zmq", "m", "float32", 16, 8, 2, 4, 16, ((0, 8),), (1, 3), w, "tail", 8, "off",
-                           None)
+                           None, 128)
     rows = torch.randn(n, w)
     tail, valid = build_tail(rows, 8)
     written = []
