@@ -186,9 +186,10 @@ def inject_context(proposer, schema: HandoffSchema, parts: dict[int, dict[str, P
     n, dev = slots.shape[0], slots.device
     last = parts[max(parts)]  # the prefill's last stage (this side's schema has its own, PP = 1, partition)
     if schema.handoff == "hidden":
-        if not of_kind(last, "hidden"):
+        rows = of_kind(last, "hidden")
+        if not rows:
             raise HandoffError("no hidden rows arrived")
-        for start, part in of_kind(last, "hidden"):
+        for start, part in rows:
             features = _finite("hidden", tensor_of(part).to(dev))  # [t, W]
             t = features.shape[0]
             proposer.write_features(features, torch.arange(start, start + t, device=dev), slots[start : start + t])
@@ -204,9 +205,10 @@ def inject_context(proposer, schema: HandoffSchema, parts: dict[int, dict[str, P
         proposer.write_features(features, torch.arange(n - k, n, device=dev), slots[n - k :])
         return n - k
     if schema.handoff == "draft-kv":
-        if not of_kind(last, "draft_kv"):
+        kvs = of_kind(last, "draft_kv")
+        if not kvs:
             raise HandoffError("no draft K/V arrived")
-        for start, part in of_kind(last, "draft_kv"):
+        for start, part in kvs:
             kv = _finite("draft K/V", tensor_of(part).to(dev))  # [Ld, 2, t, kv_heads, head_dim]
             if kv.shape[0] != len(proposer.pool.layers):
                 raise HandoffError(f"draft K/V for {kv.shape[0]} layers; the drafter has {len(proposer.pool.layers)}")
