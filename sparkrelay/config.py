@@ -49,9 +49,8 @@ class CacheConfig:
     page_size: int = _f(16, "Tokens per KV cache page (block).")
     max_total_tokens: Optional[int] = _f(None, "KV cache capacity in tokens (default: 64 full-context requests, 2^17, "
                                                "or on cpu what 4 GiB holds, whichever is smallest).", ftype=int)
-    disable_radix_cache: bool = _f(True, "SGLang's switch, accepted and always in force: there is no prefix (radix) "
-                                         "cache yet, so every prompt is prefilled in full (default: true; "
-                                         "--enable-radix-cache is refused).")
+    disable_radix_cache: bool = _f(False, "Turn the prefix (radix) cache off: every prompt is then prefilled in full. "
+                                          "It is on by default on aggregated servers; PD servers run without it.")
 
 
 @dataclass(frozen=True)
@@ -160,8 +159,6 @@ class Config:
                 _positive(flag, value)
         if not (0 < self.server.port < 65536):
             raise ConfigError(f"--port must be in 1..65535, got {self.server.port}")
-        if not self.cache.disable_radix_cache:
-            raise ConfigError("--enable-radix-cache: there is no prefix cache yet (every prompt is prefilled in full)")
         if not self.server.enable_metrics:
             raise ConfigError("enable_metrics: /metrics is always served; it cannot be turned off")
         self._validate_spec()
@@ -264,9 +261,8 @@ def _folder(flag: str, path: str) -> None:
 # SGLang server flags sparkrelay does not implement: refused by name (not as a typo), with the reason where one
 # helps. Flags sparkrelay shares with SGLang are the config tree's own; everything else is argparse's "unrecognized".
 SGLANG_ONLY_FLAGS: dict[str, str] = {
-    "--enable-radix-cache": "there is no prefix cache yet, so every prompt is prefilled in full; "
-                            "--disable-radix-cache is accepted",
-    "--disaggregation-decode-enable-radix-cache": "there is no prefix cache yet",
+    "--enable-radix-cache": "the prefix (radix) cache is on by default; --disable-radix-cache turns it off",
+    "--disaggregation-decode-enable-radix-cache": "PD servers run without the prefix cache for now",
     "--trust-remote-code": "sparkrelay runs its own Qwen3 code and loads none from the model folder",
     "--random-seed": "sparkrelay's is --seed",
     "--mem-fraction-static": "size the KV cache with --max-total-tokens",
@@ -332,7 +328,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             groups[section] = parser.add_argument_group(title)
         group, flag, meta = groups[section], "--" + leaf.name.replace("_", "-"), leaf.metadata
         if isinstance(leaf.default, bool):  # a switch, as in SGLang (`--enable-torch-compile`); a True default
-            # (--disable-radix-cache) is a switch already in force: accepted, changes nothing
+            # (--enable-metrics) is a switch already in force: accepted, changes nothing
             group.add_argument(flag, dest=leaf.name, action="store_true", default=leaf.default, help=_help(leaf))
             continue
         ftype = meta.get("type") or type(leaf.default)

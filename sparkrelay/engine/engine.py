@@ -25,6 +25,7 @@ from sparkrelay.models.quant import apply_torchao_config
 from sparkrelay.models.qwen3 import load_qwen3
 from sparkrelay.runner.model_runner import RunResult
 from sparkrelay.scheduler.block_manager import BlockManager
+from sparkrelay.scheduler.radix_cache import RadixCache
 from sparkrelay.scheduler.request import Bootstrap, Request, RequestError, RequestOutput, SamplingParams, Status
 from sparkrelay.scheduler.scheduler import Batch, Scheduler
 from sparkrelay.scheduler.stop import StopChecker
@@ -70,7 +71,8 @@ class Engine:
             self.proposer = setup.build_proposer(config, self.model, self.dtype, self.device, num_blocks)
         lookahead = 1 if self.proposer is None else self.proposer.max_drafts + 1
         sc = config.scheduler
-        self.scheduler = Scheduler(self.blocks, sc.max_running_requests, sc.chunked_prefill_size, lookahead)
+        self.scheduler = Scheduler(self.blocks, sc.max_running_requests, sc.chunked_prefill_size, lookahead,
+                                   self._prefix_cache(config))
         self.runner, self.spec_stats = setup.build_runner(config, self.model, self.pool, self.device, self.proposer,
                                                           self.context_length, self.handoff.status_address)
         if mc.enable_torch_compile:
@@ -80,6 +82,17 @@ class Engine:
         self._ready: list[RequestOutput] = []
         self._leaving: list[Request] = []  # first token sampled on a prefill: handed off this step
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0}
+
+    def _prefix_cache(self, config: Config) -> Optional[RadixCache]:
+        """The radix cache, on unless --disable-radix-cache. PD servers run without it for now: a prefill hit would
+        leave positions whose KV and drafter context it never sends, and a decode would need to tell its prefill
+        what it holds."""
+        if config.cache.disable_radix_cache:
+            return None
+        if self.handoff.role != "aggregated":
+            logger.info("the prefix (radix) cache is off on a %s server", self.handoff.role)
+            return None
+        return RadixCache(self.blocks, needs_draft=self.proposer is not None)
 
     @property
     def model_info(self) -> dict:
@@ -168,6 +181,8 @@ class Engine:
         for i, (seq, tokens, computed, rnd) in enumerate(zip(batch.seqs, result.tokens, result.computed, rounds)):
             req = seq.req
             req.num_computed = computed
+            if seq.sample and batch.kind == "prefill":
+                self.scheduler.cache_computed(req)  # the prompt's pages, for requests that share its prefix
             if result.prompt_logprobs and result.prompt_logprobs[i] is not None:
                 req.logprobs.add_input(*result.prompt_logprobs[i])
             if not tokens:
@@ -264,7 +279,8 @@ class Engine:
         tau = req.spec_committed / req.spec_verify_ct if req.spec_verify_ct else None
         lp = req.logprobs.snapshot() if req.logprobs is not None else None
         self._ready.append(RequestOutput(req.rid, new_ids, list(req.output_ids), req.is_finished, req.finish_reason,
-                                         len(req.prompt_ids), req.output_text, req.spec_verify_ct, tau, lp))
+                                         len(req.prompt_ids), req.output_text, req.spec_verify_ct, tau, lp,
+                                         req.cached_tokens))
 
     def _release(self, req: Request) -> None:
         if req.status == Status.FINISHED and not any(o.rid == req.rid and o.finished for o in self._ready):
@@ -285,11 +301,26 @@ class Engine:
 
     # -- introspection ---------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        used = self.blocks.num_used * self.blocks.page_size
-        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+        """kv_used_tokens: held by requests; a cached page no request holds is counted in prefix_cache_tokens only."""
+        ps, sched = self.blocks.page_size, self.scheduler
+        used = self.blocks.num_used * ps
+        return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
                 "kv_used_tokens": used, "kv_total_tokens": self.max_total_tokens,
-                "kv_usage": used / self.max_total_tokens, "num_preemptions": self.scheduler.num_preemptions,
-                **(self.spec_stats.summary() if self.spec_stats else {}), **self.handoff.stats()}
+                "kv_usage": used / self.max_total_tokens, "num_preemptions": sched.num_preemptions,
+                **self._cache_stats(), **(self.spec_stats.summary() if self.spec_stats else {}),
+                **self.handoff.stats()}
+
+    def _cache_stats(self) -> dict:
+        sched = self.scheduler
+        queried = sched.cache_queried_tokens
+        return {"prefix_cache": "off" if sched.cache is None else "on",
+                "prefix_cache_tokens": self.blocks.num_cached * self.blocks.page_size,
+                "cache_hit_tokens": sched.cache_hit_tokens, "cache_queried_tokens": queried,
+                "cache_hit_rate": sched.cache_hit_tokens / queried if queried else 0.0}
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache (SGLang's /flush_cache); False, and nothing changes, while requests are in flight."""
+        return not self.requests and self.scheduler.flush_cache()
 
     def check(self) -> None:
         self.scheduler.check()

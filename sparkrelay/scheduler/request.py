@@ -119,8 +119,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: Optional[dict] = None
-    # Tokens whose KV is in the cache. A preempted request recomputes from 0.
+    # Tokens whose KV is in the cache. A preempted request recomputes from 0 (or from its prefix cache hit).
     num_computed: int = 0
+    cached_tokens: int = 0  # leading tokens found in the prefix cache (SGLang's meta_info.cached_tokens)
     block_ids: list[int] = field(default_factory=list)
     arrival_time: float = 0.0
     first_token_time: Optional[float] = None
@@ -234,12 +235,13 @@ class RequestOutput:
     spec_verify_ct: int = 0
     spec_accept_length: Optional[float] = None  # committed tokens per verify round (tau), when speculative
     logprobs: Optional[Logprobs] = None  # a snapshot of everything recorded so far (return_logprob only)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
     def meta_info(self, e2e_latency: float, text_of: Optional[Callable[[int], str]] = None) -> dict:
         """SGLang's meta_info (spec_* only when speculative decoding ran; the logprob fields only when asked,
         their token texts from `text_of` when given: return_text_in_logprobs)."""
         meta = {"id": self.rid, "prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.output_ids),
-                "finish_reason": self.finish_reason, "e2e_latency": e2e_latency}
+                "cached_tokens": self.cached_tokens, "finish_reason": self.finish_reason, "e2e_latency": e2e_latency}
         if self.spec_accept_length is not None:
             meta["spec_verify_ct"] = self.spec_verify_ct
             meta["spec_accept_length"] = self.spec_accept_length

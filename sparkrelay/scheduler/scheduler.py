@@ -8,6 +8,11 @@ Each step is either a prefill batch (prefill first, as SGLang does by default) o
            blocks are freed and it goes back to the front of the waiting queue to be recomputed later.
 Running out of blocks therefore delays or preempts a request; it never crashes or corrupts one.
 
+With a prefix cache (scheduler/radix_cache.py), a waiting request first takes the longest cached prefix of its
+tokens (its blocks shared, those tokens counted as computed: `cached_tokens`), and a request's computed full pages
+join the cache when its prompt is computed (`cache_computed`), when it is preempted and when it is removed; cached
+blocks no request holds are evicted, least recently used first, when an allocation needs them.
+
 The PD roles (disagg/) move requests in and out of the batch only through the verbs below, never by editing
 `running` / `waiting` or the block tables:
   decode:  reserve(req, n)         blocks for the prompt, before its KV is received (the prealloc queue); held
@@ -22,8 +27,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Optional
 
 from sparkrelay.scheduler.block_manager import BlockManager
+from sparkrelay.scheduler.radix_cache import RadixCache
 from sparkrelay.scheduler.request import Request, Status
 
 
@@ -51,8 +58,12 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_running: int, token_budget: int, decode_lookahead: int = 1) -> None:
+    def __init__(self, blocks: BlockManager, max_running: int, token_budget: int, decode_lookahead: int = 1,
+                 cache: Optional[RadixCache] = None) -> None:
         self.blocks = blocks
+        self.cache = cache
+        self.cache_queried_tokens = 0  # tokens of requests matched against the cache
+        self.cache_hit_tokens = 0  # of which found in it
         self.max_running = max_running
         self.token_budget = token_budget
         self.decode_lookahead = decode_lookahead
@@ -77,6 +88,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.held.pop(req.rid, None)
+        self.cache_computed(req)
         self.blocks.free(req.rid)
         req.block_ids = []
 
@@ -118,12 +130,58 @@ class Scheduler:
         self.quarantined.discard(owner)
         self.blocks.free(owner)
 
+    # -- the prefix cache ---------------------------------------------------------------------------------------------
+    def cache_computed(self, req: Request) -> None:
+        """`req`'s full pages of computed tokens join the prefix cache (those already there stay as they are)."""
+        if self.cache is not None and req.num_computed > 0 and req.block_ids:
+            self.cache.insert(req.all_ids, self.blocks.table(req.rid), req.num_computed, req.draft_ctx_start)
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; refused (False) while any request is queued, running or holding blocks."""
+        if self.cache is None:
+            return True
+        if self.running or self.waiting or self.held:
+            return False
+        return self.cache.flush()
+
+    def _match(self, req: Request) -> int:
+        """A waiting request (it holds no blocks) takes the longest cached prefix of its tokens; returns its length.
+        At least its last token is computed (its logits sample the next one), and so are the prompt positions whose
+        logprobs it asked for."""
+        if self.cache is None:
+            return 0
+        limit = req.num_tokens - 1
+        if req.logprobs is not None and req.logprobs.input_start >= 0:
+            limit = min(limit, req.logprobs.input_start - 1)  # position p is scored by the row of p - 1
+        hit = self.cache.match(req.all_ids, limit)
+        if hit:
+            self.blocks.share(req.rid, hit)
+            req.block_ids = self.blocks.table(req.rid)
+            req.num_computed = len(hit) * self.blocks.page_size
+        return req.num_computed
+
+    def _unmatch(self, req: Request) -> None:
+        self.blocks.free(req.rid)
+        req.block_ids, req.num_computed = [], 0
+
+    def _count_hit(self, req: Request, hit: int) -> None:
+        if self.cache is None:
+            return
+        self.cache_queried_tokens += req.num_tokens
+        self.cache_hit_tokens += hit
+        if hit:
+            req.cached_tokens = hit
+            if self.cache.needs_draft:
+                req.draft_ctx_start = 0  # every matched page carries the drafter's context; the rest is computed
+
     def check(self) -> None:
-        """The block invariant, and every block owner is a request this scheduler knows (no leaked table)."""
+        """The block invariant (and the cache's), and every block owner is a request this scheduler knows."""
         self.blocks.check()
-        known = {r.rid for r in self.running} | {r.rid for r in self.waiting} | set(self.held) | self.quarantined
+        if self.cache is not None:
+            self.cache.check()
+        known = {r.rid for r in self.running} | set(self.held) | self.quarantined
         leaked = [owner for owner in self.blocks.owners() if owner not in known]
-        assert not leaked, f"blocks held by requests the scheduler does not know: {leaked[:8]}"
+        assert not leaked, f"blocks held by waiting requests or requests the scheduler does not know: {leaked[:8]}"
 
     # -- the step ---------------------------------------------------------------------------------------------
     def schedule(self) -> Batch | None:
@@ -148,9 +206,12 @@ class Scheduler:
                 seqs.append(seq)
                 budget -= seq.end - seq.start
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            hit = self._match(self.waiting[0])
             seq = self._chunk(self.waiting[0], budget)
-            if seq is None:
-                break  # arrival order: a later request does not overtake one that does not fit
+            if seq is None:  # arrival order: a later request does not overtake one that does not fit; a waiting
+                self._unmatch(self.waiting[0])  # request holds no blocks (else they could all be held, none run)
+                break
+            self._count_hit(self.waiting[0], hit)
             req = self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
@@ -161,7 +222,7 @@ class Scheduler:
     def _chunk(self, req: Request, budget: int) -> ScheduledSeq | None:
         """The largest chunk of `req`'s uncomputed tokens that fits the budget and the free blocks."""
         ps = self.blocks.page_size
-        capacity = (len(self.blocks.table(req.rid)) + self.blocks.num_free) * ps
+        capacity = (len(self.blocks.table(req.rid)) + self.blocks.num_available) * ps
         end = min(req.num_tokens, req.num_computed + budget, capacity)
         if end <= req.num_computed:
             return None
@@ -187,8 +248,10 @@ class Scheduler:
         return Batch("decode", seqs)
 
     def _preempt(self, req: Request) -> None:
-        """Free `req`'s blocks and queue it first in line; its prompt and outputs are recomputed later."""
+        """Free `req`'s blocks and queue it first in line; its prompt and outputs are recomputed later (from the
+        prefix cache, as far as its pages are still there)."""
         self.running.remove(req)
+        self.cache_computed(req)
         self.blocks.free(req.rid)
         req.block_ids = []
         req.num_computed = 0

@@ -5,6 +5,7 @@ thread or process owns the Engine (engine_loop.py runs it; engine_messages.py ar
     ----------------------------                        -------------------------------------------
     submit() --AddItems(batch, items)------------->     add_request() each --Added(batch, error)--> the Future
     OutputStream.close() --AbortRequest(rid)------>     abort()
+    flush_cache() --FlushCache(call)-------------->     flush_cache() --Flushed(call, error)------> the Future
     OutputStream <- asyncio.Queue <- _on_message <-     step() --Progress(outputs, stats)
                                                         a dead pipeline stage --Fatal(error)
 
@@ -24,8 +25,8 @@ from typing import AsyncIterator, Optional
 
 from sparkrelay.scheduler.request import RequestError, RequestOutput, SamplingParams
 from sparkrelay.server.engine_loop import EngineLoop, abort_output
-from sparkrelay.server.engine_messages import (AbortRequest, AddItems, Added, EngineInfo, Fatal, GenerationItem,
-                                               Progress, Shutdown)
+from sparkrelay.server.engine_messages import (AbortRequest, AddItems, Added, EngineInfo, Fatal, FlushCache, Flushed,
+                                               GenerationItem, Progress, Shutdown)
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class EngineClient:
         self.info, self.tokenizer = info, tokenizer
         self._queues: dict[str, asyncio.Queue] = {}  # every field here is touched on the event loop thread only
         self._adds: dict[int, asyncio.Future] = {}
+        self._flushes: dict[int, asyncio.Future] = {}
         self._batches = itertools.count(1)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._stopped: Optional[str] = None  # why the engine stopped, once it has
@@ -137,6 +139,18 @@ class EngineClient:
         finally:
             stream.close()
 
+    async def flush_cache(self) -> Optional[str]:
+        """Empty the engine's prefix cache: None when it did, else why not (requests in flight, engine stopped)."""
+        if not self.is_alive:
+            return self._stopped or "the engine is not running"
+        call = next(self._batches)
+        self._flushes[call] = done = asyncio.get_running_loop().create_future()
+        try:
+            self._send(FlushCache(call))
+            return (await done).error
+        finally:
+            self._flushes.pop(call, None)
+
     def abort(self, rid: str) -> None:
         if self._stopped is None:
             self._send(AbortRequest(rid))
@@ -163,8 +177,9 @@ class EngineClient:
                 q = self._queues.get(out.rid)
                 if q is not None:
                     q.put_nowait(out)
-        elif isinstance(msg, Added):
-            future = self._adds.pop(msg.batch, None)
+        elif isinstance(msg, (Added, Flushed)):
+            futures, key = (self._adds, msg.batch) if isinstance(msg, Added) else (self._flushes, msg.call)
+            future = futures.pop(key, None)
             if future is not None and not future.done():
                 future.set_result(msg)
         elif isinstance(msg, Fatal) and self._stopped is None:
@@ -178,6 +193,10 @@ class EngineClient:
             if not future.done():
                 future.set_result(Added(0, reason, 503))
         self._adds.clear()
+        for future in self._flushes.values():
+            if not future.done():
+                future.set_result(Flushed(0, reason))
+        self._flushes.clear()
         for rid, q in list(self._queues.items()):
             q.put_nowait(abort_output(rid, reason, 503))
 

@@ -1,8 +1,9 @@
 """The loop that owns an Engine: the only caller of its methods, on one thread (the scheduler process's main thread,
 or the in-process engine thread), fed by typed commands and reporting typed events (engine_messages.py).
 
-    put(AddItems | AbortRequest | Shutdown)  (any thread) -> inbox, Engine.wake()
-    run():  drain the inbox -> add_request / abort -> step() while there is work -> emit(Added | Progress | Fatal)
+    put(AddItems | AbortRequest | FlushCache | Shutdown)  (any thread) -> inbox, Engine.wake()
+    run():  drain the inbox -> add_request / abort / flush_cache -> step() while there is work
+            -> emit(Added | Flushed | Progress | Fatal)
 
 It blocks on the inbox when idle (running `engine.check()` each time it goes idle); between steps it hands the freed
 heap back to the OS now and then (pipeline/heap.py). An exception from `step()` is logged; every in-flight request
@@ -18,7 +19,8 @@ from typing import Callable, Optional
 
 from sparkrelay.pipeline.heap import HeapTrimmer
 from sparkrelay.scheduler.request import RequestError, RequestOutput
-from sparkrelay.server.engine_messages import AbortRequest, AddItems, Added, Fatal, Progress, Shutdown
+from sparkrelay.server.engine_messages import (AbortRequest, AddItems, Added, Fatal, FlushCache, Flushed, Progress,
+                                               Shutdown)
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,8 @@ class EngineLoop:
             if cmd.rid in self._live:
                 self._live.discard(cmd.rid)
                 self.engine.abort(cmd.rid)
+        elif isinstance(cmd, FlushCache):
+            self._emit(self._flush(cmd))
         else:
             self._emit(self._add(cmd))
         self._emit(Progress((), self._stats()))
@@ -118,6 +122,16 @@ class EngineLoop:
             return Added(cmd.batch, f"internal error: {type(e).__name__}: {e}", 500)
         self._live.update(added)
         return Added(cmd.batch)
+
+    def _flush(self, cmd: FlushCache) -> Flushed:
+        try:
+            if self.engine.flush_cache():
+                logger.info("the prefix cache was flushed")
+                return Flushed(cmd.call)
+            return Flushed(cmd.call, "requests are running or waiting: the cache was not flushed (retry when idle)")
+        except Exception as e:
+            logger.exception("flushing the prefix cache failed")
+            return Flushed(cmd.call, f"internal error: {type(e).__name__}: {e}")
 
     def _step(self) -> None:
         try:

@@ -1,8 +1,9 @@
 """The typed messages between the HTTP server and the engine's owner (a thread, or the scheduler process).
 
-    server -> engine:  AddItems (all or none), AbortRequest, Shutdown
-    engine -> server:  Ready (EngineInfo) or StartFailed, once; Added (the answer to one AddItems);
-                       Progress (a step's outputs and the stats after it); Fatal (the engine cannot go on)
+    server -> engine:  AddItems (all or none), AbortRequest, FlushCache, Shutdown
+    engine -> server:  Ready (EngineInfo) or StartFailed, once; Added (the answer to one AddItems); Flushed (the
+                       answer to one FlushCache); Progress (a step's outputs and the stats after it); Fatal (the
+                       engine cannot go on)
 
 Between processes each message is one msgpack frame `[kind, fields...]`, fields in the dataclass's order, nested
 dataclasses as arrays the same way; `decode` rebuilds the dataclass and raises MessageError for anything else.
@@ -81,6 +82,11 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class FlushCache:
+    call: int  # the id the matching Flushed answers
+
+
+@dataclass(frozen=True)
 class Shutdown:
     reason: str = "server shutting down"
 
@@ -105,6 +111,12 @@ class Added:
 
 
 @dataclass(frozen=True)
+class Flushed:
+    call: int
+    error: Optional[str] = None  # None: the prefix cache is empty now; else why nothing was done
+
+
+@dataclass(frozen=True)
 class Progress:
     outputs: tuple[RequestOutput, ...] = ()
     stats: dict = field(default_factory=dict)  # Engine.stats() | check_error, num_step_failures
@@ -115,7 +127,7 @@ class Fatal:
     error: str
 
 
-MESSAGES = (AddItems, AbortRequest, Shutdown, Ready, StartFailed, Added, Progress, Fatal)
+MESSAGES = (AddItems, AbortRequest, FlushCache, Shutdown, Ready, StartFailed, Added, Flushed, Progress, Fatal)
 _BY_KIND = {cls.__name__: cls for cls in MESSAGES}
 
 
@@ -158,11 +170,11 @@ def _item(f: list) -> GenerationItem:
 def _output_fields(o: RequestOutput) -> list:
     lp = None if o.logprobs is None else [getattr(o.logprobs, f.name) for f in fields(Logprobs)]
     return [o.rid, o.new_ids, o.output_ids, o.finished, o.finish_reason, o.prompt_tokens, o.text, o.spec_verify_ct,
-            o.spec_accept_length, lp]
+            o.spec_accept_length, lp, o.cached_tokens]
 
 
 def _output(f: list) -> RequestOutput:
-    *head, lp = f
+    *head, lp, cached = f
     if len(head) != 9:
-        raise ValueError(f"an output has {len(head) + 1} fields, not 10")
-    return RequestOutput(*head, logprobs=None if lp is None else Logprobs(*lp))
+        raise ValueError(f"an output has {len(head) + 2} fields, not 11")
+    return RequestOutput(*head, logprobs=None if lp is None else Logprobs(*lp), cached_tokens=int(cached))

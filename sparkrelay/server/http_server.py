@@ -177,6 +177,16 @@ def _install_info_routes(app: FastAPI, s: ServerState) -> None:
                      ("/model_info", model_info), ("/get_model_info", model_info)):
         app.add_api_route(path, fn, methods=["GET"])
 
+    async def flush_cache():
+        """SGLang's: empty the prefix cache; 400 (nothing done) while requests are in flight."""
+        error = await s.engine.flush_cache()
+        if error is None:
+            return Response("Cache flushed.\n", media_type="text/plain")
+        return Response(f"Cache not flushed: {error}\n", status_code=400 if s.engine.is_alive else 503,
+                        media_type="text/plain")
+
+    app.add_api_route("/flush_cache", flush_cache, methods=["GET", "POST"])
+
     @app.get("/metrics")
     async def metrics():
         return Response(s.metrics.render(s.engine.last_stats), media_type=s.metrics.content_type)

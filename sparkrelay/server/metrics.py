@@ -25,6 +25,12 @@ class Metrics:
         self.num_requests = Counter(p + "num_requests", "Finished engine requests.", ["finish_reason"], registry=r)
         self.num_bad_requests = Counter(p + "num_bad_requests", "HTTP requests answered with a 4xx.", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.cached_tokens = Counter(p + "cached_tokens", "Prompt tokens of finished requests found in the prefix "
+                                     "cache.", registry=r)
+        self.cache_hit_rate = Gauge(p + "cache_hit_rate", "Prefix cache hit rate: prompt tokens found in the cache / "
+                                    "prompt tokens looked up, since start.", registry=r)
+        self.prefix_cache_tokens = Gauge(p + "prefix_cache_tokens", "KV cache tokens the prefix cache holds (in use "
+                                         "by requests or evictable).", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -51,6 +57,8 @@ class Metrics:
         self.kv_usage.set(stats.get("kv_usage", 0.0))
         self.kv_used.set(stats.get("kv_used_tokens", 0))
         self.kv_total.set(stats.get("kv_total_tokens", 0))
+        self.cache_hit_rate.set(stats.get("cache_hit_rate", 0.0))
+        self.prefix_cache_tokens.set(stats.get("prefix_cache_tokens", 0))
         if "spec_rounds" in stats:
             self.spec_rounds.set(stats["spec_rounds"])
             self.spec_accept_length.set(stats["spec_accept_length"])
@@ -85,4 +93,5 @@ class RequestTracker:
             reason = (out.finish_reason or {}).get("type", "unknown")
             self.m.num_requests.labels(finish_reason=reason).inc()
             self.m.prompt_tokens.inc(out.prompt_tokens)
+            self.m.cached_tokens.inc(out.cached_tokens)
             self.m.e2e.observe(now - self.arrival)

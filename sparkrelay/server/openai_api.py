@@ -52,7 +52,9 @@ def _finish(out: RequestOutput) -> Optional[str]:
 def _usage(finals: list[RequestOutput], n: int) -> dict:
     prompt = sum(o.prompt_tokens for i, o in enumerate(finals) if i % n == 0)  # once per prompt, not per sample
     completion = sum(len(o.output_ids) for o in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(o.cached_tokens for i, o in enumerate(finals) if i % n == 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _openai_head(kind: str, oid: str, s: ServerState) -> dict:

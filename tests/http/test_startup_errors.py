@@ -191,22 +191,26 @@ def test_server_info_shows_resolved_settings():
     assert None not in (info["context_length"], info["max_total_tokens"], info["dtype"])
 
 
-def test_server_info_shows_disable_radix_cache_and_the_handoff_in_force():
+def test_server_info_shows_the_prefix_cache_and_the_handoff_in_force():
     info = server_info(max_total_tokens=2048)
-    assert info["disable_radix_cache"] is True  # no prefix cache: always in force
+    assert info["disable_radix_cache"] is False  # the prefix cache is on by default
+    assert info["internal_states"][0]["prefix_cache"] == "on"
     assert info["dspark_pd_handoff"] == "hidden"  # the flag's default, resolved (None only tells it was left out)
+    info = server_info(max_total_tokens=2048, disable_radix_cache=True)
+    assert info["disable_radix_cache"] is True and info["internal_states"][0]["prefix_cache"] == "off"
 
 
 # ---------------------------------------------------------------- SGLang flags and the DSpark PD knobs
 
-def test_disable_radix_cache_is_accepted(capsys):
+def test_disable_radix_cache_turns_the_prefix_cache_off(capsys):
     from sparkrelay.launch_server import parse_config
 
+    assert parse_config(["--model-path", MODEL]).cache.disable_radix_cache is False
     assert parse_config(["--model-path", MODEL, "--disable-radix-cache"]).cache.disable_radix_cache is True
     code, out = run_main(["--help"], capsys)
     squashed = " ".join(out.out.split())
-    assert code == 0 and "--disable-radix-cache SGLang's switch, accepted and always in force" in squashed
-    assert "--enable-radix-cache" not in squashed.replace("--enable-radix-cache is refused", "")
+    assert code == 0 and "--disable-radix-cache Turn the prefix (radix) cache off" in squashed
+    assert "--enable-radix-cache" not in squashed
     assert "--enable-dp-attention" not in squashed  # the refused SGLang flags stay out of --help
 
 
@@ -221,7 +225,7 @@ def test_sglang_flags_we_do_not_implement_exit_2_named(flags, message, no_model_
     code, out = run_main(["--model-path", MODEL] + flags, capsys)
     assert code == 2 and message in out.err, out.err
     if "--enable-radix-cache" in flags:
-        assert "there is no prefix cache yet" in out.err
+        assert "the prefix (radix) cache is on by default" in out.err
 
 
 def test_a_typo_is_not_called_an_sglang_flag(no_model_load, capsys):

@@ -78,6 +78,19 @@ def test_pp_matches_pp1(pp_llm, prompts, reference):
     pp_llm.engine.check()
 
 
+def test_pp_serves_a_cached_prefix_like_pp1_uncached(pp_llm, prompts, bundled_model_dir):
+    """The prefix cache on a pipeline: the stages hold the cached pages' KV for their own layers at the same slots,
+    so the next turn computes only its new tokens and gives the tokens a PP=1 server without the cache gives."""
+    long = prompts[2] * 3  # 123 tokens
+    first = pp_llm.generate(long, GREEDY)
+    turn2 = long + first["output_ids"] + prompts[3]
+    out = pp_llm.generate(turn2, GREEDY)
+    assert out["meta_info"]["cached_tokens"] >= 112
+    plain = LLM(str(bundled_model_dir), disable_radix_cache=True, **SETTINGS)
+    assert out["output_ids"] == plain.generate(turn2, GREEDY)["output_ids"]
+    pp_llm.engine.check()
+
+
 def test_dead_stage_fails_run_promptly(pp_llm, prompts):
     runner = pp_llm.engine.runner
     stage = len(runner.worker_pids) // 2 + 1  # PP 2: stage 1 (next to rank 0); PP 4: stage 2 (not adjacent)

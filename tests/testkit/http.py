@@ -112,6 +112,9 @@ class FakeEngine:
     def has_work(self) -> bool:
         return bool(self._reqs)
 
+    def flush_cache(self) -> bool:  # no prefix cache: flushed when idle, as the Engine answers
+        return not self._reqs
+
     def step(self) -> list[RequestOutput]:
         self._admit()
         outputs = [self._decode_one(rid) for rid in list(self._blocks)]

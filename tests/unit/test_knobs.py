@@ -184,12 +184,12 @@ def _parse(argv: list[str]) -> Config:
     return config_from_args(parser.parse_args(argv))
 
 
-def test_disable_radix_cache_is_accepted_and_always_in_force():
-    assert _parse(["--model-path", "models/tiny-qwen3"]).cache.disable_radix_cache is True
+def test_the_prefix_cache_is_on_unless_disable_radix_cache():
+    assert _parse(["--model-path", "models/tiny-qwen3"]).cache.disable_radix_cache is False
     config = _parse(["--model-path", "models/tiny-qwen3", "--disable-radix-cache"])
     assert config.cache.disable_radix_cache is True and config.flat()["disable_radix_cache"] is True
-    with pytest.raises(ConfigError, match="no prefix cache yet"):
-        Config().replace(disable_radix_cache=False).validate()
+    with pytest.raises(ConfigError, match="on by default; --disable-radix-cache turns it off"):
+        _parse(["--model-path", "models/tiny-qwen3", "--enable-radix-cache"])
 
 
 def test_enable_metrics_is_accepted_and_always_in_force():
@@ -207,7 +207,7 @@ def test_sglang_only_flags_are_named_together():
                                    "sparkrelay does not implement; remove them"), str(e.value)
     with pytest.raises(ConfigError) as e:
         _parse(["--enable-radix-cache"])
-    assert "--enable-radix-cache is an SGLang flag" in str(e.value) and "no prefix cache yet" in str(e.value)
+    assert "--enable-radix-cache is an SGLang flag" in str(e.value) and "on by default" in str(e.value)
 
 
 def test_a_typo_is_not_an_sglang_flag(capsys):

@@ -8,7 +8,9 @@ Backends: `sglang` (POST /generate, `sampling_params`), `openai` (/v1/completion
 (/v1/chat/completions); any server speaking one of them, sparkrelay or not.
 Workloads: `--dataset-path FILE.jsonl` (`turns[0]` of each line), `--dataset random` (random token ids of
 exactly `--random-input-len`, sent as ids where the API takes ids; random words when no tokenizer is at hand),
-`--dataset code` (common.load_prompts' held-out stdlib code windows, the workload of bench.offline).
+`--dataset code` (common.load_prompts' held-out stdlib code windows, the workload of bench.offline), `--dataset
+multiturn` (sglang backend: conversations sharing a `--shared-prefix-len` system part, each turn extending the
+previous turn's prompt and answer; conversations run side by side, the turns of one in order).
 
 Figures (SGLang's definitions):
   token counts  the server's: `meta_info.prompt_tokens/completion_tokens`, or OpenAI `usage` (include_usage)
@@ -63,7 +65,9 @@ async def run_requests(items: list[Item], url: str, args: argparse.Namespace, he
     timeout = httpx.Timeout(args.request_timeout)
     async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
         if args.warmup_requests:
-            warm = Item(-1, items[0].text, items[0].ids, min(items[0].output_len, 16))
+            # multiturn: the last user message alone, a prompt no conversation starts with (nothing to reuse)
+            first = items[-1] if items[0].conversation >= 0 else items[0]
+            warm = Item(-1, first.text, first.ids, min(first.output_len, 16))
             recs = await asyncio.gather(*(send(client, url, warm, args, 0.0) for _ in range(args.warmup_requests)))
             if not recs[0].success:
                 raise BenchError(f"warmup request to {url} failed: {recs[0].error}")
@@ -79,6 +83,11 @@ async def run_requests(items: list[Item], url: str, args: argparse.Namespace, he
             return rec
 
         t0 = time.perf_counter()
+        if items[0].conversation >= 0:
+            records = await asyncio.gather(*(conversation(client, url, turns, args, t0, one)
+                                             for turns in by_conversation(items)))
+            bar.close()
+            return sorted((r for recs in records for r in recs), key=lambda r: r.index), time.perf_counter() - t0
         tasks = []
         for item in items:
             tasks.append(asyncio.create_task(one(item)))
@@ -88,6 +97,29 @@ async def run_requests(items: list[Item], url: str, args: argparse.Namespace, he
         duration = time.perf_counter() - t0
         bar.close()
     return list(records), duration
+
+
+def by_conversation(items: list[Item]) -> list[list[Item]]:
+    out: dict[int, list[Item]] = {}
+    for item in items:
+        out.setdefault(item.conversation, []).append(item)
+    return [sorted(turns, key=lambda it: it.turn) for turns in out.values()]
+
+
+async def conversation(client, url: str, turns: list[Item], args: argparse.Namespace, t0: float, one) -> list:
+    """The turns of one conversation in order: turn t + 1's prompt is turn t's prompt, its answer (the server's
+    output ids) and turn t + 1's user message. A failed turn fails the turns after it."""
+    records, history = [], []
+    for item in turns:
+        if records and not records[-1].success:
+            records.append(Record(item.index, error_type="previous turn failed", error="previous turn failed",
+                                  conversation=item.conversation, turn=item.turn))
+            continue
+        prompt = history + item.ids
+        rec = await one(Item(item.index, None, prompt, item.output_len, item.conversation, item.turn))
+        history = prompt + rec.output_ids
+        records.append(rec)
+    return records
 
 
 # -- the server ------------------------------------------------------------------------------------------------------
@@ -156,8 +188,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=None,
                    help="Client tokenizer for random ids, --dataset code and --apply-chat-template "
                         "(default: the server's tokenizer folder when it is local).")
-    p.add_argument("--dataset", default="random", choices=("random", "code"),
-                   help="Workload when no --dataset-path: random tokens or held-out stdlib code windows.")
+    p.add_argument("--dataset", default="random", choices=("random", "code", "multiturn"),
+                   help="Workload when no --dataset-path: random tokens, held-out stdlib code windows, or multi-turn "
+                        "conversations over a shared system part (sglang backend).")
+    p.add_argument("--multiturn-turns", type=int, default=3, help="Turns per conversation (--dataset multiturn).")
+    p.add_argument("--shared-prefix-len", type=int, default=1024,
+                   help="Tokens of the system part every conversation starts with (--dataset multiturn).")
     p.add_argument("--dataset-path", default=None, help="JSONL of {\"turns\": [...]}; turns[0] is the prompt.")
     p.add_argument("--apply-chat-template", action="store_true",
                    help="Format dataset prompts with the tokenizer's chat template (sglang/openai backends).")
@@ -176,7 +212,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--disable-tqdm", action="store_true")
     args = p.parse_args(argv)
     bc.require_positive(p, args, ("num_prompts", "random_input_len", "random_output_len", "max_new_tokens",
-                                  "max_concurrency"))
+                                  "max_concurrency", "multiturn_turns", "shared_prefix_len"))
+    if args.dataset == "multiturn" and (args.backend != "sglang" or args.dataset_path):
+        p.error("--dataset multiturn needs --backend sglang (each turn extends the previous one's token ids) and "
+                "no --dataset-path")
     if not args.request_rate > 0 or not args.request_timeout > 0 or args.temperature < 0 or args.warmup_requests < 0:
         p.error("--request-rate and --request-timeout must be > 0, --temperature and --warmup-requests >= 0")
     return args
@@ -199,7 +238,7 @@ def benchmark(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     with httpx.Client(headers=headers, timeout=min(args.request_timeout, 30.0)) as client:
         facts = server_facts(client, url, args)
-        needs = bool(args.apply_chat_template) if args.dataset_path else args.dataset == "code"
+        needs = bool(args.apply_chat_template) if args.dataset_path else args.dataset in ("code", "multiturn")
         tokenizer = None if args.dataset_path and not needs else load_tokenizer(args, facts["model_info"], needs)
         items = build_workload(args, tokenizer, rng)
         before = spec_counters(client, url) if args.backend != "sglang" else None

@@ -30,6 +30,10 @@ class Record:
     spec_verify_ct: Optional[int] = None
     spec_accept_length: Optional[float] = None
     text: str = ""
+    cached_tokens: Optional[int] = None  # prompt tokens the server found in its prefix cache (meta_info)
+    output_ids: list[int] = field(default_factory=list)  # sglang backend
+    conversation: int = -1  # multiturn: the item's conversation and turn
+    turn: int = 0
 
 
 def stats_ms(prefix: str, values: list[float]) -> dict:
@@ -53,7 +57,23 @@ def summarize(records: list[Record], duration: float, accept: Optional[float]) -
             "concurrency": bc.rate(sum(r.e2e for r in ok), duration), "accept_length": accept,
             **stats_ms("e2e_latency", [r.e2e for r in ok]),
             **stats_ms("ttft", [r.ttft for r in ok if r.ttft is not None]),
-            **stats_ms("tpot", tpots), **stats_ms("itl", [g for r in ok for g in r.itl])}
+            **stats_ms("tpot", tpots), **stats_ms("itl", [g for r in ok for g in r.itl]), **cache_figures(ok)}
+
+
+def cache_figures(ok: list[Record]) -> dict:
+    """Prefix cache figures, when the server reports cached tokens: the share of prompt tokens it found cached;
+    for multi-turn runs, TTFT and that share per turn."""
+    out: dict[str, Any] = {}
+    reported = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
+    if reported:
+        out["cache_hit_rate"] = sum(r.cached_tokens for r in reported) / sum(r.prompt_tokens for r in reported)
+    turns = sorted({r.turn for r in ok if r.conversation >= 0})
+    for t in turns:
+        rows = [r for r in ok if r.conversation >= 0 and r.turn == t]
+        out[f"turn{t}"] = {"requests": len(rows), "prompt_tokens": bc.mean([r.prompt_tokens or 0 for r in rows]),
+                           **stats_ms("ttft", [r.ttft for r in rows if r.ttft is not None]),
+                           "cached_tokens": bc.mean([r.cached_tokens or 0 for r in rows])}
+    return out
 
 
 def accept_length(records: list[Record], before: Optional[dict], after: Optional[dict]) -> Optional[float]:
@@ -92,8 +112,13 @@ def report_lines(s: dict, args: argparse.Namespace) -> list[str]:
               row("Concurrency:", s["concurrency"]), row("Accept length:", s["accept_length"])]
     lines += block("End-to-End Latency", "e2e_latency", "E2E Latency") + block("Time to First Token", "ttft", "TTFT")
     lines += block("Time per Output Token (excl. 1st token)", "tpot", "TPOT")
-    lines += block("Inter-Token Latency", "itl", "ITL") + ["=" * 50]
-    return lines
+    lines += block("Inter-Token Latency", "itl", "ITL")
+    if "cache_hit_rate" in s:
+        lines += [f"{'Prefix Cache':-^50}", row("Cached prompt tokens / prompt tokens:", s["cache_hit_rate"], 3)]
+    turns = sorted(k for k in s if k.startswith("turn"))
+    lines += [row(f"{t.capitalize()}: mean TTFT (ms), cached tokens:", s[t]["mean_ttft_ms"]) +
+              f" {bc.fmt(s[t]['cached_tokens'], 0)} of {bc.fmt(s[t]['prompt_tokens'], 0)}" for t in turns]
+    return lines + ["=" * 50]
 
 
 def verdict_line(s: dict) -> str:

@@ -50,9 +50,12 @@ def on_chunk(rec: Record, obj: dict, backend: str, now: float, start: float, sta
         rec.text, rec.prompt_tokens = obj.get("text", rec.text), meta.get("prompt_tokens", rec.prompt_tokens)
         rec.spec_verify_ct = meta.get("spec_verify_ct", rec.spec_verify_ct)
         rec.spec_accept_length = meta.get("spec_accept_length", rec.spec_accept_length)
+        rec.cached_tokens = meta.get("cached_tokens", rec.cached_tokens)
+        rec.output_ids = obj.get("output_ids", rec.output_ids)
     else:
         if obj.get("usage"):
             rec.prompt_tokens = obj["usage"].get("prompt_tokens")
+            rec.cached_tokens = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
             state["usage_tokens"] = obj["usage"].get("completion_tokens")
         choice = (obj.get("choices") or [{}])[0]
         piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
@@ -78,7 +81,7 @@ def finish_openai(rec: Record, state: dict) -> None:
 
 
 async def send(client: httpx.AsyncClient, url: str, item: Item, args: argparse.Namespace, t0: float) -> Record:
-    rec, state = Record(item.index), {"tokens": 0, "last": 0.0}
+    rec, state = Record(item.index, conversation=item.conversation, turn=item.turn), {"tokens": 0, "last": 0.0}
     start = time.perf_counter()
     rec.start = start - t0
     try:

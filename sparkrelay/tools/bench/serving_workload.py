@@ -1,5 +1,8 @@
 """The serving benchmark's workload (python -m sparkrelay.tools.bench.serving): prompts from a JSONL file, random
-token ids (or random words without a tokenizer) or held-out stdlib code windows, each with its output length."""
+token ids (or random words without a tokenizer) or held-out stdlib code windows, each with its output length; or
+multi-turn conversations (`--dataset multiturn`): every conversation starts with the same shared part (a system
+prompt of `--shared-prefix-len` tokens), and each turn's prompt is the previous turn's prompt, its answer and a new
+user message of `--random-input-len` tokens (held-out code windows), so turn t + 1 extends turn t exactly."""
 
 from __future__ import annotations
 
@@ -26,8 +29,10 @@ class Item:
 
     index: int
     text: Optional[str]
-    ids: Optional[list[int]]
+    ids: Optional[list[int]]  # multiturn: the user message only (turn 0: the shared part first)
     output_len: int
+    conversation: int = -1  # multiturn only: which conversation, which turn
+    turn: int = 0
 
 
 def load_tokenizer(args: argparse.Namespace, model_info: dict, required: bool):
@@ -72,7 +77,18 @@ def random_ids(rng: random.Random, tokenizer, n: int, length: int) -> list[list[
     return [[rng.choice(vocab) for _ in range(length)] for _ in range(n)]
 
 
+def multiturn(args: argparse.Namespace, tokenizer) -> list[Item]:
+    """--num-prompts conversations of --multiturn-turns turns, in conversation order; turn 0 holds the shared part."""
+    n, turns, out_len = args.num_prompts, args.multiturn_turns, args.max_new_tokens or args.random_output_len
+    shared = bc.load_prompts(tokenizer, 1, args.shared_prefix_len, stride=7)[0].ids
+    users = [p.ids for p in bc.load_prompts(tokenizer, n * turns + 1, args.random_input_len)][1:]
+    return [Item(c * turns + t, None, (shared if t == 0 else []) + users[c * turns + t], out_len, c, t)
+            for c in range(n) for t in range(turns)]
+
+
 def build_workload(args: argparse.Namespace, tokenizer, rng: random.Random) -> list[Item]:
+    if args.dataset == "multiturn" and not args.dataset_path:
+        return multiturn(args, tokenizer)
     n, out_len = args.num_prompts, args.max_new_tokens or args.random_output_len
     texts: list[Optional[str]] = [None] * n
     ids: list[Optional[list[int]]] = [None] * n

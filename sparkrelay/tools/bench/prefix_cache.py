@@ -1,0 +1,148 @@
+"""The prefix (radix) cache on a multi-turn workload: each deployment with the cache and with --disable-radix-cache.
+
+    python -m sparkrelay.tools.bench.prefix_cache [--conversations 4] [--turns 3] [--shared-prefix-len 1024]
+                                                  [--user-len 64] [--output-len 32] [--out benchmarks/results]
+
+Every deployment is started through the real entry point (sparkrelay.tools.cluster) and driven by bench_serving's
+`--dataset multiturn` (sglang backend, greedy, EOS ignored, one request at a time so TTFT is not queueing): the
+conversations share a system part of --shared-prefix-len tokens; turn t + 1's prompt is turn t's prompt, its answer
+and a new user message. Deployments: the bundled pair, aggregated, DSpark.
+
+Figures per deployment and turn: mean TTFT, cached prompt tokens (meta_info.cached_tokens), and per request the
+output ids and DSpark's acceptance (spec_verify_ct, spec_accept_length). The verdict: PASS when, per deployment,
+the cached run's outputs and per-request acceptance equal the uncached run's, and the cache hit where it should (every
+turn after the first found its previous turn cached); the TTFT ratio of turn 2 is reported, not asserted.
+Writes <out>/bench_prefix_cache.{json,md,png}; exit status 1 on a FAIL verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from sparkrelay.tools import cluster
+from sparkrelay.tools.bench import common as bc
+from sparkrelay.tools.bench import serving
+
+NAME = "bench_prefix_cache"
+MODEL, DRAFTER = "models/tiny-qwen3", "models/tiny-qwen3-dspark"
+DSPARK = ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", DRAFTER]
+DEPLOYMENTS = {"aggregated DSpark": DSPARK}
+CACHE = {"cache": [], "no cache": ["--disable-radix-cache"]}
+
+
+def run_one(args: argparse.Namespace, name: str, extra: list[str], work: Path) -> list[dict]:
+    """bench_serving's per-request records of one deployment."""
+    port = cluster.free_port()
+    server = cluster.start(name.replace(" ", "-"), cluster.server_argv(MODEL, port, extra), port, str(work))
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            result = serving.main(["--backend", "sglang", "--port", str(port), "--dataset", "multiturn",
+                                   "--num-prompts", str(args.conversations), "--multiturn-turns", str(args.turns),
+                                   "--shared-prefix-len", str(args.shared_prefix_len),
+                                   "--random-input-len", str(args.user_len), "--max-new-tokens",
+                                   str(args.output_len), "--max-concurrency", "1", "--disable-tqdm",
+                                   "--tokenizer", MODEL])
+    finally:
+        server.stop()
+    return result["records"]
+
+
+def turn_rows(deployment: str, cache: str, records: list[dict], turns: int) -> list[dict]:
+    rows = []
+    for t in range(turns):
+        recs = [r for r in records if r["turn"] == t and r["success"]]
+        rows.append({"deployment": deployment, "cache": cache, "turn": t + 1, "requests": len(recs),
+                     "prompt_tokens": bc.mean([r["prompt_tokens"] for r in recs]),
+                     "cached_tokens": bc.mean([r["cached_tokens"] or 0 for r in recs]),
+                     "ttft_ms": bc.mean([r["ttft"] * 1000 for r in recs]),
+                     "accept_length": bc.mean([r["spec_accept_length"] for r in recs if r["spec_accept_length"]])})
+    return rows
+
+
+def compare(records: dict[str, list[dict]]) -> list[str]:
+    """What differs between the cached and the uncached run of one deployment (empty: nothing)."""
+    on, off = records["cache"], records["no cache"]
+    problems = []
+    for a, b in zip(on, off):
+        where = f"conversation {a['conversation']} turn {a['turn'] + 1}"
+        if not (a["success"] and b["success"]):
+            problems.append(f"{where}: a request failed ({a['error'] or b['error']})")
+        elif a["output_ids"] != b["output_ids"]:
+            problems.append(f"{where}: the outputs differ")
+        elif (a["spec_verify_ct"], a["spec_accept_length"]) != (b["spec_verify_ct"], b["spec_accept_length"]):
+            problems.append(f"{where}: acceptance differs ({a['spec_verify_ct']} rounds, {a['spec_accept_length']} "
+                            f"with the cache; {b['spec_verify_ct']}, {b['spec_accept_length']} without)")
+        elif a["turn"] > 0 and not a["cached_tokens"]:
+            problems.append(f"{where}: nothing was found in the cache")
+        elif b["cached_tokens"]:
+            problems.append(f"{where}: --disable-radix-cache still reported cached tokens")
+    return problems
+
+
+def table(rows: list[dict]) -> str:
+    headers = ["deployment", "cache", "turn", "prompt tokens", "cached tokens", "TTFT ms", "accept len"]
+    return bc.markdown_table(headers, [[r["deployment"], r["cache"], r["turn"], r["prompt_tokens"],
+                                        r["cached_tokens"], r["ttft_ms"], r["accept_length"]] for r in rows])
+
+
+def ratios(rows: list[dict]) -> dict[str, dict[int, float]]:
+    """Per deployment and turn: uncached TTFT / cached TTFT."""
+    out: dict[str, dict[int, float]] = {}
+    for r in rows:
+        if r["cache"] == "cache":
+            off = next(x for x in rows if x["deployment"] == r["deployment"] and x["turn"] == r["turn"]
+                       and x["cache"] == "no cache")
+            out.setdefault(r["deployment"], {})[r["turn"]] = off["ttft_ms"] / r["ttft_ms"]
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sparkrelay.tools.bench.prefix_cache", description=__doc__.split("\n")[0])
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--shared-prefix-len", type=int, default=1024)
+    ap.add_argument("--user-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+    bc.require_positive(ap, args, ("conversations", "turns", "shared_prefix_len", "user_len", "output_len"))
+    machine, rows, problems, records = bc.machine_info(), [], [], {}
+    with tempfile.TemporaryDirectory(prefix="bench-prefix-") as tmp:
+        for deployment, extra in DEPLOYMENTS.items():
+            records[deployment] = {}
+            for cache, flags in CACHE.items():
+                records[deployment][cache] = run_one(args, f"{deployment} {cache}", extra + flags, Path(tmp))
+                rows += turn_rows(deployment, cache, records[deployment][cache], args.turns)
+                print(f"{deployment}, {cache}: done", file=sys.stderr)
+            problems += [f"{deployment}: {p}" for p in compare(records[deployment])]
+    speedup = ratios(rows)
+    verdict = "Verdict: PASS (with the cache every turn gave the same tokens and the same per-request acceptance " \
+              "as without, and every later turn found its history cached)" if not problems else \
+              "Verdict: FAIL: " + "; ".join(problems[:8])
+    head = [f"Bundled pair (`{MODEL}` + `{DRAFTER}`), float32, cpu; {args.conversations} conversations x "
+            f"{args.turns} turns, a shared system part of {args.shared_prefix_len} tokens, {args.user_len}-token user "
+            f"messages, {args.output_len} new tokens per turn, greedy, one request at a time.",
+            f"torch {machine['torch']}, {machine['cpu_cores']} cores ({machine['cpu']}), {machine['date']}.",
+            "TTFT without the cache / with it, per turn: " + "; ".join(
+                f"{d}: " + ", ".join(f"turn {t} {x:.2f}x" for t, x in v.items()) for d, v in speedup.items())]
+    text = table(rows)
+    out = Path(args.out)
+    md = bc.write_markdown(out / f"{NAME}.md", "Prefix (radix) cache, multi-turn", head, text, [verdict])
+    js = bc.write_json(out / f"{NAME}.json", {"settings": vars(args), "machine": machine, "rows": rows,
+                                              "ttft_speedup": speedup, "problems": problems, "records": records})
+    png = bc.bar_chart(out / f"{NAME}.png", [f"turn {t + 1}" for t in range(args.turns)],
+                       {f"{r['deployment']}, {r['cache']}": [x["ttft_ms"] for x in rows if x["deployment"] ==
+                                                             r["deployment"] and x["cache"] == r["cache"]]
+                        for r in rows}, "Mean TTFT per turn", "ms")
+    print("\n".join(head) + "\n\n" + text + f"\n\n{verdict}\nwrote {md}, {js}, {png}")
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
