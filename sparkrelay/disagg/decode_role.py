@@ -48,6 +48,7 @@ class _Pending:
 
 class DecodeRole(PDRole):
     role = "decode"
+    prefix_cache = False  # not yet: the decode would have to tell its prefill the prefix it holds
 
     def __init__(self, config: Config, dtype: torch.dtype) -> None:
         super().__init__(config, dtype)

@@ -39,6 +39,12 @@ class PrefillRole(PDRole):
         self.inflight: dict[int, set[int]] = {}  # room -> stages that reported Success
         self.local: list[Request] = []  # fake-bootstrap requests whose first token is sampled: nothing to send
 
+    @property
+    def computed_tail(self) -> int:
+        """`tail` mode: the rows of the last tail positions come from this request's own compute, never the cache
+        (the stages keep no tail rows beside cached pages; hidden and draft-kv context is kept beside them)."""
+        return max(1, self.schema.tail_tokens) if self.schema.handoff == "tail" else 1
+
     def take(self, req: Request, bootstrap: Bootstrap) -> bool:
         self._register(req, bootstrap)
         return False  # scheduled even with max_new_tokens 0: the decode peer waits for this room's KV

@@ -2,9 +2,13 @@
 
 Every stage streams, per room, what it must hand off through its own PrefillAgent (disagg/handoff.py, the parts):
     all stages   the K/V of its own layers, a piece of STREAM_TOKENS positions as soon as its chunks covered it
-    last stage   + the aux rows (hidden) or the draft K/V (draft-kv) of the same positions with each piece, filled
-                 chunk by chunk at absolute positions; only the last `tail` aux rows [tail, W] (tail), kept for the
-                 metadata row, packed once the first token is sampled and sent last (room last)
+    last stage   + the aux rows (hidden) or the draft K/V (draft-kv) of the same positions with each piece; only
+                 the last `tail` aux rows [tail, W] (tail), kept for the metadata row, packed once the first token
+                 is sampled and sent last (room last)
+The last stage keeps the aux rows / draft K/V beside its KV, slot by slot (a pool of the KV pool's slots), not per
+room: a prompt whose prefix the prefix cache holds computes only its suffix, and the rows of the cached positions are
+still there, in the cached pages' slots, written by the request that computed them. (`tail` rows are never taken
+from the cache: the scheduler always computes a prompt's last `tail` positions.)
 Each agent's terminal status (Success / Failed + reason) goes to rank 0's status socket as a `StageReport`
 (disagg/stage_report.py) {room, stage, state, reason}; rank 0 finishes the prefill request when every stage has
 reported.
@@ -40,9 +44,7 @@ logger = logging.getLogger(__name__)
 class _Room:
     prompt_len: int
     sent: int = 0                            # positions whose pieces went to the agent
-    aux: Optional[torch.Tensor] = None       # [n, W] last stage, hidden
     tail: Optional[TailRows] = None          # [tail, W] last stage, tail: only the last rows are ever kept
-    draft: Optional[torch.Tensor] = None     # [Ld, 2, n, kv, hd] last stage, draft-kv
 
 
 class PrefillSink:
@@ -52,7 +54,15 @@ class PrefillSink:
         self.is_last = stage == len(partition) - 1
         self.layout = MetadataLayout.of(schema)
         self.rooms: dict[int, _Room] = {}
+        self._ended: set[int] = set()  # rooms that reached a terminal state, until rank 0 releases them
         self._lock = threading.Lock()
+        slots, dtype = pool.num_blocks * pool.page_size, self.pool_dtype
+        device = next(iter(pool.layers.values()))[0].device
+        # the drafter's context beside the KV, by slot (last stage): [slots, W] hidden; [Ld, 2, slots, kv, hd] draft
+        self.aux = torch.zeros(slots, schema.hidden_width, dtype=dtype, device=device) \
+            if self.is_last and schema.handoff == "hidden" else None
+        self.draft = torch.zeros(schema.draft[0], 2, slots, *schema.draft[1:], dtype=dtype, device=device) \
+            if self.is_last and schema.handoff == "draft-kv" else None
         self._status = StageReportOutbox(status_address)
         dc = config.disagg
         url = f"http://{dc.disaggregation_bootstrap_host}:{dc.disaggregation_bootstrap_port}"
@@ -69,6 +79,7 @@ class PrefillSink:
         timeline.mark(f"stage{self.stage}", "sent", room=room, state=state.name)
         with self._lock:
             self.rooms.pop(room, None)
+            self._ended.add(room)
             self._status.send(StageReport(room, self.stage, state, reason))
 
     # -- the StageSink hooks ----------------------------------------------------------------------------------------
@@ -77,25 +88,27 @@ class PrefillSink:
         for seq in mb.seqs:
             t = seq.end - seq.start
             if seq.room:
-                self._capture(seq, aux, draft_kv, row, t)
+                self._capture(seq, aux, draft_kv, meta.slot_mapping[row : row + t], row, t)
             row += t
 
-    def _capture(self, seq, aux, draft_kv, row: int, t: int) -> None:
+    def _capture(self, seq, aux, draft_kv, slots: torch.Tensor, row: int, t: int) -> None:
+        """slots [t]: where the rows' KV went; the context goes to the same slots (the first chunk of a prompt
+        with a cached prefix starts after it)."""
         st = self.rooms.get(seq.room)
         if st is None:
-            if seq.start != 0:
-                return  # the room already failed and was dropped
             with self._lock:
+                if seq.room in self._ended:
+                    return  # the room already failed and was dropped
                 st = self.rooms[seq.room] = self._new_room(seq.room, seq.prompt_len)
             self.agent.add_room(seq.room, seq.prompt_len)
-        if aux is not None and st.aux is not None:  # absolute positions: chunks land where they belong
-            st.aux[seq.start : seq.end] = aux[row : row + t]
+        if aux is not None and self.aux is not None:
+            self.aux.index_copy_(0, slots, aux[row : row + t])
         if aux is not None and st.tail is not None:
             st.tail.write(seq.start, aux[row : row + t])
-        if draft_kv is not None and st.draft is not None:
+        if draft_kv is not None and self.draft is not None:
             for layer, (k, v) in enumerate(draft_kv):
-                st.draft[layer, 0, seq.start : seq.end] = k[row : row + t]
-                st.draft[layer, 1, seq.start : seq.end] = v[row : row + t]
+                self.draft[layer, 0].index_copy_(0, slots, k[row : row + t])
+                self.draft[layer, 1].index_copy_(0, slots, v[row : row + t])
         self._stream(seq.room, st, seq.end, seq.block_ids)
 
     def _stream(self, room: int, st: _Room, computed: int, block_ids: list[int]) -> None:
@@ -113,13 +126,8 @@ class PrefillSink:
         """Registered before the agent hears of it, so a Failed report (which pops it) cannot come first."""
         st = _Room(n)
         s = self.schema
-        if self.is_last and s.handoff == "hidden":
-            st.aux = torch.zeros(n, s.hidden_width, dtype=self.pool_dtype)
         if self.is_last and s.handoff == "tail":
             st.tail = TailRows(n, s.tail_tokens, s.hidden_width, self.pool_dtype)
-        if self.is_last and s.handoff == "draft-kv":
-            layers, heads, hd = s.draft
-            st.draft = torch.zeros(layers, 2, n, heads, hd, dtype=self.pool_dtype)
         return st
 
     @property
@@ -133,10 +141,11 @@ class PrefillSink:
         kv = torch.stack([torch.stack([k.index_select(0, slots), v.index_select(0, slots)])
                           for k, v in self.pool.layers.values()])  # [L, 2, t, kv, hd]
         out = [part_of(piece_name("kv", a), tuple(self.pool.layers), kv)]
-        if st.aux is not None:
-            out.append(part_of(piece_name("hidden", a), self.schema.target_layer_ids, st.aux[a:b]))
-        if st.draft is not None:
-            out.append(part_of(piece_name("draft_kv", a), tuple(range(self.schema.draft[0])), st.draft[:, :, a:b]))
+        if self.aux is not None:
+            out.append(part_of(piece_name("hidden", a), self.schema.target_layer_ids, self.aux.index_select(0, slots)))
+        if self.draft is not None:
+            out.append(part_of(piece_name("draft_kv", a), tuple(range(self.schema.draft[0])),
+                               self.draft.index_select(2, slots)))
         return out
 
     def on_sampled(self, mb, tokens: list[int], logprobs: list) -> None:
@@ -164,7 +173,7 @@ class PrefillSink:
 
     def _send(self, room: int, st: _Room, parts: list[Part], last: bool) -> None:
         if last:
-            st.aux = st.draft = st.tail = None
+            st.tail = None
         timeline.mark(f"stage{self.stage}", "send", room=room, last=last)
         self.agent.send(room, parts, last=last)
 
@@ -174,6 +183,7 @@ class PrefillSink:
         for room in rooms:
             with self._lock:
                 self.rooms.pop(room, None)
+                self._ended.discard(room)
             if self.agent.poll(room).state not in (KVPoll.Success, KVPoll.Failed):
                 self.agent.abort(room, "the prefill request was aborted")
             self.agent.clear(room)

@@ -72,7 +72,7 @@ class Engine:
         lookahead = 1 if self.proposer is None else self.proposer.max_drafts + 1
         sc = config.scheduler
         self.scheduler = Scheduler(self.blocks, sc.max_running_requests, sc.chunked_prefill_size, lookahead,
-                                   self._prefix_cache(config))
+                                   self._prefix_cache(config), self.handoff.computed_tail)
         self.runner, self.spec_stats = setup.build_runner(config, self.model, self.pool, self.device, self.proposer,
                                                           self.context_length, self.handoff.status_address)
         if mc.enable_torch_compile:
@@ -84,12 +84,12 @@ class Engine:
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0}
 
     def _prefix_cache(self, config: Config) -> Optional[RadixCache]:
-        """The radix cache, on unless --disable-radix-cache. PD servers run without it for now: a prefill hit would
-        leave positions whose KV and drafter context it never sends, and a decode would need to tell its prefill
-        what it holds."""
+        """The radix cache, on unless --disable-radix-cache. A decode server runs without it for now (it would have
+        to tell its prefill the prefix it holds); a prefill keeps the drafter's context beside the cached pages
+        (disagg/prefill_sink.py), so it sends every position's as before."""
         if config.cache.disable_radix_cache:
             return None
-        if self.handoff.role != "aggregated":
+        if not self.handoff.prefix_cache:
             logger.info("the prefix (radix) cache is off on a %s server", self.handoff.role)
             return None
         return RadixCache(self.blocks, needs_draft=self.proposer is not None)

@@ -59,9 +59,10 @@ class Batch:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_running: int, token_budget: int, decode_lookahead: int = 1,
-                 cache: Optional[RadixCache] = None) -> None:
+                 cache: Optional[RadixCache] = None, computed_tail: int = 1) -> None:
         self.blocks = blocks
         self.cache = cache
+        self.computed_tail = computed_tail  # positions at the end of a request always computed (a PD tail's rows)
         self.cache_queried_tokens = 0  # tokens of requests matched against the cache
         self.cache_hit_tokens = 0  # of which found in it
         self.max_running = max_running
@@ -146,11 +147,11 @@ class Scheduler:
 
     def _match(self, req: Request) -> int:
         """A waiting request (it holds no blocks) takes the longest cached prefix of its tokens; returns its length.
-        At least its last token is computed (its logits sample the next one), and so are the prompt positions whose
-        logprobs it asked for."""
+        At least its last token is computed (its logits sample the next one; a prefill in `tail` mode: its tail), and
+        so are the prompt positions whose logprobs it asked for."""
         if self.cache is None:
             return 0
-        limit = req.num_tokens - 1
+        limit = req.num_tokens - self.computed_tail
         if req.logprobs is not None and req.logprobs.input_start >= 0:
             limit = min(limit, req.logprobs.input_start - 1)  # position p is scored by the row of p - 1
         hit = self.cache.match(req.all_ids, limit)

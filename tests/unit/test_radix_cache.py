@@ -221,3 +221,13 @@ def test_waiting_requests_hold_no_blocks_so_preemption_under_a_full_cache_still_
     run(sched, reqs, max_steps=5_000)
     assert sched.num_preemptions > 0 and sched.cache_hit_tokens > 0
     assert bm.num_used == 0
+
+
+def test_a_computed_tail_is_never_taken_from_the_cache():
+    """A PD prefill in `tail` mode computes its prompt's last `tail` positions itself (their rows are never cached)."""
+    bm, cache = cached(num_blocks=32)
+    sched = Scheduler(bm, max_running=4, token_budget=64, cache=cache, computed_tail=8)
+    run(sched, [make("a", range(1, 33), max_new=1)])  # 32 tokens: 8 pages cached
+    again = make("b", range(1, 33))
+    sched.add(again)
+    assert sched.schedule().seqs[0].start == 24  # the last 8 positions (and the page they start in) recomputed

@@ -1,0 +1,76 @@
+"""PD with the prefix cache on the prefill (PP=2, no drafter) behind a DSpark decode and the router: multi-turn
+conversations over a shared system part. The prefill computes only what its cache lacks, and still hands off the
+drafter's context of every position (kept beside its cached pages; `tail` rows always computed), so every mode gives
+the aggregated tokens, and `hidden` / `draft-kv` the aggregated acceptance per request (docs/prefix_cache.md).
+The default run does hidden and draft-kv (each keeps its context in its own pool); `tail` is marked slow (the
+scheduler's computed tail is unit-tested in test_radix_cache.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+
+from sparkrelay.llm import LLM
+from sparkrelay.scheduler.request import SamplingParams
+from sparkrelay.tools.cluster import PDSettings, start_pd
+
+from testkit.pd import DRAFTER, MAX_NEW, MODEL, generate
+
+
+def turns(tok, text: str, generate_fn) -> list[dict]:
+    """Two conversations x 2 turns over one 300-token system part; each turn's prompt is the previous prompt, its
+    answer and a new message. Returns every answer, in order."""
+    ids = tok.encode(text)
+    system, out = ids[:300], []
+    for c in range(2):
+        history = list(system)
+        for t in range(2):
+            msg = ids[300 + 100 * (2 * c + t) : 300 + 100 * (2 * c + t) + 40 + 17 * t]
+            answer = generate_fn(history + msg)
+            out.append(answer)
+            history = history + msg + answer["output_ids"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def text() -> str:
+    return open("sparkrelay/scheduler/scheduler.py").read() + open("sparkrelay/engine/engine.py").read()
+
+
+@pytest.fixture(scope="module")
+def reference(text) -> list[dict]:
+    """Aggregated DSpark without the cache: what every mode must give."""
+    llm = LLM(MODEL, speculative_algorithm="DSPARK", speculative_draft_model_path=DRAFTER, disable_radix_cache=True)
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+    out = turns(llm.tokenizer, text, lambda ids: llm.generate(ids, params))
+    llm.engine.close()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["hidden", "draft-kv", pytest.param("tail", marks=pytest.mark.slow)])
+def test_pd_with_the_prefill_cache_equals_aggregated(tmp_path, text, reference, mode):
+    from transformers import AutoTokenizer
+
+    cluster = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=2, handoff=mode, router="sparkrelay",
+                                  prefill_args=["--chunked-prefill-size", "128"]), str(tmp_path))
+    try:
+        deadline = time.monotonic() + 30
+
+        def one(ids):
+            status, out = generate(cluster.url, ids, retries_until=deadline)
+            assert status == 200, (status, out, cluster.prefill.log_tail())
+            return out
+
+        results = turns(AutoTokenizer.from_pretrained(MODEL), text, one)
+        info = json.loads(urllib.request.urlopen(cluster.prefill.url + "/server_info").read())["internal_states"][0]
+    finally:
+        cluster.stop()
+    assert [r["output_ids"] for r in results] == [r["output_ids"] for r in reference]
+    if mode != "tail":
+        assert [(r["meta_info"]["spec_verify_ct"], r["meta_info"]["spec_accept_length"]) for r in results] == \
+            [(r["meta_info"]["spec_verify_ct"], r["meta_info"]["spec_accept_length"]) for r in reference]
+    # turn 2 of each conversation and conversation 2's turn 1 (the system part) were found in the prefill's cache
+    assert info["prefix_cache"] == "on" and info["cache_hit_tokens"] >= 288 + 2 * 320, info
