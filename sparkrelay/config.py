@@ -49,8 +49,8 @@ class CacheConfig:
     page_size: int = _f(16, "Tokens per KV cache page (block).")
     max_total_tokens: Optional[int] = _f(None, "KV cache capacity in tokens (default: 64 full-context requests, 2^17, "
                                                "or on cpu what 4 GiB holds, whichever is smallest).", ftype=int)
-    disable_radix_cache: bool = _f(False, "Turn the prefix (radix) cache off: every prompt is then prefilled in full. "
-                                          "It is on by default on aggregated servers; PD servers run without it.")
+    disable_radix_cache: bool = _f(False, "Turn the prefix (radix) cache off: every prompt is then prefilled (or, on "
+                                          "a PD decode, received) in full.")
 
 
 @dataclass(frozen=True)
@@ -262,7 +262,7 @@ def _folder(flag: str, path: str) -> None:
 # helps. Flags sparkrelay shares with SGLang are the config tree's own; everything else is argparse's "unrecognized".
 SGLANG_ONLY_FLAGS: dict[str, str] = {
     "--enable-radix-cache": "the prefix (radix) cache is on by default; --disable-radix-cache turns it off",
-    "--disaggregation-decode-enable-radix-cache": "PD servers run without the prefix cache for now",
+    "--disaggregation-decode-enable-radix-cache": "a decode's prefix cache is on unless --disable-radix-cache",
     "--trust-remote-code": "sparkrelay runs its own Qwen3 code and loads none from the model folder",
     "--random-seed": "sparkrelay's is --seed",
     "--mem-fraction-static": "size the KV cache with --max-total-tokens",

@@ -2,8 +2,10 @@
 queues before it joins the scheduler's batch, as in SGLang's decode scheduler:
 
     prealloc      (DecodePreallocQueue)  waits, in arrival order, for blocks for its prompt (deferred while the
-                                         cache is full, never failed); once reserved: DecodeAgent.begin, the
-                                         handshake with the prefill's bootstrap server and TRANSFER_INFO
+                                         cache is full, never failed); the first are its prefix cache's when it
+                                         holds the prompt's start (whole pieces); once reserved: DecodeAgent.begin,
+                                         the handshake with the prefill's bootstrap server and TRANSFER_INFO, which
+                                         names that prefix: the prefill sends only the pieces after it
     transferring  (DecodeTransferQueue)  waits for every prefill stage's parts
         Success -> target KV written at the request's slots (paired by global layer id), the metadata row's room
                    checked, the drafter's context injected at absolute positions (hidden / tail / draft-kv)
@@ -18,6 +20,7 @@ is its prompt's last token, and it decodes from there (a /health_generate that e
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -48,7 +51,6 @@ class _Pending:
 
 class DecodeRole(PDRole):
     role = "decode"
-    prefix_cache = False  # not yet: the decode would have to tell its prefill the prefix it holds
 
     def __init__(self, config: Config, dtype: torch.dtype) -> None:
         super().__init__(config, dtype)
@@ -101,13 +103,25 @@ class DecodeRole(PDRole):
         never failed: docs/pd_protocol.md, failure modes)."""
         for p in list(self.prealloc.values()):
             n = len(p.req.prompt_ids)
-            if not self.parts.scheduler.reserve(p.req, n):
+            prefix = self.parts.scheduler.reserve(p.req, n, *self._match_rule(p))
+            if prefix is None:
                 return
             del self.prealloc[p.req.rid]
             if not p.bootstrap.is_fake:
                 landing = self.landings.landing(p.req.block_ids) if self.landings is not None else None
-                self.agent.begin(p.bootstrap.room, p.bootstrap.host, p.bootstrap.port, n, landing)
+                self.agent.begin(p.bootstrap.room, p.bootstrap.host, p.bootstrap.port, n, landing, prefix)
             self.transferring[p.req.rid] = p
+
+    def _match_rule(self, p: _Pending) -> tuple[int, int, bool]:
+        """(align, keep, needs_draft) of the prefix cache match for a new room: whole pieces (the prefill cuts its
+        handoff there); `tail`: the tail rows land outside the cached pages, which need no drafter context (the
+        drafter reads from the tail on); hidden / draft-kv: only pages with the drafter's context. A fake-bootstrap
+        request (zero KV written at every slot) takes no cached page."""
+        if p.bootstrap.is_fake:
+            return 0, 1, True
+        tail = self.schema.handoff == "tail"
+        align = math.lcm(self.parts.scheduler.blocks.page_size, self.schema.stream_tokens)
+        return align, max(1, self.schema.tail_tokens) if tail else 1, not tail
 
     def _poll(self, p: _Pending) -> Optional[Event]:
         req = p.req
@@ -138,13 +152,14 @@ class DecodeRole(PDRole):
         parts = self.agent.take(room)
         self.agent.clear(room)
         sizes = [(name, part.spec.nbytes) for stage in parts.values() for name, part in stage.items()]
-        self.handoff_bytes += sum(n for _, n in sizes)
+        req.handoff_bytes = sum(n for _, n in sizes)
+        self.handoff_bytes += req.handoff_bytes
         self.context_bytes += sum(n for name, n in sizes if split_piece(name)[0] != "kv")
         slots = self._slots(req)
         proposer = self.parts.proposer
         try:
             if self.landings is not None:  # the target KV is in the pool already; the rest is read back
-                parts = self.landings.parts(parts, req.block_ids, slots)
+                parts = self.landings.parts(parts, req.block_ids, slots, req.cached_tokens)
                 self.landed_rooms += 1
             row = read_meta(self.schema, parts, room)
             if self.landings is None:

@@ -80,18 +80,24 @@ def build_schema(config: Config, spec: Qwen3Spec, dtype: torch.dtype, env: Disag
         head_dim=spec.head_dim, hidden_size=spec.hidden_size,
         layer_partition=tuple(pp_partition(spec.num_layers, pp)), target_layer_ids=ids,
         hidden_width=len(ids) * spec.hidden_size, handoff=mode,
-        tail_tokens=env.tail_tokens if mode == "tail" else 0, prefix_cache="off", draft=draft,
+        tail_tokens=env.tail_tokens if mode == "tail" else 0,
+        prefix_cache="off" if config.cache.disable_radix_cache else "on", draft=draft,
         stream_tokens=STREAM_TOKENS)
 
 
-def expected_parts(prefill_schema: dict, prompt_len: int) -> dict[int, list[PartSpec]]:
-    """What each prefill stage must send for a prompt of `prompt_len` tokens (the decode side checks every frame)."""
+def expected_parts(prefill_schema: dict, prompt_len: int, prefix: int = 0) -> dict[int, list[PartSpec]]:
+    """What each prefill stage must send for a prompt of `prompt_len` tokens of which the decode holds the first
+    `prefix` (its prefix cache's; a whole number of pieces): the pieces from there, and the metadata row (the decode
+    side checks every frame)."""
     s = HandoffSchema.from_dict(prefill_schema)
     stages = len(s.layer_partition)
     if list(s.layer_partition) != pp_partition(s.num_layers, stages):
         raise ValueError(f"layer_partition {list(s.layer_partition)} is not pp_partition({s.num_layers}, {stages}) "
                          f"= {pp_partition(s.num_layers, stages)}: the two sides split layers differently")
-    spans = pieces(prompt_len, s.stream_tokens)
+    if prefix and (prefix % s.stream_tokens or not 0 < prefix < prompt_len):
+        raise ValueError(f"a cached prefix of {prefix} tokens is not a multiple of {s.stream_tokens} below the "
+                         f"prompt length {prompt_len}")
+    spans = [(a, b) for a, b in pieces(prompt_len, s.stream_tokens) if a >= prefix]
     kv_heads, hd = s.kv_heads, s.head_dim
     out = {st: [PartSpec(piece_name("kv", a), tuple(range(lo, hi)), s.dtype, (hi - lo, 2, b - a, kv_heads, hd))
                 for a, b in spans] for st, (lo, hi) in enumerate(s.layer_partition)}

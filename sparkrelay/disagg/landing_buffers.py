@@ -65,29 +65,32 @@ class LandingBuffers:
                        hidden_row=hidden[0].numel() * hidden.element_size() if hidden is not None else 0,
                        meta=self.meta[block_ids[0]].data_ptr(), meta_bytes=self.meta_bytes)
 
-    def parts(self, taken: dict[int, dict[str, Part]], block_ids: list[int],
-              slots: torch.Tensor) -> dict[int, dict[str, Part]]:
+    def parts(self, taken: dict[int, dict[str, Part]], block_ids: list[int], slots: torch.Tensor,
+              prefix: int = 0) -> dict[int, dict[str, Part]]:
         """The last stage's landed parts (meta and the DSpark context) as Parts with their bytes (copies); the
-        context's pieces, landed at their positions, are read back as one piece of every position ("hidden@0")."""
+        context's pieces, landed at their positions, are read back as one piece of every position the prefill sent
+        (from `prefix`, the positions this decode held already: "hidden@<prefix>")."""
         last = max(taken)
         out: dict[str, Part] = {}
+        sent = slots[prefix:]  # [n - prefix]
         for name, part in taken[last].items():
             kind = split_piece(name)[0]
+            name0 = piece_name(kind, prefix)
             if kind == "meta":
                 out[name] = Part(part.spec, self.meta[block_ids[0], : part.spec.nbytes].numpy().tobytes())
-            elif kind == "hidden" and piece_name(kind, 0) not in out:
-                rows = self.hidden.index_select(0, slots)  # [n, W]
-                out[piece_name(kind, 0)] = Part(_spec(part.spec, kind, rows), _bytes(rows))
-            elif kind == "draft_kv" and piece_name(kind, 0) not in out:
-                kv = torch.stack([torch.stack([k.index_select(0, slots), v.index_select(0, slots)])
-                                  for k, v in self.draft.layers.values()])  # [Ld, 2, n, kv_heads, head_dim]
-                out[piece_name(kind, 0)] = Part(_spec(part.spec, kind, kv), _bytes(kv))
+            elif kind == "hidden" and name0 not in out:
+                rows = self.hidden.index_select(0, sent)  # [n - prefix, W]
+                out[name0] = Part(_spec(part.spec, name0, rows), _bytes(rows))
+            elif kind == "draft_kv" and name0 not in out:
+                kv = torch.stack([torch.stack([k.index_select(0, sent), v.index_select(0, sent)])
+                                  for k, v in self.draft.layers.values()])  # [Ld, 2, n - prefix, kv_heads, head_dim]
+                out[name0] = Part(_spec(part.spec, name0, kv), _bytes(kv))
         return {last: out}
 
 
-def _spec(piece: PartSpec, kind: str, t: torch.Tensor) -> PartSpec:
-    """A piece's spec widened to the whole prompt's rows `t`."""
-    return PartSpec(piece_name(kind, 0), piece.layer_ids, piece.dtype, tuple(t.shape))
+def _spec(piece: PartSpec, name: str, t: torch.Tensor) -> PartSpec:
+    """A piece's spec widened to the rows `t` of every position sent."""
+    return PartSpec(name, piece.layer_ids, piece.dtype, tuple(t.shape))
 
 
 def _bytes(t: torch.Tensor) -> bytes:

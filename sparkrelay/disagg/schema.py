@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-SCHEMA_VERSION = 4  # 2: the metadata row carries the first token's logprobs; 3: the transfer backend; 4: streamed
+SCHEMA_VERSION = 5  # 2: the metadata row carries the first token's logprobs; 3: the transfer backend; 4: streamed;
+# 5: a decode's cached prefix (TRANSFER_INFO prefix: the prefill sends only the pieces from there)
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class HandoffSchema:
     hidden_width: int               # len(target_layer_ids) * hidden_size
     handoff: str                    # tail | hidden | draft-kv
     tail_tokens: int                # rows of the tail handoff (0 unless handoff == tail)
-    prefix_cache: str               # radix policy: "off" (no prefix reuse on either side)
+    prefix_cache: str               # this side's prefix (radix) cache: "on" | "off" (every pair is correct, below)
     draft: Optional[tuple[int, int, int]]  # draft-kv: (draft layers, draft kv heads, draft head_dim)
     stream_tokens: int              # positions per streamed piece (the decode plans the prefill's pieces with it)
 
@@ -62,10 +63,12 @@ class HandoffSchema:
 
 
 # Fields compared between prefill and decode; layer_partition is checked separately (decode runs PP = 1 and
-# accepts any prefill PP size whose partition is the shared function's); stream_tokens is the prefill's to choose
-# (the decode reads it from the prefill's record to plan the pieces).
+# accepts any prefill PP size whose partition is the shared function's). stream_tokens must agree: a decode's
+# cached prefix is a whole number of pieces. prefix_cache is each side's own: every pair of policies is correct (a
+# decode names the prefix it holds, and a prefill keeps the drafter's context beside its cached pages, so it can
+# send any position's; docs/prefix_cache.md), and version 5 refuses a peer that would ignore the prefix.
 COMPARED = ("version", "transfer_backend", "model", "dtype", "page_size", "num_layers", "kv_heads", "head_dim",
-            "hidden_size", "target_layer_ids", "hidden_width", "handoff", "tail_tokens", "prefix_cache", "draft")
+            "hidden_size", "target_layer_ids", "hidden_width", "handoff", "tail_tokens", "draft", "stream_tokens")
 
 
 def compare(prefill: dict, decode: dict) -> list[str]:

@@ -280,7 +280,7 @@ class Engine:
         lp = req.logprobs.snapshot() if req.logprobs is not None else None
         self._ready.append(RequestOutput(req.rid, new_ids, list(req.output_ids), req.is_finished, req.finish_reason,
                                          len(req.prompt_ids), req.output_text, req.spec_verify_ct, tau, lp,
-                                         req.cached_tokens))
+                                         req.cached_tokens, req.handoff_bytes))
 
     def _release(self, req: Request) -> None:
         if req.status == Status.FINISHED and not any(o.rid == req.rid and o.finished for o in self._ready):

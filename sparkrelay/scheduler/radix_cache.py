@@ -61,12 +61,14 @@ class RadixCache:
             yield i, tuple(tokens[i * ps : (i + 1) * ps])
 
     # -- lookups -------------------------------------------------------------------------------------------------
-    def match(self, tokens: list[int], limit: int) -> list[int]:
-        """Blocks of the longest cached prefix of tokens[:limit], in page order (touched as just used)."""
+    def match(self, tokens: list[int], limit: int, needs_draft: Optional[bool] = None) -> list[int]:
+        """Blocks of the longest cached prefix of tokens[:limit], in page order (touched as just used). needs_draft
+        (default: the cache's): stop at the first page without the drafter's context."""
         node, out, now = self.root, [], next(self._clock)
-        for _, key in self._pages(tokens, limit):
+        draft = self.needs_draft if needs_draft is None else needs_draft
+        for _, key in self._pages(tokens, max(0, limit)):
             child = node.children.get(key)
-            if child is None or (self.needs_draft and not child.draft):
+            if child is None or (draft and not child.draft):
                 break
             child.last_access = now
             out.append(child.block)

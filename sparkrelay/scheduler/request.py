@@ -122,6 +122,7 @@ class Request:
     # Tokens whose KV is in the cache. A preempted request recomputes from 0 (or from its prefix cache hit).
     num_computed: int = 0
     cached_tokens: int = 0  # leading tokens found in the prefix cache (SGLang's meta_info.cached_tokens)
+    handoff_bytes: int = 0  # PD decode: the bytes its prefill handed off for it (KV, drafter context, metadata row)
     block_ids: list[int] = field(default_factory=list)
     arrival_time: float = 0.0
     first_token_time: Optional[float] = None
@@ -236,12 +237,15 @@ class RequestOutput:
     spec_accept_length: Optional[float] = None  # committed tokens per verify round (tau), when speculative
     logprobs: Optional[Logprobs] = None  # a snapshot of everything recorded so far (return_logprob only)
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    handoff_bytes: int = 0  # PD decode only: the bytes its prefill handed off for it
 
     def meta_info(self, e2e_latency: float, text_of: Optional[Callable[[int], str]] = None) -> dict:
         """SGLang's meta_info (spec_* only when speculative decoding ran; the logprob fields only when asked,
         their token texts from `text_of` when given: return_text_in_logprobs)."""
         meta = {"id": self.rid, "prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.output_ids),
                 "cached_tokens": self.cached_tokens, "finish_reason": self.finish_reason, "e2e_latency": e2e_latency}
+        if self.handoff_bytes:
+            meta["handoff_bytes"] = self.handoff_bytes  # sparkrelay's own field (PD decode)
         if self.spec_accept_length is not None:
             meta["spec_verify_ct"] = self.spec_verify_ct
             meta["spec_accept_length"] = self.spec_accept_length

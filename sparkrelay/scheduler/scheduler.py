@@ -94,15 +94,26 @@ class Scheduler:
         req.block_ids = []
 
     # -- the PD roles' verbs ------------------------------------------------------------------------------------
-    def reserve(self, req: Request, num_tokens: int) -> bool:
-        """Blocks for `num_tokens` of `req` outside the batch, if they fit (else nothing changes: False)."""
+    def reserve(self, req: Request, num_tokens: int, align: int = 0, keep: int = 1,
+                needs_draft: Optional[bool] = None) -> Optional[int]:
+        """Blocks for `num_tokens` of `req` outside the batch, if they fit (else nothing changes: None). With
+        `align` and a prefix cache, the first blocks are its cached prefix (the leading tokens it holds, a multiple
+        of `align`, leaving at least the last `keep` positions to be received; needs_draft as RadixCache.match);
+        returns how many tokens that prefix covers (0: none)."""
         assert req not in self.running and req not in self.waiting, f"{req.rid} is already scheduled"
+        hit = self.cache.match(req.prompt_ids, num_tokens - keep, needs_draft) if self.cache and align else []
+        hit = hit[: len(hit) * self.blocks.page_size // align * align // self.blocks.page_size] if hit else []
+        if hit:
+            self.blocks.share(req.rid, hit)
         if not self.blocks.can_allocate(req.rid, num_tokens):
-            return False
+            self.blocks.free(req.rid)
+            return None
         self.blocks.allocate(req.rid, num_tokens)
         req.block_ids = self.blocks.table(req.rid)
         self.held[req.rid] = req
-        return True
+        if align:
+            self._count_hit(req, len(hit) * self.blocks.page_size)
+        return len(hit) * self.blocks.page_size
 
     def admit_transferred(self, req: Request) -> None:
         """A reserved request whose prompt KV arrived joins the batch: RUNNING, every prompt token computed; its

@@ -170,11 +170,12 @@ def _item(f: list) -> GenerationItem:
 def _output_fields(o: RequestOutput) -> list:
     lp = None if o.logprobs is None else [getattr(o.logprobs, f.name) for f in fields(Logprobs)]
     return [o.rid, o.new_ids, o.output_ids, o.finished, o.finish_reason, o.prompt_tokens, o.text, o.spec_verify_ct,
-            o.spec_accept_length, lp, o.cached_tokens]
+            o.spec_accept_length, lp, o.cached_tokens, o.handoff_bytes]
 
 
 def _output(f: list) -> RequestOutput:
-    *head, lp, cached = f
+    *head, lp, cached, handoff = f
     if len(head) != 9:
-        raise ValueError(f"an output has {len(head) + 2} fields, not 11")
-    return RequestOutput(*head, logprobs=None if lp is None else Logprobs(*lp), cached_tokens=int(cached))
+        raise ValueError(f"an output has {len(head) + 3} fields, not 12")
+    return RequestOutput(*head, logprobs=None if lp is None else Logprobs(*lp), cached_tokens=int(cached),
+                         handoff_bytes=int(handoff))

@@ -101,7 +101,7 @@ def split_piece(name: str) -> tuple[str, int]:
 # (ours, theirs) schema dicts -> a list of "field: prefill=X decode=Y" mismatches (empty when they agree)
 SchemaCompare = Callable[[dict, dict], list[str]]
 # (the prefill's schema dict, prompt_len) -> {pp_rank: [PartSpec, ...]} the decode side must receive
-ExpectedParts = Callable[[dict, int], dict[int, list[PartSpec]]]
+ExpectedParts = Callable[[dict, int, int], dict[int, list[PartSpec]]]  # (schema, prompt_len, decode's prefix)
 # (room, state, reason) reported by a prefill agent when a room reaches Success or Failed
 StatusCallback = Callable[[int, KVPoll, str], None]
 
@@ -203,11 +203,12 @@ class DecodeTransfer(TransferAgent):
 
     @abstractmethod
     def begin(self, room: int, bootstrap_host: str, bootstrap_port: Optional[int], prompt_len: int,
-              landing=None) -> None:
+              landing=None, prefix: int = 0) -> None:
         """Start receiving `room` from the prefill whose bootstrap server is bootstrap_host:bootstrap_port (None:
         the default port). landing (transfer/landing.py, a one-sided backend's, which needs it): where in the
-        registered memory each part goes. ValueError for a bad argument or a room in use, RuntimeError when the
-        table is full."""
+        registered memory each part goes. prefix: leading prompt tokens this decode holds already (its prefix
+        cache), which the prefill does not send. ValueError for a bad argument or a room in use, RuntimeError when
+        the table is full."""
 
     @abstractmethod
     def take(self, room: int) -> dict[int, dict[str, Part]]:

@@ -99,7 +99,7 @@ class DecodeBootstrap(Agent):
                     self._fail(room, rec, "decode send queue is full")
 
     def _transfer_info(self, room: int, rec: DecodeRoom) -> TransferInfo:
-        return TransferInfo(room, self.host, self.port, rec.prompt_len, self._schema)
+        return TransferInfo(room, self.host, self.port, rec.prompt_len, self._schema, prefix=rec.prefix)
 
     def _refusal(self, info: dict, rec: DecodeRoom) -> tuple[str, dict[int, dict[str, PartSpec]]]:
         """(why this decode refuses the prefill's rooms, or "", pp_rank -> name -> PartSpec)."""
@@ -108,7 +108,8 @@ class DecodeBootstrap(Agent):
             return (f"the prefill's bootstrap server at {host}:{port} runs without --disaggregation-auth-token, "
                     "this decode with one (it would drop every message of this decode): set the same "
                     "--disaggregation-auth-token on both servers"), {}
-        return plan(self._compare, self._expected_parts, info, self._schema, rec.prompt_len, self.max_part_bytes)
+        return plan(self._compare, self._expected_parts, info, self._schema, rec.prompt_len, self.max_part_bytes,
+                    rec.prefix)
 
     # ---- prefill records ----
 

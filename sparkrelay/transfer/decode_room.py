@@ -29,6 +29,7 @@ class DecodeRoom:
     addr: Addr
     prompt_len: int
     begun: float
+    prefix: int = 0  # leading prompt tokens the decode holds (its prefix cache): the prefill sends the rest
     state: KVPoll = KVPoll.Bootstrapping
     reason: str = ""
     expected: Plan = field(default_factory=dict)
@@ -166,14 +167,14 @@ def schema_mismatches(compare: SchemaCompare, prefill: dict, decode: dict) -> li
 
 
 def plan(compare: SchemaCompare, expected_parts: ExpectedParts, info: dict, ours: dict, prompt_len: int,
-         max_part_bytes: int) -> tuple[str, Plan]:
+         max_part_bytes: int, prefix: int = 0) -> tuple[str, Plan]:
     """(why the decode refuses a room of this prefill, or "", the parts it expects) from the prefill's server
     info. A schema mismatch starts with SCHEMA_MISMATCH and names each field with both values."""
     mismatches = schema_mismatches(compare, info["schema"], ours)
     if mismatches:
         return SCHEMA_MISMATCH + "; ".join(mismatches), {}
     try:
-        wanted = expected_parts(info["schema"], prompt_len)
+        wanted = expected_parts(info["schema"], prompt_len, prefix)
     except ValueError as e:
         return str(e), {}
     except Exception as e:

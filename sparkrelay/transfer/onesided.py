@@ -139,7 +139,7 @@ class OneSidedDecode(DecodeAgent):
         return wire
 
     def _transfer_info(self, room: int, rec) -> TransferInfo:
-        return TransferInfo(room, self.host, self.port, rec.prompt_len, self._schema, rec.landing)
+        return TransferInfo(room, self.host, self.port, rec.prompt_len, self._schema, rec.landing, rec.prefix)
 
     def _on_data(self, msg: Data) -> None:
         raise FrameError(f"DATA frame for room {msg.room} on the {self.engine_name} backend (the prefill sends "

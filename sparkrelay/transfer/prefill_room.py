@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
-from sparkrelay.transfer.base import SCHEMA_MISMATCH, Dest, KVPoll, Part, PollResult
+from sparkrelay.transfer.base import PIECE_SEP, SCHEMA_MISMATCH, Dest, KVPoll, Part, PollResult, split_piece
 from sparkrelay.transfer.protocol import TransferInfo
 
 MAX_ROOMS = 1 << 16
@@ -45,6 +45,7 @@ class PrefillRoom:
     reason: str = ""
     dest: Optional[Dest] = None  # the decode's PULL endpoint, from its TRANSFER_INFO
     landing: Optional[dict] = None  # its landing map (one-sided backends write there; zmq ignores it)
+    prefix: int = 0  # the decode holds positions [0, prefix): pieces that start before it are not sent
     pending: list[Part] = field(default_factory=list)  # handed over, not taken by a push yet
     names: set[str] = field(default_factory=set)  # every part name handed over (each is sent once)
     final: bool = False  # the last hand-over happened
@@ -65,9 +66,10 @@ class PrefillRoom:
         self.state, self.reason, self.pending = KVPoll.Failed, reason, []
         return True
 
-    def accept(self, info: TransferInfo, mismatches: list[str]) -> str:
+    def accept(self, info: TransferInfo, mismatches: list[str], align: int = 1) -> str:
         """The decode's TRANSFER_INFO, first of its kind (the caller checks dest is None). Returns why the room
-        must fail, or "" (WaitingForInput, or still Failed if it failed before: the caller tells the decode)."""
+        must fail, or "" (WaitingForInput, or still Failed if it failed before: the caller tells the decode).
+        align: the positions per piece; a decode's prefix is a whole number of pieces."""
         self.dest, self.landing = info.dest, info.landing
         if self.state == KVPoll.Failed:
             return ""
@@ -76,6 +78,10 @@ class PrefillRoom:
         if info.prompt_len != self.prompt_len:
             return (f"prompt_len mismatch: prefill={self.prompt_len} decode={info.prompt_len} "
                     "(the two servers tokenized the request differently)")
+        if info.prefix and (info.prefix % align or info.prefix >= self.prompt_len):
+            return (f"the decode's cached prefix {info.prefix} is not a multiple of {align} positions below the "
+                    f"prompt length {self.prompt_len}")
+        self.prefix = info.prefix
         self.state = max(self.state, KVPoll.WaitingForInput)
         return ""
 
@@ -102,8 +108,11 @@ class PrefillRoom:
         return True
 
     def take_parts(self) -> tuple[list[Part], bool]:
-        """The queued push runs: (every part handed over so far, whether the last hand-over is among them)."""
+        """The queued push runs: (every part handed over so far but the pieces the decode holds, whether the last
+        hand-over is among them)."""
         parts, self.pending, self.queued = self.pending, [], False
+        if self.prefix:
+            parts = [p for p in parts if PIECE_SEP not in p.spec.name or split_piece(p.spec.name)[1] >= self.prefix]
         self.closing = self.final
         return parts, self.final
 
@@ -149,11 +158,11 @@ class PrefillRooms:
         while len(self.cleared) > MAX_ROOMS:
             self.cleared.popitem(last=False)
 
-    def accept(self, room: int, rec: PrefillRoom, info: TransferInfo, mismatches: list[str]) -> str:
+    def accept(self, room: int, rec: PrefillRoom, info: TransferInfo, mismatches: list[str], align: int = 1) -> str:
         """rec.accept, and the room no longer waits for a TRANSFER_INFO; its decode is alive."""
         self.dead.pop(info.dest, None)
         self.pending.pop(room, None)
-        return rec.accept(info, mismatches)
+        return rec.accept(info, mismatches, align)
 
     def hold_early(self, room: int, now: float, info: Optional[TransferInfo] = None,
                    aborted: Optional[str] = None) -> list[int]:

@@ -74,6 +74,14 @@ def _int(lo: int, hi: int):
     return rule
 
 
+def _opt_int(lo: int, hi: int):
+    check = _int(lo, hi)
+
+    def rule(name: str, v: Any, room: Optional[int]) -> int:
+        return 0 if v is None else check(name, v, room)
+    return rule
+
+
 def _str(max_len: int):
     def rule(name: str, v: Any, room: Optional[int]) -> str:
         if not isinstance(v, str) or len(v) > max_len:
@@ -160,13 +168,14 @@ class TransferInfo(Message):
     TYPE: ClassVar[str] = "TRANSFER_INFO"
     RULES: ClassVar[tuple] = (("room", _room), ("schema", _map), ("decode_host", _str(255)),
                               ("decode_port", _int(1, 65535)), ("prompt_len", _int(0, 1 << 40)),
-                              ("landing", _opt_map))
+                              ("landing", _opt_map), ("prefix", _opt_int(0, 1 << 40)))
     room: int
     decode_host: str
     decode_port: int
     prompt_len: int
     schema: dict
     landing: Optional[dict] = None  # where a one-sided backend writes the parts; {} (None reads as {}) for zmq
+    prefix: int = 0  # leading prompt tokens the decode holds already (its prefix cache): not sent (None reads as 0)
 
     @property
     def dest(self) -> tuple[str, int]:

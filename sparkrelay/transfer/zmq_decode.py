@@ -83,7 +83,7 @@ class DecodeAgent(DecodeBootstrap, DecodeTransfer):
     # ---- engine-facing API ----
 
     def begin(self, room: int, bootstrap_host: str, bootstrap_port: Optional[int], prompt_len: int,
-              landing: Optional[Landing] = None) -> None:
+              landing: Optional[Landing] = None, prefix: int = 0) -> None:
         why = check_room(room)
         if why:
             raise ValueError(why)
@@ -94,7 +94,9 @@ class DecodeAgent(DecodeBootstrap, DecodeTransfer):
             raise ValueError(f"bootstrap_port must be an int in 1..65535 or None, got {bootstrap_port!r}")
         if not isinstance(prompt_len, int) or prompt_len < 0:
             raise ValueError(f"prompt_len must be a non-negative int, got {prompt_len!r}")
-        rec = DecodeRoom((bootstrap_host.strip("[]"), port), prompt_len, time.monotonic())
+        if not isinstance(prefix, int) or not (prefix == 0 or 0 < prefix < prompt_len):
+            raise ValueError(f"prefix must be 0 or an int below prompt_len {prompt_len}, got {prefix!r}")
+        rec = DecodeRoom((bootstrap_host.strip("[]"), port), prompt_len, time.monotonic(), prefix=prefix)
         try:
             rec.landing = self._landing(landing)
         except ValueError as e:  # the room fails (poll says why); the engine goes on

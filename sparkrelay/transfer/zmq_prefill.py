@@ -168,7 +168,7 @@ class PrefillAgent(Agent, PrefillTransfer):
                 return
             duplicate = rec.dest is not None
             if not duplicate:
-                reason = self._table.accept(room, rec, info, mismatches)
+                reason = self._table.accept(room, rec, info, mismatches, int(self._schema.get("stream_tokens") or 1))
                 reply = rec.reason if rec.state == KVPoll.Failed else None  # failed before: tell the decode now
                 full = not reason and reply is None and self._queue_push_locked(room, rec)
         if duplicate:

@@ -1,8 +1,11 @@
-"""PD with the prefix cache on the prefill (PP=2, no drafter) behind a DSpark decode and the router: multi-turn
-conversations over a shared system part. The prefill computes only what its cache lacks, and still hands off the
-drafter's context of every position (kept beside its cached pages; `tail` rows always computed), so every mode gives
-the aggregated tokens, and `hidden` / `draft-kv` the aggregated acceptance per request (docs/prefix_cache.md).
-The default run does hidden and draft-kv (each keeps its context in its own pool); `tail` is marked slow (the
+"""PD with the prefix cache on both sides (PP=2 prefill without a drafter, DSpark decode, the router): multi-turn
+conversations over a shared system part. The prefill computes only what its cache lacks and can hand off any
+position's drafter context (kept beside its cached pages; `tail` rows always computed); the decode names the prefix
+it holds and receives only the pieces after it. Every mode gives the aggregated tokens, `hidden` / `draft-kv` the
+aggregated acceptance per request, and a turn the decode holds most of costs fewer handoff bytes
+(docs/prefix_cache.md).
+The default run does hidden and draft-kv over zmq (each keeps its context in its own pool) and hidden over NIXL (a
+one-sided backend: the landed context is read back from the prefix on); `tail` and Mooncake are marked slow (the
 scheduler's computed tail is unit-tested in test_radix_cache.py)."""
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ from sparkrelay.scheduler.request import SamplingParams
 from sparkrelay.tools.cluster import PDSettings, start_pd
 
 from testkit.pd import DRAFTER, MAX_NEW, MODEL, generate
+
+
+def state(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url + "/server_info").read())["internal_states"][0]
 
 
 def turns(tok, text: str, generate_fn) -> list[dict]:
@@ -50,22 +57,31 @@ def reference(text) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["hidden", "draft-kv", pytest.param("tail", marks=pytest.mark.slow)])
-def test_pd_with_the_prefill_cache_equals_aggregated(tmp_path, text, reference, mode):
+@pytest.mark.parametrize("backend, mode", [
+    ("zmq", "hidden"), ("zmq", "draft-kv"), ("nixl", "hidden"),
+    pytest.param("zmq", "tail", marks=pytest.mark.slow), pytest.param("mooncake", "draft-kv", marks=pytest.mark.slow),
+])
+def test_pd_with_the_cache_on_both_sides_equals_aggregated(tmp_path, text, reference, backend, mode):
     from transformers import AutoTokenizer
 
+    flags = ["--disaggregation-transfer-backend", backend]
     cluster = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=2, handoff=mode, router="sparkrelay",
-                                  prefill_args=["--chunked-prefill-size", "128"]), str(tmp_path))
+                                  prefill_args=["--chunked-prefill-size", "128", *flags], decode_args=flags),
+                       str(tmp_path))
     try:
         deadline = time.monotonic() + 30
 
+        sent = []  # handoff bytes the decode received per request
+
         def one(ids):
+            before = state(cluster.decode.url)["handoff_bytes_total"]
             status, out = generate(cluster.url, ids, retries_until=deadline)
             assert status == 200, (status, out, cluster.prefill.log_tail())
+            sent.append(state(cluster.decode.url)["handoff_bytes_total"] - before)
             return out
 
         results = turns(AutoTokenizer.from_pretrained(MODEL), text, one)
-        info = json.loads(urllib.request.urlopen(cluster.prefill.url + "/server_info").read())["internal_states"][0]
+        info, decode = state(cluster.prefill.url), state(cluster.decode.url)
     finally:
         cluster.stop()
     assert [r["output_ids"] for r in results] == [r["output_ids"] for r in reference]
@@ -74,3 +90,8 @@ def test_pd_with_the_prefill_cache_equals_aggregated(tmp_path, text, reference, 
             [(r["meta_info"]["spec_verify_ct"], r["meta_info"]["spec_accept_length"]) for r in reference]
     # turn 2 of each conversation and conversation 2's turn 1 (the system part) were found in the prefill's cache
     assert info["prefix_cache"] == "on" and info["cache_hit_tokens"] >= 288 + 2 * 320, info
+    # the decode held 256 of each second turn's ~430 tokens and of conversation 2's first 340 (the system part):
+    # whole 128-token pieces; those requests' handoffs carried only the rest
+    assert decode["prefix_cache"] == "on" and decode["cache_hit_tokens"] == 3 * 256, decode
+    assert [r["meta_info"]["cached_tokens"] for r in results] == [0, 256, 256, 256]
+    assert sent[1] < 0.55 * sent[0] and sent[3] < 0.55 * sent[0] and sent[2] < 0.3 * sent[0], sent

@@ -36,7 +36,7 @@ def compare(prefill: dict, decode: dict) -> list[str]:
     return [f"{k}: prefill={prefill.get(k)!r} decode={decode.get(k)!r}" for k in keys if prefill.get(k) != decode.get(k)]
 
 
-def expected_parts(schema: dict, prompt_len: int) -> dict[int, list[PartSpec]]:
+def expected_parts(schema: dict, prompt_len: int, prefix: int = 0) -> dict[int, list[PartSpec]]:
     per = schema["num_layers"] // schema["pp_size"]
     return {s: [PartSpec("kv", tuple(range(s * per, (s + 1) * per)), "bfloat16", (per, 2, prompt_len, 8))]
             for s in range(schema["pp_size"])}

@@ -21,7 +21,7 @@ def compare(a: dict, b: dict) -> list[str]:
     return [f"{k}: prefill={a.get(k)!r} decode={b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
-def expected_parts(schema: dict, prompt_len: int) -> dict[int, list[PartSpec]]:
+def expected_parts(schema: dict, prompt_len: int, prefix: int = 0) -> dict[int, list[PartSpec]]:
     """Each stage sends its layers' KV [layers, 2, prompt_len, hidden]; the last stage also a meta row."""
     if prompt_len <= 0:
         raise ValueError(f"prompt_len {prompt_len}: nothing to transfer")

@@ -30,7 +30,7 @@ def compare(a: dict, b: dict) -> list[str]:
     return [f"{k}: prefill={a.get(k)!r} decode={b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
-def expected_parts(schema: dict, prompt_len: int) -> dict[int, list[PartSpec]]:
+def expected_parts(schema: dict, prompt_len: int, prefix: int = 0) -> dict[int, list[PartSpec]]:
     return {0: [PartSpec("kv", (0, 1, 2, 3), "bfloat16", (4, 2, prompt_len, 8))]}
 
 

@@ -66,6 +66,23 @@ def test_prefill_room_streams_its_hand_overs():
     assert not rec.take_push() and rec.closing
 
 
+def test_prefill_room_sends_nothing_the_decode_holds():
+    """TRANSFER_INFO's prefix (the decode's cached prefix, whole pieces): pieces before it are dropped, the row
+    goes; a prefix that is not a whole number of pieces below the prompt length fails the room."""
+    kv0, kv4, meta = (Part(PartSpec(n, (0,), "bfloat16", (1,)), b"") for n in ("kv@0", "kv@4", "meta"))
+    t = PrefillRooms("prefill pp_rank 0")
+    t.add(7, 10, now=0.0)
+    rec = t.rooms[7]
+    rec.hand_over(7, [kv0, kv4, meta], True)
+    assert t.accept(7, rec, TransferInfo(7, "127.0.0.1", 5000, 10, {}, prefix=4), [], align=4) == ""
+    assert rec.take_push() and rec.take_parts() == ([kv4, meta], True)
+    for bad in (2, 12):
+        t.add(8 + bad, 10, now=0.0)
+        why = t.accept(8 + bad, t.rooms[8 + bad], TransferInfo(8 + bad, "127.0.0.1", 5000, 10, {}, prefix=bad), [],
+                       align=4)
+        assert f"cached prefix {bad} is not a multiple of 4 positions below the prompt length 10" in why
+
+
 def test_prefill_room_refusals():
     t = PrefillRooms("prefill pp_rank 1")
     t.add(1, 5, 0.0)
@@ -198,7 +215,7 @@ def test_decode_rooms_waiting_timeout_and_table():
 def test_plan():
     info = {"schema": {"hidden": 8}, "pp_size": 2}
 
-    def parts(schema, prompt_len):
+    def parts(schema, prompt_len, prefix=0):
         return {0: [KV], 1: [KV, META]}
 
     def compare(a, b):
@@ -210,11 +227,11 @@ def test_plan():
     broken = plan(lambda a, b: 1 / 0, parts, info, {}, 5, 1 << 20)[0]
     assert broken.startswith(SCHEMA_MISMATCH + "schema compare failed (ZeroDivisionError")
     assert "over max_part_bytes" in plan(compare, parts, info, {"hidden": 8}, 5, 100)[0]
-    assert plan(compare, lambda s, n: {2: [KV]}, info, {"hidden": 8}, 5, 1 << 20)[0] == \
+    assert plan(compare, lambda s, n, p: {2: [KV]}, info, {"hidden": 8}, 5, 1 << 20)[0] == \
         "expected_parts names pp_rank 2, the prefill has pp_size 2"
-    assert "twice" in plan(compare, lambda s, n: {0: [KV, KV]}, info, {"hidden": 8}, 5, 1 << 20)[0]
+    assert "twice" in plan(compare, lambda s, n, p: {0: [KV, KV]}, info, {"hidden": 8}, 5, 1 << 20)[0]
 
-    def refuses(schema, prompt_len):
+    def refuses(schema, prompt_len, prefix=0):
         raise ValueError("nothing to transfer")
 
     assert plan(compare, refuses, info, {"hidden": 8}, 0, 1 << 20) == ("nothing to transfer", {})

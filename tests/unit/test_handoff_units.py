@@ -155,6 +155,16 @@ def test_expected_parts_per_stage():
         expected_parts(schema(partition=((0, 5), (5, 8))).to_dict(), 10)
 
 
+def test_expected_parts_after_a_cached_prefix():
+    """A decode holding the first 4 positions (its prefix cache) expects the pieces from there, and the row."""
+    parts = expected_parts(schema(handoff="hidden").to_dict(), 10, prefix=4)
+    assert [p.name for p in parts[0]] == ["kv@4", "kv@8"]
+    assert [p.name for p in parts[1]] == ["kv@4", "kv@8", "hidden@4", "hidden@8", "meta"]
+    for bad in (2, 10, 12):  # not a whole number of pieces, or not below the prompt length
+        with pytest.raises(ValueError, match="cached prefix"):
+            expected_parts(schema(handoff="hidden").to_dict(), 10, prefix=bad)
+
+
 def test_kv_pairs_by_global_layer_id_piece_by_piece():
     pool = KVPool(range(8), 4, 4, 2, 4, torch.float32, "cpu")
     slots = torch.tensor([5, 6, 7])

@@ -231,3 +231,19 @@ def test_a_computed_tail_is_never_taken_from_the_cache():
     again = make("b", range(1, 33))
     sched.add(again)
     assert sched.schedule().seqs[0].start == 24  # the last 8 positions (and the page they start in) recomputed
+
+
+def test_a_decode_reserves_its_cached_prefix_in_whole_pieces():
+    """reserve(align): the prompt's cached start, cut to a multiple of `align` (the prefill's piece), shared; the
+    rest allocated; nothing held when the rest does not fit."""
+    bm, cache = cached(num_blocks=12)
+    sched = Scheduler(bm, max_running=4, token_budget=64, cache=cache)
+    run(sched, [make("a", range(1, 30), max_new=4)])  # 29 + 4 tokens, 32 computed: 8 pages cached
+    turn2 = make("b", list(range(1, 30)) + [7, 7, 7, 7] + [5] * 6)  # 39 tokens
+    assert sched.reserve(turn2, 39, align=16) == 32 and turn2.cached_tokens == 32
+    assert bm.table("b")[:8] == cache.match(turn2.prompt_ids, 32) and len(bm.table("b")) == 10
+    sched.remove(turn2)
+    big = make("c", list(range(1, 30)) + [9] * 30)  # its rest (28 tokens: 7 pages + 8 shared) does not fit 12 - 8
+    assert sched.reserve(big, 59, align=16) is None and bm.table("c") == [] and bm.num_used == 0
+    assert sched.reserve(make("d", range(1, 30)), 29, align=0) == 0  # no align: no match (a fake request)
+    sched.check()

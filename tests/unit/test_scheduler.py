@@ -107,7 +107,7 @@ def test_reserve_then_admit_transferred_decodes_from_the_prompt_end():
     bm = BlockManager(8, 4)
     sched = Scheduler(bm, max_running=4, token_budget=64)
     req = make("d", 10, 3)
-    assert sched.reserve(req, 10)
+    assert sched.reserve(req, 10) == 0  # reserved, no cached prefix
     assert len(req.block_ids) == 3 and not sched.has_work() and req not in sched.running
     sched.check()
     req.output_ids.append(42)  # the prefill's first token
@@ -124,12 +124,12 @@ def test_reserve_refuses_without_touching_anything_when_full():
     bm = BlockManager(4, 4)
     sched = Scheduler(bm, max_running=4, token_budget=64)
     a, b = make("a", 12, 1), make("b", 8, 1)
-    assert sched.reserve(a, 12)
-    assert not sched.reserve(b, 8)
+    assert sched.reserve(a, 12) == 0
+    assert sched.reserve(b, 8) is None  # does not fit
     assert b.block_ids == [] and bm.table("b") == [] and bm.num_free == 1
     sched.check()
     sched.remove(a)  # a reserved request that never arrives (failed, aborted) gives its blocks back
-    assert sched.reserve(b, 8)
+    assert sched.reserve(b, 8) == 0
     sched.remove(b)
     sched.check()
     assert bm.num_free == 4

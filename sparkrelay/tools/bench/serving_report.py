@@ -31,6 +31,7 @@ class Record:
     spec_accept_length: Optional[float] = None
     text: str = ""
     cached_tokens: Optional[int] = None  # prompt tokens the server found in its prefix cache (meta_info)
+    handoff_bytes: Optional[int] = None  # a sparkrelay PD deployment: the bytes the prefill handed off (meta_info)
     output_ids: list[int] = field(default_factory=list)  # sglang backend
     conversation: int = -1  # multiturn: the item's conversation and turn
     turn: int = 0
@@ -72,7 +73,8 @@ def cache_figures(ok: list[Record]) -> dict:
         rows = [r for r in ok if r.conversation >= 0 and r.turn == t]
         out[f"turn{t}"] = {"requests": len(rows), "prompt_tokens": bc.mean([r.prompt_tokens or 0 for r in rows]),
                            **stats_ms("ttft", [r.ttft for r in rows if r.ttft is not None]),
-                           "cached_tokens": bc.mean([r.cached_tokens or 0 for r in rows])}
+                           "cached_tokens": bc.mean([r.cached_tokens or 0 for r in rows]),
+                           "handoff_bytes": bc.mean([r.handoff_bytes for r in rows if r.handoff_bytes is not None])}
     return out
 
 

@@ -51,6 +51,7 @@ def on_chunk(rec: Record, obj: dict, backend: str, now: float, start: float, sta
         rec.spec_verify_ct = meta.get("spec_verify_ct", rec.spec_verify_ct)
         rec.spec_accept_length = meta.get("spec_accept_length", rec.spec_accept_length)
         rec.cached_tokens = meta.get("cached_tokens", rec.cached_tokens)
+        rec.handoff_bytes = meta.get("handoff_bytes", rec.handoff_bytes)
         rec.output_ids = obj.get("output_ids", rec.output_ids)
     else:
         if obj.get("usage"):
