@@ -316,6 +316,7 @@ class Engine:
         return {"prefix_cache": "off" if sched.cache is None else "on",
                 "prefix_cache_tokens": self.blocks.num_cached * self.blocks.page_size,
                 "cache_hit_tokens": sched.cache_hit_tokens, "cache_queried_tokens": queried,
+                "cache_evicted_tokens": sched.cache.num_evicted * self.blocks.page_size if sched.cache else 0,
                 "cache_hit_rate": sched.cache_hit_tokens / queried if queried else 0.0}
 
     def flush_cache(self) -> bool:

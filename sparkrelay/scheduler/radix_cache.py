@@ -48,6 +48,7 @@ class RadixCache:
         self.needs_draft = needs_draft
         self.root = Node((), -1, None)
         self._nodes = 0
+        self.num_evicted = 0  # pages evicted since start
         self._clock = itertools.count(1)
         blocks.evictor = self.evict
 
@@ -111,6 +112,7 @@ class RadixCache:
             _, _, nd = heapq.heappop(heap)
             self._remove(nd)
             freed += 1
+            self.num_evicted += 1
             parent = nd.parent
             if parent is not self.root and not parent.children and self.blocks.is_evictable(parent.block):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))

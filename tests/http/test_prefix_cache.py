@@ -85,3 +85,35 @@ def test_flush_cache_empties_it_and_is_refused_while_a_request_runs(served):
     assert r.status_code == 200 and r.text == "Cache flushed.\n"
     assert generate(client, PROMPT)["meta_info"]["cached_tokens"] == 0
     assert wait_idle(async_engine)["check_error"] is None
+
+
+def test_under_memory_pressure_the_server_evicts_serves_everyone_and_is_consistent_when_idle():
+    """A KV cache of 48 pages against 16 concurrent requests of 13-20 pages sharing a 160-token prefix, a third of
+    them aborted by their clients: every other request completes with the tokens it gets alone, the cache gave way
+    (evictions), and when idle no page is in use and the invariant check passed."""
+    app, async_engine = make_app(MODEL, speculative_algorithm="DSPARK", speculative_draft_model_path=str(DRAFTER),
+                                 context_length=1024, max_total_tokens=768, max_running_requests=8)
+    prompts = [PROMPT + list(range(400 + 7 * i, 440 + 7 * i + 3 * i)) for i in range(16)]
+    with TestClient(app) as client:
+        alone = [generate(client, p, 24)["output_ids"] for p in prompts[:2]]
+
+        async def load():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=client.app), base_url="http://t") as ac:
+                async def one(i):
+                    body = {"input_ids": prompts[i], "sampling_params": {"max_new_tokens": 24, **GREEDY}}
+                    post = ac.post("/generate", json=body)
+                    if i % 3 == 2:  # aborted: the client goes away mid-request (if it has not finished by then)
+                        try:
+                            return (await asyncio.wait_for(post, timeout=0.05 * i)).json()
+                        except asyncio.TimeoutError:
+                            return None
+                    return (await post).json()
+                return await asyncio.gather(*(one(i) for i in range(16)))
+
+        outs = client.portal.call(load)
+        assert [o["output_ids"] for o in outs[:2]] == alone
+        done = [o for o in outs if o is not None]
+        assert len(done) >= 10 and all(o["meta_info"]["completion_tokens"] == 24 for o in done)
+        state = wait_idle(async_engine, timeout=30)
+        assert state["kv_used_tokens"] == 0 and state["check_error"] is None, state
+        assert state["cache_evicted_tokens"] > 0 and state["cache_hit_tokens"] > 0, state

@@ -46,7 +46,8 @@ def test_wire_format_is_the_documented_map():
     assert msgpack.unpackb(Status.failed(ROOM, 0, "x").encode()[0]) == {
         "type": "STATUS", "room": ROOM, "pp_rank": 0, "status": int(KVPoll.Failed), "reason": "x"}
     assert list(msgpack.unpackb(TransferInfo(ROOM, "h", 1, 0, {}).encode()[0])) == [
-        "type", "room", "decode_host", "decode_port", "prompt_len", "schema", "landing"]
+        "type", "room", "decode_host", "decode_port", "prompt_len", "schema", "landing", "prefix"]
+    assert TransferInfo(ROOM, "h", 1, 0, {}).prefix == 0  # the decode's cached prefix: none
     assert TransferInfo(ROOM, "h", 1, 0, {}).landing == {}  # zmq: none; a one-sided backend's write targets
     assert TransferInfo(ROOM, "h", 1, 0, {}).encode() == TransferInfo(ROOM, "h", 1, 0, {}).encode()  # deterministic
 
@@ -64,6 +65,7 @@ def test_messages_are_frozen():
     (lambda: TransferInfo(ROOM, "h", 80, -1, {}), "prompt_len must be an int"),
     (lambda: TransferInfo(ROOM, "h", 80, 5, [1]), "schema must be a map"),
     (lambda: TransferInfo(ROOM, "h", 80, 5, {}, [1]), "landing must be a map"),
+    (lambda: TransferInfo(ROOM, "h", 80, 5, {}, {}, -16), "prefix must be an int in 0..1099511627776, got -16"),
     (lambda: Abort(True), "bootstrap_room must be an integer, got bool"),
     (lambda: Status(ROOM, 0, 5, ""), "status must be an int in 0..4"),
     (lambda: Status(ROOM, True, 4, ""), "pp_rank must be an int"),
