@@ -3,7 +3,7 @@
     python -m sparkrelay.tools.soak [--minutes 11] [--max-requests N] [--concurrency 8] [--pp-size 2]
                               [--handoff hidden] [--abort-fraction 0.1] [--stream-fraction 0.5]
                               [--out benchmarks/results/soak.json] [--router sparkrelay|sglang]
-                              [--inject-transfer-failures P]
+                              [--inject-transfer-failures P] [--max-total-tokens N]
 
 A fixed pool of prompts cut from held-out stdlib text (mostly 8-64 tokens, some 500-1500), each with its own
 max_new_tokens (8-64), greedy, ignore_eos. Their aggregated DSpark outputs are computed first, in process, one
@@ -67,6 +67,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--sample-every", type=float, default=30.0, help="Memory sampling period, seconds.")
     p.add_argument("--max-growth-pct", type=float, default=10.0)
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="Both servers' KV capacity (default: theirs); below the pool's working set the prefix caches "
+                        "evict under load.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-logs", action="store_true", help="Keep the server logs even when the run passes.")
     p.add_argument("--inject-transfer-failures", type=float, default=0.0, metavar="P",
@@ -110,6 +113,9 @@ def soak(args, pool: list[Prompt], cluster: PDCluster) -> dict:
 
 def cluster_settings(args) -> PDSettings:
     s = PDSettings(model=MODEL, drafter=DRAFTER, pp_size=args.pp_size, handoff=args.handoff, router=args.router)
+    if args.max_total_tokens:  # a KV cache below the pool's working set: the prefix caches must evict
+        s.prefill_args += ["--max-total-tokens", str(args.max_total_tokens)]
+        s.decode_args += ["--max-total-tokens", str(args.max_total_tokens)]
     if args.inject_transfer_failures:
         s.prefill_env["SPARKRELAY_TEST_DISAGG_FAILURE_PROB"] = str(args.inject_transfer_failures)
         s.router_args += NO_RETRIES[args.router]
