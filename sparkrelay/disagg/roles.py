@@ -86,7 +86,6 @@ class Handoff:
     role = "aggregated"        # what the engine serves as: aggregated, prefill or decode
     status_address = ""        # where pipeline stages report their part of a transfer ("": nowhere)
     sends_first_token = False  # True (prefill): a sampled first token ends the request's compute on this server
-    prefix_cache = True        # whether this role can serve with the prefix cache (a decode cannot yet)
     computed_tail = 1          # prompt positions at the end that are always computed, whatever the prefix cache holds
 
     def attach(self, parts: EngineParts) -> None:

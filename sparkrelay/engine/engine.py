@@ -84,13 +84,10 @@ class Engine:
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0}
 
     def _prefix_cache(self, config: Config) -> Optional[RadixCache]:
-        """The radix cache, on unless --disable-radix-cache. A decode server runs without it for now (it would have
-        to tell its prefill the prefix it holds); a prefill keeps the drafter's context beside the cached pages
-        (disagg/prefill_sink.py), so it sends every position's as before."""
+        """The radix cache, on unless --disable-radix-cache, in every role: a prefill keeps the drafter's context
+        beside its cached pages (disagg/prefill_sink.py), a decode names the prefix it holds in TRANSFER_INFO
+        (disagg/decode_role.py); docs/prefix_cache.md."""
         if config.cache.disable_radix_cache:
-            return None
-        if not self.handoff.prefix_cache:
-            logger.info("the prefix (radix) cache is off on a %s server", self.handoff.role)
             return None
         return RadixCache(self.blocks, needs_draft=self.proposer is not None)
 

@@ -102,7 +102,8 @@ class Scheduler:
         returns how many tokens that prefix covers (0: none)."""
         assert req not in self.running and req not in self.waiting, f"{req.rid} is already scheduled"
         hit = self.cache.match(req.prompt_ids, num_tokens - keep, needs_draft) if self.cache and align else []
-        hit = hit[: len(hit) * self.blocks.page_size // align * align // self.blocks.page_size] if hit else []
+        per = align // self.blocks.page_size if hit else 1  # pages per aligned unit (align: a multiple of pages)
+        hit = hit[: len(hit) // per * per]
         if hit:
             self.blocks.share(req.rid, hit)
         if not self.blocks.can_allocate(req.rid, num_tokens):

@@ -119,7 +119,8 @@ def ratios(rows: list[dict], key: str) -> dict[str, dict[int, float]]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sparkrelay.tools.bench.prefix_cache", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m sparkrelay.tools.bench.prefix_cache",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--shared-prefix-len", type=int, default=1024)

@@ -84,8 +84,7 @@ async def run_requests(items: list[Item], url: str, args: argparse.Namespace, he
 
         t0 = time.perf_counter()
         if items[0].conversation >= 0:
-            records = await asyncio.gather(*(conversation(client, url, turns, args, t0, one)
-                                             for turns in by_conversation(items)))
+            records = await asyncio.gather(*(conversation(turns, one) for turns in by_conversation(items)))
             bar.close()
             return sorted((r for recs in records for r in recs), key=lambda r: r.index), time.perf_counter() - t0
         tasks = []
@@ -106,7 +105,7 @@ def by_conversation(items: list[Item]) -> list[list[Item]]:
     return [sorted(turns, key=lambda it: it.turn) for turns in out.values()]
 
 
-async def conversation(client, url: str, turns: list[Item], args: argparse.Namespace, t0: float, one) -> list:
+async def conversation(turns: list[Item], one) -> list:
     """The turns of one conversation in order: turn t + 1's prompt is turn t's prompt, its answer (the server's
     output ids) and turn t + 1's user message. A failed turn fails the turns after it."""
     records, history = [], []
