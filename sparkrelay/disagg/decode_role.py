@@ -7,10 +7,15 @@ queues before it joins the scheduler's batch, as in SGLang's decode scheduler:
                                          the handshake with the prefill's bootstrap server and TRANSFER_INFO, which
                                          names that prefix: the prefill sends only the pieces after it
     transferring  (DecodeTransferQueue)  waits for every prefill stage's parts
-        Success -> target KV written at the request's slots (paired by global layer id), the metadata row's room
-                   checked, the drafter's context injected at absolute positions (hidden / tail / draft-kv)
-                   -> KVArrived: the engine appends the first token and admits the request to the batch
-        Failed  -> HandoffFailed (never decodes with a cold drafter)
+        Success -> the metadata row's room checked -> KVArrived: the engine streams the prefill's first token now
+                   (the time to first token does not wait for the writes below)
+                -> landed: at the start of the next step, before anything is scheduled, the target KV is written
+                   at the request's slots (paired by global layer id) and the drafter's context injected at
+                   absolute positions (hidden / tail / draft-kv) -> KVWritten: the engine admits it to the batch
+                   (a request that ends at its first token, or is aborted first, is never written: it computed
+                   nothing, so none of its pages joins the prefix cache)
+        Failed  -> HandoffFailed (never decodes with a cold drafter); a write that fails -> HandoffFailed too,
+                   after the first token
 With a one-sided backend (Mooncake, NIXL) the prefill writes into the decode's registered memory
 (disagg/landing_buffers.py): begin() names the room's landing, the target KV is in place on Success, and a failed
 room's blocks stay out of use for QUARANTINE_S (a stage may still be writing) before they are freed.
@@ -31,7 +36,8 @@ import torch
 from sparkrelay.config import Config
 from sparkrelay.disagg.handoff import expected_parts, inject_context, read_meta, write_kv
 from sparkrelay.disagg.landing_buffers import LandingBuffers
-from sparkrelay.disagg.roles import NEWS_WAIT_S, EngineParts, Event, HandoffFailed, KVArrived, PDRole
+from sparkrelay.disagg.metadata import MetadataRow
+from sparkrelay.disagg.roles import NEWS_WAIT_S, EngineParts, Event, HandoffFailed, KVArrived, KVWritten, PDRole
 from sparkrelay.disagg.schema import compare
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import slot_index
@@ -49,6 +55,14 @@ class _Pending:
     bootstrap: Bootstrap
 
 
+@dataclass
+class _Landed:
+    """Every part of a room arrived and its metadata row checked out; not yet written into the pools."""
+    req: Request
+    parts: dict
+    row: MetadataRow
+
+
 class DecodeRole(PDRole):
     role = "decode"
 
@@ -56,6 +70,7 @@ class DecodeRole(PDRole):
         super().__init__(config, dtype)
         self.prealloc: dict[str, _Pending] = {}  # rid -> waiting for blocks, in arrival order
         self.transferring: dict[str, _Pending] = {}  # rid -> blocks reserved, parts on their way
+        self.landed: dict[str, _Landed] = {}  # rid -> first token out, parts to write before it decodes
         self.agent: Optional[DecodeTransfer] = None
         self.landings: Optional[LandingBuffers] = None  # one-sided backends only
         self.quarantine: list[tuple[float, str]] = []  # (release time, block owner), oldest first
@@ -95,8 +110,11 @@ class DecodeRole(PDRole):
     # -- receive: prealloc -> transferring -> (the engine's) running ----------------------------------------------
     def receive(self) -> list[Event]:
         self._release_quarantined()
+        events = [self._write(self.landed.pop(rid)) for rid in list(self.landed)]
         self._reserve()
-        return [ev for p in list(self.transferring.values()) if (ev := self._poll(p)) is not None]
+        for p in list(self.transferring.values()):
+            events += self._poll(p)
+        return events
 
     def _reserve(self) -> None:
         """Blocks for each new request's prompt, in arrival order; a request that does not fit waits (deferred,
@@ -123,7 +141,7 @@ class DecodeRole(PDRole):
         align = math.lcm(self.parts.scheduler.blocks.page_size, self.schema.stream_tokens)
         return align, max(1, self.schema.tail_tokens) if tail else 1, not tail
 
-    def _poll(self, p: _Pending) -> Optional[Event]:
+    def _poll(self, p: _Pending) -> list[Event]:
         req = p.req
         if p.bootstrap.is_fake:
             del self.transferring[req.rid]
@@ -132,22 +150,21 @@ class DecodeRole(PDRole):
         if res.state == KVPoll.Success:
             del self.transferring[req.rid]
             timeline.mark("decode", "arrived", room=req.bootstrap_room)
-            event = self._commit(req)
-            timeline.mark("decode", "committed", room=req.bootstrap_room)
-            return event
+            return [self._arrive(req)]
         if res.state == KVPoll.Failed:
             del self.transferring[req.rid]
             self.agent.clear(req.bootstrap_room)
             self._quarantine(req)
             code = 400 if res.permanent else 502  # 400: deterministic (a schema mismatch), a retry fails the same way
-            return HandoffFailed(req, f"KV transfer of room {req.bootstrap_room} failed: {res.reason}", code)
-        return None
+            return [HandoffFailed(req, f"KV transfer of room {req.bootstrap_room} failed: {res.reason}", code)]
+        return []
 
     def _slots(self, req: Request) -> torch.Tensor:
         page = self.parts.scheduler.blocks.page_size
         return slot_index([req.block_ids], len(req.prompt_ids), page)[0].to(self.parts.device)  # [n]
 
-    def _commit(self, req: Request) -> Event:
+    def _arrive(self, req: Request) -> Event:
+        """Take the room's parts and check its metadata row -> KVArrived (the parts wait in `landed`)."""
         room = req.bootstrap_room
         parts = self.agent.take(room)
         self.agent.clear(room)
@@ -155,29 +172,40 @@ class DecodeRole(PDRole):
         req.handoff_bytes = sum(n for _, n in sizes)
         self.handoff_bytes += req.handoff_bytes
         self.context_bytes += sum(n for name, n in sizes if split_piece(name)[0] != "kv")
-        slots = self._slots(req)
-        proposer = self.parts.proposer
+        try:  # a one-sided backend landed the row in this decode's memory: read it back
+            landed = parts if self.landings is None else self.landings.meta_row(parts, req.block_ids)
+            row = read_meta(self.schema, landed, room)
+        except Exception as e:  # whatever the bytes were, only this request fails; the engine keeps serving
+            return HandoffFailed(req, f"handoff of room {room} rejected: {type(e).__name__}: {e}", 502)
+        self.landed[req.rid] = _Landed(req, parts, row)
+        # the prefill scored the first token when this request asked for logprobs
+        return KVArrived(req, row.first_token, (row.first_logprob, row.top_logprobs[: req.params.top_logprobs_num]))
+
+    def _write(self, landed: _Landed) -> Event:
+        """The target KV (unless a one-sided backend put it in place) and the drafter's context into the pools at
+        the request's slots -> KVWritten, or HandoffFailed."""
+        req, parts = landed.req, landed.parts
+        room, slots, proposer = req.bootstrap_room, self._slots(req), self.parts.proposer
         try:
             if self.landings is not None:  # the target KV is in the pool already; the rest is read back
                 parts = self.landings.parts(parts, req.block_ids, slots, req.cached_tokens)
                 self.landed_rooms += 1
-            row = read_meta(self.schema, parts, room)
             if self.landings is None:
                 write_kv(self.parts.pool, parts, slots)
             if proposer is not None:
-                req.draft_ctx_start = inject_context(proposer, self.schema, parts, row, slots)
+                req.draft_ctx_start = inject_context(proposer, self.schema, parts, landed.row, slots)
         except Exception as e:  # whatever the bytes were, only this request fails; the engine keeps serving
             return HandoffFailed(req, f"handoff of room {room} rejected: {type(e).__name__}: {e}", 502)
-        # the prefill scored the first token when this request asked for logprobs
-        return KVArrived(req, row.first_token, (row.first_logprob, row.top_logprobs[: req.params.top_logprobs_num]))
+        timeline.mark("decode", "committed", room=room)
+        return KVWritten(req)
 
-    def _fake_arrival(self, req: Request) -> Event:
+    def _fake_arrival(self, req: Request) -> list[Event]:
         slots = self._slots(req)
         _zero(self.parts.pool, slots)
         if self.parts.proposer is not None:
             _zero(self.parts.proposer.pool, slots)
             req.draft_ctx_start = 0
-        return KVArrived(req, req.prompt_ids[-1])
+        return [KVArrived(req, req.prompt_ids[-1]), KVWritten(req)]
 
     def wait(self, idle: bool) -> None:
         """No polling sleep: until a room finishes or a request arrives (NEWS_WAIT_S at most, for the
@@ -190,6 +218,7 @@ class DecodeRole(PDRole):
         self.news.set()
 
     def drop(self, req: Request) -> None:
+        self.landed.pop(req.rid, None)  # ended at its first token, or aborted, before its KV was written
         p = self.transferring.pop(req.rid, None)
         if p is not None and not p.bootstrap.is_fake:
             self.agent.abort(req.bootstrap_room, "aborted by the decode server's client")
@@ -209,7 +238,7 @@ class DecodeRole(PDRole):
             self.parts.scheduler.release_quarantined(self.quarantine.pop(0)[1])
 
     def has_work(self) -> bool:
-        return bool(self.prealloc or self.transferring or self.quarantine)
+        return bool(self.prealloc or self.transferring or self.landed or self.quarantine)
 
     def stats(self) -> dict:
         return {"num_prealloc": len(self.prealloc), "num_transfers_inflight": len(self.transferring),

@@ -65,20 +65,24 @@ class LandingBuffers:
                        hidden_row=hidden[0].numel() * hidden.element_size() if hidden is not None else 0,
                        meta=self.meta[block_ids[0]].data_ptr(), meta_bytes=self.meta_bytes)
 
+    def meta_row(self, taken: dict[int, dict[str, Part]], block_ids: list[int]) -> dict[int, dict[str, Part]]:
+        """The last stage's landed metadata row as a Part with its bytes (a copy), keyed as `taken` is."""
+        last = max(taken)
+        spec = taken[last]["meta"].spec
+        return {last: {"meta": Part(spec, self.meta[block_ids[0], : spec.nbytes].numpy().tobytes())}}
+
     def parts(self, taken: dict[int, dict[str, Part]], block_ids: list[int], slots: torch.Tensor,
               prefix: int = 0) -> dict[int, dict[str, Part]]:
         """The last stage's landed parts (meta and the DSpark context) as Parts with their bytes (copies); the
         context's pieces, landed at their positions, are read back as one piece of every position the prefill sent
         (from `prefix`, the positions this decode held already: "hidden@<prefix>")."""
         last = max(taken)
-        out: dict[str, Part] = {}
+        out: dict[str, Part] = dict(self.meta_row(taken, block_ids)[last])
         sent = slots[prefix:]  # [n - prefix]
         for name, part in taken[last].items():
             kind = split_piece(name)[0]
             name0 = piece_name(kind, prefix)
-            if kind == "meta":
-                out[name] = Part(part.spec, self.meta[block_ids[0], : part.spec.nbytes].numpy().tobytes())
-            elif kind == "hidden" and name0 not in out:
+            if kind == "hidden" and name0 not in out:
                 rows = self.hidden.index_select(0, sent)  # [n - prefix, W]
                 out[name0] = Part(_spec(part.spec, name0, rows), _bytes(rows))
             elif kind == "draft_kv" and name0 not in out:

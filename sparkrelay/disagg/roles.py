@@ -8,7 +8,7 @@ applies to its own request table:
     ------                                       -------
     add_request   -- check(bootstrap) ------->   raises RequestError for bad or missing PD fields
                   -- take(req, bootstrap) --->   True: the role holds the request (decode: prealloc queue)
-    step          -- receive() -------------->   [KVArrived | HandedOff | HandoffFailed]
+    step          -- receive() -------------->   [KVArrived | KVWritten | HandedOff | HandoffFailed]
                   -- send(reqs) ------------->   prefill: requests whose first token was sampled leave
                   -- wait(idle) ------------->   an idle step waits briefly for transfer news
     release/abort -- drop(req) -------------->   forget it; a transfer still in flight is aborted
@@ -42,12 +42,21 @@ NEWS_WAIT_S = 0.05  # an idle PD step with transfers in flight waits at most thi
 # -- events: what a receive() reports -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class KVArrived:
-    """Decode: the prompt's KV (and the drafter's context) is in the pools at req.block_ids; the request decodes
-    on from the prefill's first token (its logprob entry when the request asked for logprobs)."""
+    """Decode: every part of the prompt arrived and its metadata row checked out: the prefill's first token (its
+    logprob entry when the request asked for logprobs) is the request's first output, streamed now. The KV and
+    the drafter's context are written into the pools next (KVWritten), before the request's first decode step."""
 
     req: Request
     first_token: int
     first_logprob: tuple[float, TopLogprobs] = (0.0, [])
+
+
+@dataclass(frozen=True)
+class KVWritten:
+    """Decode: the prompt's KV (and the drafter's context) is in the pools at req.block_ids; the request joins the
+    batch and decodes on from its first token."""
+
+    req: Request
 
 
 @dataclass(frozen=True)

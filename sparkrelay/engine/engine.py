@@ -17,7 +17,7 @@ from typing import Optional
 
 from sparkrelay.config import Config
 from sparkrelay.disagg.factory import build_handoff
-from sparkrelay.disagg.roles import EngineParts, Event, HandedOff, HandoffFailed, KVArrived
+from sparkrelay.disagg.roles import EngineParts, Event, HandedOff, HandoffFailed, KVArrived, KVWritten
 from sparkrelay.engine import setup
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.loader import SHAPE_FIELDS, read_config
@@ -224,6 +224,9 @@ class Engine:
         for ev in events:
             if isinstance(ev, KVArrived):
                 self._arrived(ev)
+            elif isinstance(ev, KVWritten):
+                if ev.req.rid in self.requests and not ev.req.is_finished:
+                    self.scheduler.admit_transferred(ev.req)
             elif isinstance(ev, HandedOff):
                 ev.req.finish({"type": "length", "length": len(ev.req.output_ids)})
                 self._emit(ev.req, new_ids=list(ev.req.output_ids))
@@ -232,7 +235,8 @@ class Engine:
                 self._fail(ev.req, ev.reason, ev.status_code)
 
     def _arrived(self, ev: KVArrived) -> None:
-        """Decode: the prompt's KV is in; the prefill's first token is this request's first output."""
+        """Decode: the prompt's parts are in; the prefill's first token is this request's first output, which goes
+        out before the KV is written (KVWritten then admits the request to the batch)."""
         req = ev.req
         req.first_token_time = time.monotonic()
         if req.params.max_new_tokens == 0:
@@ -245,8 +249,6 @@ class Engine:
         self._emit(req, new_ids=req.output_ids[len(req.output_ids) - committed :])
         if req.is_finished:
             self._release(req)
-            return
-        self.scheduler.admit_transferred(req)
 
     def _fail(self, req: Request, reason: str, status_code: int) -> None:
         logger.warning("request %s (room %d) failed: %s", req.rid, req.bootstrap_room, reason)

@@ -4,11 +4,14 @@ Topology: rank k sends descriptors and payloads to rank k+1; the last rank sends
 
     rank 0 --(descriptor, payload)--> rank 1 --> ... --> rank N-1 --(tokens + logprobs float64 [B + E, W])--> rank 0
 
-Per micro-batch, in this fixed order (shapes: pipeline/descriptor.py and pipeline/capture.py):
-    header [8] -> body [L] (L > 0) -> floats [B, 3] (B > 0) -> hidden [T, d] -> taps [T, k_prev*d] -> partial [T, d]
-Each rank does all its sends and receives on one thread, in that order, each message posted exactly once; the
-receiver learns every size from the header first, so the shapes on both ends always agree. Everything goes on
-tag 0: point-to-point messages between a pair of ranks match in posting order.
+Per micro-batch, two messages (shapes: pipeline/descriptor.py and pipeline/capture.py):
+    header int64 [8]
+    frame  uint8 [N] (N > 0): body int64 [L] (L > 0), floats float64 [B, 6] (B > 0), and for a STEP with rows
+           hidden [T, d], taps [T, k_prev*d], partial [T, d] (those the capture mode sends), each padded to 8 bytes
+One frame, not a message per tensor: each message costs the receiving thread a wake-up (measured ~2 ms a hop with
+six). Each rank does all its sends and receives on one thread, each message posted exactly once; the receiver
+learns every size from the header first (and the widths from its PayloadShape), so the sizes on both ends always
+agree. Everything goes on tag 0: point-to-point messages between a pair of ranks match in posting order.
 
 The process group is built directly on a TCPStore (not torch.distributed's global default group), so an engine
 process can hold several pipelines over its life (tests do). gloo on CPU, and on CUDA when the stages share a
@@ -18,6 +21,7 @@ GPU (tensors staged through host memory); NCCL when every stage has its own GPU 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import time
 from typing import Callable, Optional
@@ -63,14 +67,16 @@ class Channel:
 
     # -- rank k -> rank k+1 ---------------------------------------------------------------------------------
     def send_step(self, mb: MicroBatch, payload: Optional[StagePayload]) -> None:
-        """Post the descriptor and (STEP) the payload to the next rank; `flush` waits for them."""
+        """Post the descriptor and (STEP) the payload to the next rank, as a header and one frame; `flush` waits
+        for them."""
         header, body, floats = encode(mb)
-        tensors = [header] + ([body] if body.numel() else []) + ([floats] if floats.numel() else [])
-        if mb.kind == STEP and payload is not None:
-            tensors += [t for t in (payload.hidden, payload.taps, payload.partial) if t is not None]
-        for t in tensors:
-            t = t.to(self.wire).contiguous()
-            self._pending.append((self._post(self.group.send, t, self.next), t))
+        parts = [body, floats]
+        if mb.kind == STEP and payload is not None and mb.num_tokens:
+            parts += [t for t in (payload.hidden, payload.taps, payload.partial) if t is not None]
+        for t in (header, _frame([t.to(self.wire) for t in parts if t.numel()])):
+            if t.numel():
+                t = t.to(self.wire).contiguous()
+                self._pending.append((self._post(self.group.send, t, self.next), t))
 
     def flush(self) -> None:
         """Wait for every posted send."""
@@ -82,16 +88,20 @@ class Channel:
         """The previous rank's next descriptor and, for a STEP with rows, its payload."""
         header = self._recv(torch.empty(HEADER_LEN, dtype=torch.int64))
         length, b, t = sizes(header)
-        body = self._recv(torch.empty(length, dtype=torch.int64)) if length else torch.empty(0, dtype=torch.int64)
-        floats = (self._recv(torch.empty(b, FLOAT_FIELDS, dtype=torch.float64)) if b
-                  else torch.empty(0, FLOAT_FIELDS, dtype=torch.float64))
-        mb = decode(header, body, floats)
-        if mb.kind != STEP or t == 0:
-            return mb, None
+        with_rows = int(header[0]) == STEP and t > 0
         shape = self.shape_in
-        hidden = self._recv(torch.empty(t, shape.hidden, dtype=shape.dtype), True)  # [T, d]
-        taps = self._recv(torch.empty(t, shape.taps, dtype=shape.dtype), True) if shape.taps else None  # [T, k_prev*d]
-        partial = self._recv(torch.empty(t, shape.partial, dtype=torch.float32), True) if shape.partial else None
+        layout = [(torch.int64, (length,)), (torch.float64, (b, FLOAT_FIELDS))]
+        if with_rows:
+            layout += [(shape.dtype, (t, shape.hidden)), (shape.dtype, (t, shape.taps)),
+                       (torch.float32, (t, shape.partial))]
+        nbytes = sum(_padded(dtype, dims) for dtype, dims in layout)
+        frame = torch.empty(nbytes, dtype=torch.uint8)
+        frame = self._recv(frame, True) if nbytes else frame
+        body, floats, *rows = _unframe(frame, layout)  # body, floats: the CPU; rows: the stage's device
+        mb = decode(header, body.cpu(), floats.cpu())
+        if not with_rows:
+            return mb, None
+        hidden, taps, partial = (r if r.numel() else None for r in rows)  # [T, d], [T, k_prev*d], [T, d]
         return mb, StagePayload(hidden, taps, partial)
 
     # -- last rank -> rank 0 ----------------------------------------------------------------------------------
@@ -139,3 +149,30 @@ class Channel:
                 time.sleep(50e-6)
         except RuntimeError as e:
             raise PeerLost(str(e)) from e
+
+
+def _padded(dtype: torch.dtype, dims: tuple[int, ...]) -> int:
+    """Bytes a tensor of `dtype` and shape `dims` takes in a frame: rounded up to 8, so every part starts aligned."""
+    n = math.prod(dims) * torch.empty(0, dtype=dtype).element_size()
+    return -(-n // 8) * 8
+
+
+def _frame(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Tensors (one device) -> uint8 [N]: their bytes in order, each padded to 8 bytes."""
+    parts = []
+    for t in tensors:
+        raw = t.contiguous().view(-1).view(torch.uint8)
+        pad = _padded(t.dtype, tuple(t.shape)) - raw.numel()
+        parts += [raw, torch.zeros(pad, dtype=torch.uint8, device=raw.device)] if pad else [raw]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def _unframe(frame: torch.Tensor, layout: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+    """The inverse of `_frame`: views of `frame` (uint8 [N]) with each layout entry's dtype and shape."""
+    out, at = [], 0
+    for dtype, dims in layout:
+        n = math.prod(dims) * torch.empty(0, dtype=dtype).element_size()
+        out.append(frame[at : at + n].view(dtype).view(dims))
+        at += _padded(dtype, dims)
+    assert at == frame.numel(), f"a frame of {frame.numel()} bytes for a layout of {at}"
+    return out

@@ -20,7 +20,8 @@ PD_EVENTS = [
     ev(10.011, "stage0", "send", room=7),
     ev(10.019, "stage1", "send", room=7),
     ev(10.021, "decode", "arrived", room=7),
-    ev(10.024, "decode", "committed", room=7),
+    ev(10.024, "decode", "first_token", rid="a", room=7),
+    ev(10.025, "decode", "committed", room=7),  # the KV is written after the first token left
     ev(10.025, "router", "replied", rooms=[7], side="prefill"),
     ev(10.050, "stage0", "chunk", rooms=[9], start=10.050, end=10.060),  # the next request: outside the window
 ]

@@ -1,8 +1,9 @@
 """The PD roles an Engine is composed with (disagg/), driven without a model: requests in, typed events out.
 
-Decode: prealloc (deferred while the cache is full) -> transferring -> KVArrived; a fake bootstrap host gets zero
-KV and never contacts a peer. Prefill: stage reports (typed, through the real inbox socket) -> HandedOff or
-HandoffFailed; a fake bootstrap request finishes once its first token is sampled.
+Decode: prealloc (deferred while the cache is full) -> transferring -> KVArrived (the first token, before the
+writes) -> KVWritten; a fake bootstrap host gets zero KV and never contacts a peer. Prefill: stage reports (typed,
+through the real inbox socket) -> HandedOff or HandoffFailed; a fake bootstrap request finishes once its first token
+is sampled.
 """
 
 from __future__ import annotations
@@ -15,15 +16,17 @@ import torch
 
 from sparkrelay.config import Config
 from sparkrelay.disagg.decode_role import DecodeRole
+from sparkrelay.disagg.handoff import part_of
+from sparkrelay.disagg.metadata import MetadataLayout, MetadataRow, pack
 from sparkrelay.disagg.prefill_role import PrefillRole
-from sparkrelay.disagg.roles import NEWS_WAIT_S, EngineParts, HandedOff, Handoff, HandoffFailed, KVArrived
+from sparkrelay.disagg.roles import NEWS_WAIT_S, EngineParts, HandedOff, Handoff, HandoffFailed, KVArrived, KVWritten
 from sparkrelay.disagg.stage_report import StageReport, StageReportOutbox
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.scheduler.block_manager import BlockManager
 from sparkrelay.scheduler.request import FAKE_BOOTSTRAP_HOST, Bootstrap, Request, RequestError, SamplingParams
 from sparkrelay.scheduler.scheduler import Scheduler
 from sparkrelay.tools.cluster import free_port
-from sparkrelay.transfer.base import SCHEMA_MISMATCH, KVPoll
+from sparkrelay.transfer.base import SCHEMA_MISMATCH, KVPoll, PollResult, piece_name
 
 MODEL = "models/tiny-qwen3"
 PAGE = 4
@@ -83,20 +86,77 @@ def test_decode_prealloc_defers_then_a_fake_request_arrives_with_zero_kv(decode)
     assert role.take(big, fake()) and role.take(small, fake(6))
     assert role.stats()["num_prealloc"] == 2 and role.has_work()
     events = role.receive()
-    assert [type(e) for e in events] == [KVArrived] and events[0].req is big
+    assert [type(e) for e in events] == [KVArrived, KVWritten] and events[0].req is big and events[1].req is big
     assert events[0].first_token == big.prompt_ids[-1] and big.bootstrap_room == 0
     assert role.stats() == {"num_prealloc": 1, "num_transfers_inflight": 0, "num_quarantined": 0,
                             "landed_rooms_total": 0, "handoff_bytes_total": 0, "context_bytes_total": 0}
     slots = torch.tensor(sched.blocks.slots("big", 0, 13))
     assert all(bool((k[slots] == 0).all() and (v[slots] == 0).all()) for k, v in pool.layers.values())
     big.output_ids.append(events[0].first_token)
-    sched.admit_transferred(big)  # what the engine does with KVArrived
+    sched.admit_transferred(big)  # what the engine does with KVWritten
     assert big.num_computed == 13 and big in sched.running
     assert role.receive() == []  # still no room for `small`
     sched.remove(big)
     role.drop(big)
-    assert [e.req for e in role.receive()] == [small]
+    assert [e.req for e in role.receive()] == [small, small]
     sched.check()
+
+
+def room_parts(role: DecodeRole, room: int, n: int, layers: range, first_token: int) -> dict:
+    """What a PP=2 prefill hands over for a room of n tokens: each stage's KV of its layers (value = layer id + 2),
+    the last stage's metadata row."""
+    s = role.schema
+    kv = {stage: torch.stack([torch.full((2, n, s.kv_heads, s.head_dim), float(layer + 2)) for layer in ids])
+          for stage, ids in enumerate((layers[: len(layers) // 2], layers[len(layers) // 2 :]))}
+    empty = torch.zeros(0)
+    row = MetadataRow(first_token, room, empty, empty.view(0, s.hidden_width), torch.zeros(0, dtype=torch.bool))
+    meta = torch.frombuffer(bytearray(pack(MetadataLayout.of(s), row)), dtype=torch.uint8)
+    stage_ids = (tuple(layers[: len(layers) // 2]), tuple(layers[len(layers) // 2 :]))
+    name = piece_name("kv", 0)
+    return {0: {name: part_of(name, stage_ids[0], kv[0])},
+            1: {name: part_of(name, stage_ids[1], kv[1]), "meta": part_of("meta", (), meta)}}
+
+
+def test_decode_streams_the_first_token_before_it_writes_the_kv():
+    """A room whose parts all arrived: KVArrived (the first token goes out) with nothing written yet and the request
+    outside the batch; the next receive() writes its KV -> KVWritten. A write that fails (KV for layers this pool
+    lacks) -> HandoffFailed after the first token; a request dropped in between is never written."""
+    role = DecodeRole(config("decode"), torch.float32)
+    s = role.schema
+    sched = Scheduler(BlockManager(8, PAGE), max_running=4, token_budget=64)
+    layers = range(s.num_layers)
+    pool = KVPool(layers, 8, PAGE, s.kv_heads, s.head_dim, torch.float32, "cpu")
+    role.attach(EngineParts(sched, pool, None, torch.device("cpu"), 4096))
+    try:
+        arrived: dict[int, dict] = {}
+        role.agent.begin = lambda room, *a, **k: None  # no prefill: the parts are handed to take() below
+        role.agent.poll = lambda room: PollResult(KVPoll.Success if room in arrived else KVPoll.Transferring)
+        role.agent.take = lambda room: arrived.pop(room)
+        role.agent.clear = lambda room: None
+        good, bad, gone = request("good", 6), request("bad", 5), request("gone", 3)
+        for i, req in enumerate((good, bad, gone)):
+            assert role.take(req, Bootstrap("127.0.0.1", free_port(), 40 + i))
+        assert role.receive() == []  # reserved, nothing arrived yet
+        arrived[40] = room_parts(role, 40, 6, layers, first_token=7)
+        arrived[41] = room_parts(role, 41, 5, range(100, 108), first_token=8)  # layers the pool does not have
+        arrived[42] = room_parts(role, 42, 3, layers, first_token=9)
+        events = role.receive()
+        assert [(type(e), e.req, e.first_token) for e in events] == [(KVArrived, good, 7), (KVArrived, bad, 8),
+                                                                    (KVArrived, gone, 9)]
+        assert all(bool((k == 0).all() and (v == 0).all()) for k, v in pool.layers.values())  # nothing written yet
+        assert good not in sched.running and role.has_work()
+        role.drop(gone)  # ended at its first token: its parts are never written
+        sched.remove(gone)
+        events = role.receive()
+        assert [(type(e), e.req) for e in events] == [(KVWritten, good), (HandoffFailed, bad)]
+        assert "does not have" in events[1].reason and role.receive() == [] and not role.has_work()
+        slots = torch.tensor(sched.blocks.slots("good", 0, 6))
+        assert all(bool((k[slots] == layer + 2).all() and (v[slots] == layer + 2).all())
+                   for layer, (k, v) in pool.layers.items())
+        gone_slots = [slot for slot in range(8 * PAGE) if slot not in set(slots.tolist())]
+        assert all(bool((k[gone_slots] == 0).all()) for k, _ in pool.layers.values())
+    finally:
+        role.close()
 
 
 def test_decode_drop_of_a_transfer_in_flight_frees_its_room(decode):

@@ -7,11 +7,12 @@ PD (router + PP prefill + decode), in order:
     queue         -> stage 0 starts the request's first chunk
     compute       -> the last stage ends its last chunk (every stage, chunks pipelined)
     transfer      -> the decode engine saw every stage's parts in (what the transfer adds after the compute)
-    commit        -> the KV and the drafter's context are in place (the first token leaves the engine step)
+    commit        -> the first token left the decode engine (its parts checked; the KV and the drafter's
+                     context are written after it, before the request's first decode step)
     to client     -> the client read the first chunk (decode HTTP -> router -> client)
 plus, not stacked: the router's own hop (client send -> router), each stage's busy time, the transfer from its
 first byte (a stage handed its parts to its agent) to its last (the decode saw them all), and when the router had
-the prefill's whole reply, relative to the decode's commit (the router relays the decode's stream only once both
+the prefill's whole reply, relative to the decode's first token (the router relays the decode's stream only once both
 sides have answered; NaN when the reply came after the client's first chunk, which cannot happen).
 Aggregated: to engine, compute (queue included: no stage events without a pipeline), to client.
 """
@@ -44,18 +45,18 @@ def request_breakdown(events: list[dict], t_send: float, t_first: float) -> Opti
     room = router["rooms"][0]
     queued = _first(window, "prefill", "queued", room)
     chunks = [e for e in window if e["event"] == "chunk" and room in e["rooms"]]
-    arrived, committed = _first(window, "decode", "arrived", room), _first(window, "decode", "committed", room)
-    if queued is None or not chunks or arrived is None or committed is None:
+    arrived, out = _first(window, "decode", "arrived", room), _first(window, "decode", "first_token", room)
+    if queued is None or not chunks or arrived is None or out is None:
         return None
     start, end = min(c["start"] for c in chunks), max(c["end"] for c in chunks)
     sends = [e["t"] for e in window if e["event"] == "send" and e.get("room") == room]
     reply = next((e for e in window if e["source"] == "router" and e["event"] == "replied" and e["side"] == "prefill"
                   and room in e["rooms"]), None)
     out = {"to engine": _ms(t_send, queued["t"]), "queue": _ms(queued["t"], start), "compute": _ms(start, end),
-           "transfer": max(0.0, _ms(end, arrived["t"])), "commit": _ms(arrived["t"], committed["t"]),
-           "to client": _ms(committed["t"], t_first), "router hop": _ms(t_send, router["t"]),
+           "transfer": max(0.0, _ms(end, arrived["t"])), "commit": _ms(arrived["t"], out["t"]),
+           "to client": _ms(out["t"], t_first), "router hop": _ms(t_send, router["t"]),
            "transfer span": _ms(min(sends), arrived["t"]) if sends else 0.0,
-           "prefill reply": _ms(committed["t"], reply["t"]) if reply is not None else float("nan")}
+           "prefill reply": _ms(out["t"], reply["t"]) if reply is not None else float("nan")}
     for stage in sorted({c["source"] for c in chunks}):
         out[f"{stage} busy"] = sum(_ms(c["start"], c["end"]) for c in chunks if c["source"] == stage)
     return out
