@@ -6,7 +6,9 @@ Life of one generate request:
     the first side to fail cancels the other; a retryable failure (transport, or a 5xx that is not a schema
     mismatch; `upstream.py`) is retried with a new pair and a new room, at most `max_retries` times, always
     before any byte reaches the client; a 4xx or a schema mismatch is relayed at once
-    client <-- decode's status and body (JSON, or SSE bytes relayed unchanged as they arrive); an error is relayed
+    client <-- decode's status and body (JSON, or SSE bytes relayed unchanged as they arrive: a stream goes out once
+    the prefill answered 2xx headers and the decode's first chunk carries tokens, without waiting for the rest of
+    the prefill's answer); an error is relayed
     flat: the failing worker's own error object, its message prefixed with the side ("prefill server: ...")
     /generate with return_logprob: the prefill's prompt logprobs are merged into the decode's answer (`logprobs.py`)
 """
@@ -31,7 +33,7 @@ from sparkrelay.router.metrics import RouterMetrics
 from sparkrelay.router.rewrite import (CHAT, COMPLETIONS, GENERATE, BadRequest, PrefillWorker, RouterConfig,
                                        batch_size, decode_error, draw_rooms, error_body, is_json, parse_object,
                                        sse_error, with_bootstrap)
-from sparkrelay.router.upstream import Reply, both, send, should_retry
+from sparkrelay.router.upstream import Reply, both, peek, send, should_retry
 from sparkrelay.trace import timeline
 
 log = logging.getLogger("sparkrelay.router")
@@ -52,33 +54,43 @@ class Router:
         return p, d
 
     async def attempt(self, path: str, body: dict, batch: Optional[int], headers: dict, stream: bool,
-                      used: set[int]) -> tuple[Reply, Reply]:
+                      used: set[int]) -> tuple[Optional[Reply], Reply]:
+        """One exchange with a fresh pair and room -> (prefill, decode) replies; prefill None when its 2xx headers
+        and the decode's flowing stream settled it first (upstream.both)."""
         p, d = self.pick()
         rooms = draw_rooms(batch or 1, used)
         content = json.dumps(with_bootstrap(body, p, rooms, batch)).encode()
         log.debug("%s room=%s prefill=%s decode=%s", path, rooms if batch else rooms[0], p.url, d)
         self.metrics.attempts.labels(path).inc()
         timeline.mark("router", "in", rooms=rooms)
-        p_task = asyncio.create_task(send(self.client, "POST", p.url + path, content, headers))
-        d_task = asyncio.create_task(send(self.client, "POST", d + path, content, headers, stream))
+        relayed = stream and not wants_merge(path, body)  # the decode's stream goes out as it is
+        status: list[int] = []  # the prefill's, once its headers are in
+        p_task = asyncio.create_task(send(self.client, "POST", p.url + path, content, headers, on_status=status.append))
+        d_task = asyncio.create_task(self._decode(d + path, content, headers, stream, relayed))
         if timeline.enabled():
             for task, side in ((p_task, "prefill"), (d_task, "decode")):
                 task.add_done_callback(lambda _, side=side: timeline.mark("router", "replied", rooms=rooms, side=side))
+        prefill_ok = (lambda: bool(status) and 200 <= status[0] < 300) if relayed else None
         try:
-            return await both(p_task, d_task)
+            return await both(p_task, d_task, prefill_ok=prefill_ok)
         except asyncio.CancelledError:  # the client went away: drop any stream already opened
             if d_task.done() and not d_task.cancelled():
                 await d_task.result().close()
             raise
 
-    async def dispatch(self, path: str, body: dict, headers: dict, stream: bool) -> tuple[Reply, Reply]:
+    async def _decode(self, url: str, content: bytes, headers: dict, stream: bool, first: bool) -> Reply:
+        """The decode's answer; with `first`, its stream's first chunk read too (upstream.peek)."""
+        reply = await send(self.client, "POST", url, content, headers, stream)
+        return await peek(reply) if first else reply
+
+    async def dispatch(self, path: str, body: dict, headers: dict, stream: bool) -> tuple[Optional[Reply], Reply]:
         """Attempts until both sides answer 2xx, a failure is deterministic, or retries run out."""
         batch, used = batch_size(path, body), set()
         for attempt in range(self.config.max_retries + 1):
             p, d = await self.attempt(path, body, batch, headers, stream, used)
             if not should_retry(p, d) or attempt == self.config.max_retries:
                 return p, d
-            bad = p if p.failed else d
+            bad = p if p is not None and p.failed else d
             log.warning("%s: %s failed (%s); retry %d/%d with a new room", path, "prefill" if bad is p else
                         "decode", bad.describe(), attempt + 1, self.config.max_retries)
             self.metrics.retries.labels(path).inc()
@@ -94,9 +106,9 @@ def _flat(side: str, reply: Reply, code: int) -> dict:
     return {"error": {**own, "message": f"{side} server: {message}", "type": f"{side}_server_error", "code": code}}
 
 
-def _failure(p: Reply, d: Reply) -> Optional[tuple[int, dict, str]]:
+def _failure(p: Optional[Reply], d: Reply) -> Optional[tuple[int, dict, str]]:
     """(status, flat error JSON, side) for the client when the exchange failed, prefill first; None on success."""
-    if p.failed:
+    if p is not None and p.failed:
         code = p.status if p.status is not None and 400 <= p.status < 500 else 502
         return code, _flat("prefill", p, code), "prefill"
     if d.status is None:
@@ -113,7 +125,7 @@ def _relay(d: Reply, done: Callable[[], None], inputs: Optional[dict] = None) ->
 
     async def chunks() -> AsyncIterator[bytes]:
         try:
-            source = upstream.aiter_bytes()
+            source = _upstream_bytes(d)
             first = True
             async for chunk in (source if inputs is None else merge_stream(source, inputs)):
                 if first:
@@ -129,6 +141,18 @@ def _relay(d: Reply, done: Callable[[], None], inputs: Optional[dict] = None) ->
 
     return StreamingResponse(chunks(), status_code=d.status or 200, media_type="text/event-stream",
                              background=BackgroundTask(upstream.aclose))
+
+
+async def _upstream_bytes(d: Reply) -> AsyncIterator[bytes]:
+    """The decode stream's bytes: a peeked stream's first chunk, then the rest."""
+    if d.chunks is None:
+        async for chunk in d.stream.aiter_bytes():
+            yield chunk
+        return
+    if d.first:
+        yield d.first
+    async for chunk in d.chunks:
+        yield chunk
 
 
 async def _route(router: Router, request: Request, start: float) -> tuple[Response, int, str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from typing import Optional
+from typing import AsyncIterator, Callable, Optional
 
 import httpx
 
@@ -28,6 +28,8 @@ class Reply:
     error: str = ""
     cancelled: bool = False
     stream: Optional[httpx.Response] = None
+    first: bytes = b""  # a peeked stream's first chunk (`peek`), relayed before the rest of `chunks`
+    chunks: Optional[AsyncIterator[bytes]] = None
 
     @property
     def ok(self) -> bool:
@@ -60,18 +62,40 @@ class Reply:
             return {"message": parsed.get("message") or parsed.get("detail")}
         return None
 
+    @property
+    def flowing(self) -> bool:
+        """A peeked 2xx stream whose first chunk is whole SSE data events, none an error: the decode has the prompt's
+        KV and streams its tokens."""
+        if not self.ok or not self.first.endswith(b"\n\n"):
+            return False
+        events = [e.strip() for e in self.first.split(b"\n\n") if e.strip()]
+        return bool(events) and all(e.startswith(b"data:") and not _is_error(e[5:]) for e in events)
+
     async def close(self) -> None:
         if self.stream is not None:
             await self.stream.aclose()
 
 
+def _is_error(data: bytes) -> bool:
+    """An SSE event's data is anything but a JSON object without an "error" key."""
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return True
+    return not isinstance(obj, dict) or "error" in obj
+
+
 async def send(client: httpx.AsyncClient, method: str, url: str, content: Optional[bytes] = None,
-               headers: Optional[dict] = None, stream: bool = False) -> Reply:
-    """Never raises on transport errors; with `stream`, a 2xx answer comes back unread in Reply.stream."""
+               headers: Optional[dict] = None, stream: bool = False,
+               on_status: Optional[Callable[[int], None]] = None) -> Reply:
+    """Never raises on transport errors; with `stream`, a 2xx answer comes back unread in Reply.stream.
+    on_status(status) is called once the answer's headers are in, before its body is read."""
     try:
         resp = await client.send(client.build_request(method, url, content=content, headers=headers), stream=True)
     except httpx.HTTPError as e:
         return Reply(None, error=f"{url}: {type(e).__name__}: {e}")
+    if on_status is not None:
+        on_status(resp.status_code)
     media = resp.headers.get("content-type", "application/json")
     if stream and resp.is_success:
         return Reply(resp.status_code, media_type=media, stream=resp)
@@ -84,17 +108,44 @@ async def send(client: httpx.AsyncClient, method: str, url: str, content: Option
     return Reply(resp.status_code, body, media)
 
 
+async def peek(reply: Reply) -> Reply:
+    """Read a 2xx stream's first chunk into reply.first (reply.chunks goes on after it); a transport error closes
+    the stream and becomes a failed Reply. Cancelled meanwhile, the stream is closed."""
+    if not reply.ok or reply.stream is None:
+        return reply
+    reply.chunks = reply.stream.aiter_bytes()
+    try:
+        reply.first = await anext(reply.chunks, b"")
+    except httpx.HTTPError as e:
+        await reply.close()
+        return Reply(None, error=f"{type(e).__name__}: {e}")
+    except BaseException:
+        await reply.close()
+        raise
+    return reply
+
+
 def outcome(task: asyncio.Task) -> Reply:
     return Reply(None, error="cancelled", cancelled=True) if task.cancelled() else task.result()
 
 
-async def both(p_task: asyncio.Task, d_task: asyncio.Task, grace: float = GRACE_SECS) -> tuple[Reply, Reply]:
+async def both(p_task: asyncio.Task, d_task: asyncio.Task, grace: float = GRACE_SECS,
+               prefill_ok: Optional[Callable[[], bool]] = None) -> tuple[Optional[Reply], Reply]:
     """Wait for both sides. A failure cancels the other side (it would wait for KV that never comes); after a
-    retryable failure the other side gets `grace` seconds first, so a deterministic cause it reports is seen."""
+    retryable failure the other side gets `grace` seconds first, so a deterministic cause it reports is seen.
+    prefill_ok (a stream the router relays as is): once the prefill has answered 2xx headers and the decode's
+    stream carries tokens (Reply.flowing, a peeked stream), the exchange is settled without the rest of the
+    prefill's answer, which it sends only after every stage reported its parts sent (a few ms after the decode
+    has them): -> (None, decode); the prefill's answer is read to its end in the background."""
     pending = {p_task, d_task}
     try:
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if prefill_ok is not None and d_task.done() and p_task in pending and outcome(d_task).flowing \
+                    and prefill_ok():
+                _detach(p_task)
+                pending = set()
+                return None, outcome(d_task)
             failed = [outcome(t) for t in done if outcome(t).failed]
             if failed and pending and all(r.retryable for r in failed):
                 _, pending = await asyncio.wait(pending, timeout=grace)
@@ -107,7 +158,16 @@ async def both(p_task: asyncio.Task, d_task: asyncio.Task, grace: float = GRACE_
     return outcome(p_task), outcome(d_task)
 
 
-def should_retry(p: Reply, d: Reply) -> bool:
+_detached: set[asyncio.Task] = set()
+
+
+def _detach(task: asyncio.Task) -> None:
+    """Keep a task nobody awaits any more alive until it ends (send() never raises; its Reply is dropped)."""
+    _detached.add(task)
+    task.add_done_callback(_detached.discard)
+
+
+def should_retry(p: Optional[Reply], d: Reply) -> bool:
     """Retry only when something failed and every failure is retryable (one deterministic failure is enough)."""
-    bad = [r for r in (p, d) if r.failed]
+    bad = [r for r in (p, d) if r is not None and r.failed]
     return bool(bad) and all(r.retryable for r in bad)
