@@ -412,3 +412,46 @@ def test_router_metrics(stubs):
     assert metric(text, "sparkrelay_router:request_latency_seconds_count", route="/v1/completions") == 1
     assert metric(text, "sparkrelay_router:request_latency_seconds_sum", route="/v1/completions") > 0.2  # stream
     assert "sparkrelay_router:active_requests 0.0" in text
+
+
+class SlowPrefill(Stub):
+    """A prefill that answers a stream with 2xx headers at once and ends its body `seconds` later (as a real prefill
+    ends only once every stage reported its parts sent); `ended` counts the bodies it finished."""
+
+    def __init__(self, seconds: float):
+        super().__init__("prefill")
+        self.seconds, self.ended = seconds, 0
+
+    async def handle(self, request: Request) -> Response:
+        if request.url.path != "/generate" or not json.loads(await request.body()).get("stream"):
+            return await super().handle(request)
+
+        async def body():
+            await asyncio.sleep(self.seconds)
+            yield b'data: {"text": "p"}\n\ndata: [DONE]\n\n'
+            self.ended += 1
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def test_a_flowing_decode_stream_is_relayed_before_the_prefill_answer_ends(stubs):
+    """Streamed, without prompt logprobs to merge: the decode's first chunk reaches the client while the prefill's
+    answer (2xx headers in) is still open, and that answer is still read to its end; with return_logprob the
+    router needs the prefill's whole answer first."""
+    _, _, d = stubs
+    slow = SlowPrefill(1.5)
+    with serve(slow.app) as pu, router([(pu, None)], [d.url]) as client:
+        for body, early in (({"text": "x", "stream": True}, True),
+                            ({"text": "x", "stream": True, "return_logprob": True}, False)):
+            t0 = time.monotonic()
+            with client.stream("POST", "/generate", json=body) as r:
+                chunks = r.iter_bytes()
+                first = next(chunks)
+                waited = time.monotonic() - t0
+                rest = b"".join(chunks)
+            assert r.status_code == 200 and first.startswith(b"data: ") and (first + rest).endswith(b"[DONE]\n\n")
+            assert (waited < 1.0) if early else (waited >= 1.5), (body, waited)
+        deadline = time.monotonic() + 5
+        while slow.ended < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert slow.ended == 2  # the relayed request's prefill answer was read to its end, not cut
