@@ -12,8 +12,9 @@ PD (router + PP prefill + decode), in order:
     to client     -> the client read the first chunk (decode HTTP -> router -> client)
 plus, not stacked: the router's own hop (client send -> router), each stage's busy time, the transfer from its
 first byte (a stage handed its parts to its agent) to its last (the decode saw them all), and when the router had
-the prefill's whole reply, relative to the decode's first token (the router relays the decode's stream only once both
-sides have answered; NaN when the reply came after the client's first chunk, which cannot happen).
+the prefill's whole reply, relative to the decode's first token (NaN when it came after the client's first chunk:
+the router relays a stream once the prefill's 2xx headers are in and the decode's first chunk carries tokens, so
+the rest of the prefill's reply may come later; a mean over requests is NaN if any one's is).
 Aggregated: to engine, compute (queue included: no stage events without a pipeline), to client.
 """
 
