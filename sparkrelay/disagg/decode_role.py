@@ -187,10 +187,10 @@ class DecodeRole(PDRole):
         req, parts = landed.req, landed.parts
         room, slots, proposer = req.bootstrap_room, self._slots(req), self.parts.proposer
         try:
-            if self.landings is not None:  # the target KV is in the pool already; the rest is read back
-                parts = self.landings.parts(parts, req.block_ids, slots, req.cached_tokens)
+            if self.landings is not None:  # the target KV is in the pool already; the context is read back
+                parts = self.landings.parts(parts, slots, req.cached_tokens)
                 self.landed_rooms += 1
-            if self.landings is None:
+            else:
                 write_kv(self.parts.pool, parts, slots)
             if proposer is not None:
                 req.draft_ctx_start = inject_context(proposer, self.schema, parts, landed.row, slots)

@@ -71,13 +71,13 @@ class LandingBuffers:
         spec = taken[last]["meta"].spec
         return {last: {"meta": Part(spec, self.meta[block_ids[0], : spec.nbytes].numpy().tobytes())}}
 
-    def parts(self, taken: dict[int, dict[str, Part]], block_ids: list[int], slots: torch.Tensor,
+    def parts(self, taken: dict[int, dict[str, Part]], slots: torch.Tensor,
               prefix: int = 0) -> dict[int, dict[str, Part]]:
-        """The last stage's landed parts (meta and the DSpark context) as Parts with their bytes (copies); the
-        context's pieces, landed at their positions, are read back as one piece of every position the prefill sent
+        """The last stage's landed DSpark context as Parts with their bytes (copies; the metadata row: `meta_row`);
+        its pieces, landed at their positions, are read back as one piece of every position the prefill sent
         (from `prefix`, the positions this decode held already: "hidden@<prefix>")."""
         last = max(taken)
-        out: dict[str, Part] = dict(self.meta_row(taken, block_ids)[last])
+        out: dict[str, Part] = {}
         sent = slots[prefix:]  # [n - prefix]
         for name, part in taken[last].items():
             kind = split_piece(name)[0]

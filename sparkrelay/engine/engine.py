@@ -224,7 +224,7 @@ class Engine:
         for ev in events:
             if isinstance(ev, KVArrived):
                 self._arrived(ev)
-            elif isinstance(ev, KVWritten):
+            elif isinstance(ev, KVWritten):  # a fake-bootstrap request's comes with its KVArrived, which may end it
                 if ev.req.rid in self.requests and not ev.req.is_finished:
                     self.scheduler.admit_transferred(ev.req)
             elif isinstance(ev, HandedOff):

@@ -73,10 +73,9 @@ class Channel:
         parts = [body, floats]
         if mb.kind == STEP and payload is not None and mb.num_tokens:
             parts += [t for t in (payload.hidden, payload.taps, payload.partial) if t is not None]
-        for t in (header, _frame([t.to(self.wire) for t in parts if t.numel()])):
-            if t.numel():
-                t = t.to(self.wire).contiguous()
-                self._pending.append((self._post(self.group.send, t, self.next), t))
+        frame = _frame([t.to(self.wire) for t in parts if t.numel()])  # uint8 [N], contiguous
+        for t in [header.to(self.wire)] + ([frame] if frame.numel() else []):
+            self._pending.append((self._post(self.group.send, t, self.next), t))
 
     def flush(self) -> None:
         """Wait for every posted send."""
@@ -151,10 +150,13 @@ class Channel:
             raise PeerLost(str(e)) from e
 
 
+def _nbytes(dtype: torch.dtype, dims: tuple[int, ...]) -> int:
+    return math.prod(dims) * dtype.itemsize
+
+
 def _padded(dtype: torch.dtype, dims: tuple[int, ...]) -> int:
     """Bytes a tensor of `dtype` and shape `dims` takes in a frame: rounded up to 8, so every part starts aligned."""
-    n = math.prod(dims) * torch.empty(0, dtype=dtype).element_size()
-    return -(-n // 8) * 8
+    return -(-_nbytes(dtype, dims) // 8) * 8
 
 
 def _frame(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -171,8 +173,7 @@ def _unframe(frame: torch.Tensor, layout: list[tuple[torch.dtype, tuple[int, ...
     """The inverse of `_frame`: views of `frame` (uint8 [N]) with each layout entry's dtype and shape."""
     out, at = [], 0
     for dtype, dims in layout:
-        n = math.prod(dims) * torch.empty(0, dtype=dtype).element_size()
-        out.append(frame[at : at + n].view(dtype).view(dims))
+        out.append(frame[at : at + _nbytes(dtype, dims)].view(dtype).view(dims))
         at += _padded(dtype, dims)
     assert at == frame.numel(), f"a frame of {frame.numel()} bytes for a layout of {at}"
     return out
