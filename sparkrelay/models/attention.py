@@ -51,6 +51,14 @@ class AttnMeta:
               device: torch.device | str) -> "AttnMeta":
         """Sequence b feeds positions [starts[b], ends[b]); its keys are positions 0..ends[b]-1, found through
         its block table; queries are causal."""
+        if len(starts) == 1:
+            return cls.single(starts[0], ends[0], block_tables[0], page_size, device)
+        return cls.batched(starts, ends, block_tables, page_size, device)
+
+    @classmethod
+    def batched(cls, starts: list[int], ends: list[int], block_tables: list[list[int]], page_size: int,
+                device: torch.device | str) -> "AttnMeta":
+        """build() for any number of sequences, padded to the longest."""
         batch = len(starts)
         start_t, end_t = torch.tensor(starts), torch.tensor(ends)
         q_lens = end_t - start_t
@@ -82,6 +90,27 @@ class AttnMeta:
             q_pad_index=pad_index.to(device), kv_index=kv_index.to(device),
             mask=None if mask is None else mask.to(device), batch=batch, max_q=max_q, kv_range=kv_range,
             causal=causal,
+        )
+
+
+    @classmethod
+    def single(cls, start: int, end: int, table: list[int], page_size: int, device: torch.device | str) -> "AttnMeta":
+        """build() for one sequence (a prompt or a chunk of one, a decode row, a DSpark block), from Python ints in
+        a few tensor ops: no padding, so query row i is position start + i and sees keys 0..start + i."""
+        n = end - start
+        kv_index = slot_index([table], end, page_size)  # [1, Lk]
+        positions = torch.arange(start, end)  # [T]
+        mask = None  # one query, or a whole prompt (causal): every key it may see is visible / SDPA's own mask
+        if n > 1 and start > 0:
+            mask = (torch.arange(end).view(1, end) <= positions.view(n, 1)).view(1, 1, n, end)  # [1, 1, Lq, Lk]
+        pages = table[: -(-end // page_size)]
+        consecutive = len(pages) * page_size >= end and all(b == a + 1 for a, b in zip(pages, pages[1:]))
+        kv_range = (pages[0] * page_size, pages[0] * page_size + end) if consecutive else None
+        return cls(
+            positions=positions.to(device), slot_mapping=kv_index[0, start:end].to(device),
+            q_pad_index=torch.arange(n).to(device), kv_index=kv_index.to(device),
+            mask=None if mask is None else mask.to(device), batch=1, max_q=n, kv_range=kv_range,
+            causal=n > 1 and start == 0,
         )
 
 

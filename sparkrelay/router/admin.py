@@ -13,7 +13,7 @@ import asyncio
 import json
 from typing import Callable
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -36,7 +36,7 @@ def _worker_info(url: str, reply: Reply) -> dict:
     return {"url": url, "error": reply.error or f"HTTP {reply.status}"}
 
 
-async def deployment_info(client: httpx.AsyncClient, config: RouterConfig) -> dict:
+async def deployment_info(client: aiohttp.ClientSession, config: RouterConfig) -> dict:
     """The router's settings and every worker's /server_info, fetched at once."""
     p_urls, d_urls = [p.url for p in config.prefill], list(config.decode)
     replies = await asyncio.gather(*(send(client, "GET", u + "/server_info") for u in p_urls + d_urls))
@@ -50,29 +50,30 @@ async def deployment_info(client: httpx.AsyncClient, config: RouterConfig) -> di
     return {"role": "router", "router": router, "prefill": prefill, "decode": decode, "internal_states": states}
 
 
-def add_admin_routes(app: FastAPI, config: RouterConfig, client: httpx.AsyncClient,
+def add_admin_routes(app: FastAPI, config: RouterConfig, session: Callable[[], aiohttp.ClientSession],
                      pick: Callable[[], tuple[PrefillWorker, str]], metrics: RouterMetrics) -> None:
+    """session(): the router's client session (open while the app serves)."""
     async def health() -> Response:
         return Response(status_code=200)
 
     async def health_generate() -> Response:
         p, d = pick()
-        replies = await asyncio.gather(send(client, "GET", p.url + "/health"), send(client, "GET", d + "/health"))
+        replies = await asyncio.gather(send(session(), "GET", p.url + "/health"), send(session(), "GET", d + "/health"))
         report = {"prefill": replies[0].status, "decode": replies[1].status}
         return JSONResponse(report, 200 if all(r.ok for r in replies) else 503)
 
     async def server_info() -> JSONResponse:
-        return JSONResponse(await deployment_info(client, config))
+        return JSONResponse(await deployment_info(session(), config))
 
     async def model_info(request: Request) -> Response:
-        reply = await send(client, "GET", config.prefill[0].url + request.url.path)
+        reply = await send(session(), "GET", config.prefill[0].url + request.url.path)
         if reply.status is None:
             return JSONResponse(error_body(f"prefill server: {reply.error}", "prefill_server_error", 502), 502)
         return Response(reply.body, reply.status, media_type=reply.media_type)
 
     async def flush_cache() -> JSONResponse:
         urls = [p.url for p in config.prefill] + list(config.decode)
-        replies = await asyncio.gather(*(send(client, "POST", u + "/flush_cache") for u in urls))
+        replies = await asyncio.gather(*(send(session(), "POST", u + "/flush_cache") for u in urls))
         return JSONResponse({"results": [{"url": u, "status": r.status, "error": r.error or None}
                                          for u, r in zip(urls, replies)]})
 

@@ -2,7 +2,7 @@
 
 Life of one generate request:
     client --POST /generate--> router: pick P and D round robin, draw a fresh room
-    router --same JSON--> P and D concurrently (httpx.AsyncClient)
+    router --same JSON--> P and D concurrently (one aiohttp.ClientSession)
     the first side to fail cancels the other; a retryable failure (transport, or a 5xx that is not a schema
     mismatch; `upstream.py`) is retried with a new pair and a new room, at most `max_retries` times, always
     before any byte reaches the client; a 4xx or a schema mismatch is relayed at once
@@ -22,7 +22,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable, Optional
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -33,7 +33,7 @@ from sparkrelay.router.metrics import RouterMetrics
 from sparkrelay.router.rewrite import (CHAT, COMPLETIONS, GENERATE, BadRequest, PrefillWorker, RouterConfig,
                                        batch_size, decode_error, draw_rooms, error_body, is_json, parse_object,
                                        sse_error, with_bootstrap)
-from sparkrelay.router.upstream import Reply, both, peek, send, should_retry
+from sparkrelay.router.upstream import TRANSPORT_ERRORS, Reply, both, broke, peek, send, should_retry
 from sparkrelay.trace import timeline
 
 log = logging.getLogger("sparkrelay.router")
@@ -41,10 +41,12 @@ FORWARDED_HEADERS = ("authorization",)
 
 
 class Router:
-    """Round-robin pair selection and the retry loop; one shared httpx.AsyncClient."""
+    """Round-robin pair selection and the retry loop; one shared aiohttp.ClientSession (`client`, opened by the
+    app's lifespan)."""
 
-    def __init__(self, config: RouterConfig, client: httpx.AsyncClient, metrics: RouterMetrics):
-        self.config, self.client, self.metrics = config, client, metrics
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics):
+        self.config, self.metrics = config, metrics
+        self.client: Optional[aiohttp.ClientSession] = None
         self._next_p = self._next_d = 0
 
     def pick(self) -> tuple[PrefillWorker, str]:
@@ -120,8 +122,7 @@ def _failure(p: Optional[Reply], d: Reply) -> Optional[tuple[int, dict, str]]:
 
 def _relay(d: Reply, done: Callable[[], None], inputs: Optional[dict] = None) -> StreamingResponse:
     """The decode's SSE stream, as it arrives; with `inputs` (prefill_inputs) each event gets the prompt logprobs."""
-    upstream = d.stream
-    assert upstream is not None
+    assert d.stream is not None
 
     async def chunks() -> AsyncIterator[bytes]:
         try:
@@ -132,21 +133,21 @@ def _relay(d: Reply, done: Callable[[], None], inputs: Optional[dict] = None) ->
                     timeline.mark("router", "first_chunk")
                     first = False
                 yield chunk
-        except httpx.HTTPError as e:
-            log.warning("decode stream broke: %s: %s", type(e).__name__, e)
-            yield sse_error(error_body(f"decode server: stream broke: {e}", "decode_server_error", 502))
+        except TRANSPORT_ERRORS as e:
+            log.warning("decode stream broke: %s", broke(e))
+            yield sse_error(error_body(f"decode server: stream broke: {broke(e)}", "decode_server_error", 502))
         finally:
-            await upstream.aclose()  # also runs when the client disconnects, so decode can abort
+            await d.close()  # also runs when the client disconnects, so decode can abort
             done()
 
     return StreamingResponse(chunks(), status_code=d.status or 200, media_type="text/event-stream",
-                             background=BackgroundTask(upstream.aclose))
+                             background=BackgroundTask(d.close))
 
 
 async def _upstream_bytes(d: Reply) -> AsyncIterator[bytes]:
     """The decode stream's bytes: a peeked stream's first chunk, then the rest."""
     if d.chunks is None:
-        async for chunk in d.stream.aiter_bytes():
+        async for chunk in d.stream.content.iter_any():
             yield chunk
         return
     if d.first:
@@ -205,19 +206,27 @@ def _add_generate_routes(app: FastAPI, router: Router) -> None:
         app.add_api_route(path, generate, methods=["POST"], openapi_extra=any_object)
 
 
-def build_app(config: RouterConfig, transport: Optional[httpx.AsyncBaseTransport] = None) -> FastAPI:
-    """The router app; `transport` replaces the network (tests). The client is closed on shutdown."""
-    client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_secs), trust_env=False,
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-                               transport=transport)
+def open_session(config: RouterConfig) -> aiohttp.ClientSession:
+    """The router's client: no limit on connections (keep-alive to every worker), request_timeout_secs to connect
+    and between two reads of an answer (not for a whole stream), no proxy from the environment."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.request_timeout_secs,
+                                    sock_read=config.request_timeout_secs)
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout, trust_env=False)
+
+
+def build_app(config: RouterConfig) -> FastAPI:
+    """The router app; its client session opens at start-up (inside the serving loop) and closes on shutdown."""
+    router = Router(config, RouterMetrics())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        await client.aclose()
+        router.client = open_session(config)
+        try:
+            yield
+        finally:
+            await router.client.close()
 
     app = FastAPI(title="sparkrelay PD router", lifespan=lifespan)
-    router = Router(config, client, RouterMetrics())
     _add_generate_routes(app, router)
-    add_admin_routes(app, config, client, router.pick, router.metrics)
+    add_admin_routes(app, config, lambda: router.client, router.pick, router.metrics)
     return app

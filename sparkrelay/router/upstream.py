@@ -12,8 +12,9 @@ import json
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional
 
-import httpx
+import aiohttp
 
+TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)  # what aiohttp raises when the exchange breaks
 RETRYABLE = frozenset({500, 502, 503, 504})
 DETERMINISTIC_MARKERS = ("schema mismatch",)  # words in an error body that no new room or worker pair can cure
 GRACE_SECS = 1.0  # after a retryable failure, how long the other side may take to say it was deterministic
@@ -27,7 +28,7 @@ class Reply:
     media_type: str = "application/json"
     error: str = ""
     cancelled: bool = False
-    stream: Optional[httpx.Response] = None
+    stream: Optional[aiohttp.ClientResponse] = None
     first: bytes = b""  # a peeked stream's first chunk (`peek`), relayed before the rest of `chunks`
     chunks: Optional[AsyncIterator[bytes]] = None
 
@@ -72,8 +73,13 @@ class Reply:
         return bool(events) and all(e.startswith(b"data:") and not _is_error(e[5:]) for e in events)
 
     async def close(self) -> None:
+        """Done with a stream: read to its end, its connection goes back to the pool; else the connection is
+        closed, so the worker sees its client go (and aborts the request)."""
         if self.stream is not None:
-            await self.stream.aclose()
+            if self.stream.content.at_eof():
+                self.stream.release()
+            else:
+                self.stream.close()
 
 
 def _is_error(data: bytes) -> bool:
@@ -85,27 +91,32 @@ def _is_error(data: bytes) -> bool:
     return not isinstance(obj, dict) or "error" in obj
 
 
-async def send(client: httpx.AsyncClient, method: str, url: str, content: Optional[bytes] = None,
+def broke(e: BaseException) -> str:
+    """A transport error, named: "ClientConnectorError: Cannot connect to host ..." (a timeout says so)."""
+    return f"{type(e).__name__}: {e or 'timed out'}"
+
+
+async def send(session: aiohttp.ClientSession, method: str, url: str, content: Optional[bytes] = None,
                headers: Optional[dict] = None, stream: bool = False,
                on_status: Optional[Callable[[int], None]] = None) -> Reply:
     """Never raises on transport errors; with `stream`, a 2xx answer comes back unread in Reply.stream.
     on_status(status) is called once the answer's headers are in, before its body is read."""
     try:
-        resp = await client.send(client.build_request(method, url, content=content, headers=headers), stream=True)
-    except httpx.HTTPError as e:
-        return Reply(None, error=f"{url}: {type(e).__name__}: {e}")
+        resp = await session.request(method, url, data=content, headers=headers)
+    except TRANSPORT_ERRORS as e:
+        return Reply(None, error=f"{url}: {broke(e)}")
     if on_status is not None:
-        on_status(resp.status_code)
+        on_status(resp.status)
     media = resp.headers.get("content-type", "application/json")
-    if stream and resp.is_success:
-        return Reply(resp.status_code, media_type=media, stream=resp)
+    if stream and 200 <= resp.status < 300:
+        return Reply(resp.status, media_type=media, stream=resp)
     try:
-        body = await resp.aread()
-    except httpx.HTTPError as e:
-        return Reply(None, error=f"{url}: {type(e).__name__}: {e}")
+        body = await resp.read()
+    except TRANSPORT_ERRORS as e:
+        return Reply(None, error=f"{url}: {broke(e)}")
     finally:
-        await resp.aclose()
-    return Reply(resp.status_code, body, media)
+        resp.release()
+    return Reply(resp.status, body, media)
 
 
 async def peek(reply: Reply) -> Reply:
@@ -113,12 +124,12 @@ async def peek(reply: Reply) -> Reply:
     the stream and becomes a failed Reply. Cancelled meanwhile, the stream is closed."""
     if not reply.ok or reply.stream is None:
         return reply
-    reply.chunks = reply.stream.aiter_bytes()
+    reply.chunks = reply.stream.content.iter_any()
     try:
         reply.first = await anext(reply.chunks, b"")
-    except httpx.HTTPError as e:
+    except TRANSPORT_ERRORS as e:
         await reply.close()
-        return Reply(None, error=f"{type(e).__name__}: {e}")
+        return Reply(None, error=broke(e))
     except BaseException:
         await reply.close()
         raise

@@ -45,6 +45,7 @@ def run(starts, ends, dtype, seed=0):
     ([3, 3], [9, 9], False),       # a cached prefix, equal lengths: still masked (is_causal is top-left aligned)
     ([8, 5, 12], [9, 6, 13], False),  # decode, one query per sequence (bfloat16: the query fed twice)
     ([12], [13], False),
+    ([4], [11], False),            # one sequence's later chunk (or a prompt after its cached prefix): masked
 ])
 @torch.inference_mode()
 def test_paged_attention_equals_dense_reference(dtype, starts, ends, causal):
@@ -53,3 +54,18 @@ def test_paged_attention_equals_dense_reference(dtype, starts, ends, causal):
     tol = dict(rtol=0, atol=2e-5) if dtype == torch.float32 else dict(rtol=0, atol=2e-2)
     assert out.dtype == dtype and out.shape == ref.shape
     torch.testing.assert_close(out.double(), ref, **tol)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_one_sequence_metadata_equals_the_batched_build(seed):
+    """AttnMeta.single (what build() takes for one sequence) gives exactly the padded, batched build's fields."""
+    g = torch.Generator().manual_seed(seed)
+    end = int(torch.randint(1, 40, (1,), generator=g))
+    start = [0, end - 1, int(torch.randint(0, end, (1,), generator=g))][seed % 3]
+    pages = -(-end // PAGE)
+    table = (list(range(5, 5 + pages)) if seed % 2 else torch.randperm(50, generator=g)[:pages].tolist()) + [49]
+    one, ref = AttnMeta.single(start, end, table, PAGE, "cpu"), AttnMeta.batched([start], [end], [table], PAGE, "cpu")
+    for field in ("positions", "slot_mapping", "q_pad_index", "kv_index"):
+        assert torch.equal(getattr(one, field), getattr(ref, field)), field
+    assert (one.mask is None) == (ref.mask is None) and (one.mask is None or torch.equal(one.mask, ref.mask))
+    assert (one.batch, one.max_q, one.kv_range, one.causal) == (ref.batch, ref.max_q, ref.kv_range, ref.causal)
