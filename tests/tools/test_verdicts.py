@@ -17,8 +17,11 @@ def test_bench_serving_fails_on_any_failed_request():
 
 
 def _mode(name: str, outputs, accept: float = 3.0, n: int = 32) -> dict:
-    mode = name.split()[1] if name.startswith("PD ") else None  # bench_pd's rows: "PD <mode>[ (<backend>)]"
-    return {"deployment": name, "mode": mode, "prompt_len": n, "outputs": outputs, "accept_length": accept}
+    """A bench_pd row; a PD row ("PD <mode>[ (<backend>)]") carries the aggregated answers of its rounds, [[1, 2]]
+    accepted at 3.0."""
+    mode = name.split()[1] if name.startswith("PD ") else None
+    row = {"deployment": name, "mode": mode, "prompt_len": n, "outputs": outputs, "accept_length": accept}
+    return {**row, "paired": {"outputs": [[1, 2]], "accept_length": 3.0}} if mode else row
 
 
 def test_bench_pd_fails_on_corrupted_tokens_and_full_context_acceptance():
@@ -32,6 +35,8 @@ def test_bench_pd_fails_on_corrupted_tokens_and_full_context_acceptance():
     assert "accept length" in bench_pd.verdict(slow, [])[0]
     assert bench_pd.verdict(good, [*tails, {"tail": 64, "outputs": [[6]]}]) == ["tail 64: tokens differ from tail 1"]
     assert bench_pd.verdict_line(["x"]) == "Verdict: FAIL: x"
+    alone = {k: v for k, v in good[1].items() if k != "paired"}
+    assert bench_pd.verdict([alone], []) == ["PD hidden, 32-token prompts: no aggregated answers to compare"]
 
 
 def test_fuzz_verdict_fails_on_5xx_transport_errors_health_and_leftover_kv():
