@@ -23,6 +23,7 @@ from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.loader import SHAPE_FIELDS, read_config
 from sparkrelay.models.quant import apply_torchao_config
 from sparkrelay.models.qwen3 import load_qwen3
+from sparkrelay.pipeline.heap import reuse_freed_memory
 from sparkrelay.runner.model_runner import RunResult
 from sparkrelay.scheduler.block_manager import BlockManager
 from sparkrelay.scheduler.radix_cache import RadixCache
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 class Engine:
     def __init__(self, config: Config) -> None:
         self.config = config
+        reuse_freed_memory()  # activations reuse the heap instead of faulting in fresh pages (pipeline/heap.py)
         self.device = setup.check_device(config.model.device)
         self.dtype = setup.resolve_dtype(config.model.dtype, config.model.device)
         self.handoff = build_handoff(config, self.dtype)  # a prefill's bootstrap server is up before stages load

@@ -123,6 +123,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
     twice = meta.max_q == 1 and q.dtype != torch.float32 and q.device.type == "cpu"  # see the module docstring
     if meta.max_q == 1:
         qp = q.unsqueeze(1).expand(-1, 2 if twice else 1, -1, -1)  # [B, 1 | 2, H, D]: decode, one token per sequence
+    elif meta.batch == 1:
+        qp = q.unsqueeze(0)  # [1, T, H, D]: one sequence needs no padding
     else:
         qp = q.new_zeros(meta.batch * meta.max_q, n_heads, dim)
         qp[meta.q_pad_index] = q
@@ -141,4 +143,4 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
     if twice:
         out = out[:, :, :1]
     out = out.transpose(1, 2).reshape(meta.batch * meta.max_q, n_heads, dim)
-    return out if meta.max_q == 1 else out[meta.q_pad_index]
+    return out if meta.max_q == 1 or meta.batch == 1 else out[meta.q_pad_index]

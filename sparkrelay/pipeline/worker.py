@@ -33,7 +33,7 @@ from sparkrelay.models.qwen3 import load_qwen3
 from sparkrelay.pipeline.capture import CaptureSpec, PayloadShape
 from sparkrelay.pipeline.comm import Channel, PeerLost, make_group
 from sparkrelay.pipeline.descriptor import SHUTDOWN
-from sparkrelay.pipeline.heap import HeapTrimmer
+from sparkrelay.pipeline.heap import HeapTrimmer, reuse_freed_memory
 from sparkrelay.pipeline.launch import LAUNCH_ENV, LOAD_TIMEOUT_S, PEER_LOST_EXIT, RENDEZVOUS_HOST
 from sparkrelay.pipeline.stage import Stage, build_stage
 
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     level = str(launch["config"].get("log_level", "info")).upper()
     logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s stage {args.rank} %(name)s: %(message)s")
     watch_parent(launch["parent_pid"])
+    reuse_freed_memory()
     torch.set_num_threads(launch["threads"])
     store = dist.TCPStore(RENDEZVOUS_HOST, args.port, args.world_size, is_master=False,
                           timeout=datetime.timedelta(seconds=LOAD_TIMEOUT_S))
