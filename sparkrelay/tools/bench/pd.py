@@ -24,6 +24,7 @@ import os
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -65,10 +66,19 @@ def traced(log_dir: str) -> Iterator[str]:
         del os.environ[timeline.ENV]
 
 
-def flush_cache(url: str) -> None:
-    """POST /flush_cache (the server is idle): its next request computes the whole prompt again."""
-    with urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", data=b"", method="POST"), timeout=30):
-        pass
+def flush_cache(url: str, wait_s: float = 5.0) -> None:
+    """POST /flush_cache: the server's next request computes the whole prompt again. A 400 means a request is still
+    in flight (the last one's stream has ended at the client, the engine may not have let it go yet): try again."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", data=b"", method="POST"),
+                                        timeout=30):
+                return
+        except urllib.error.HTTPError as e:
+            if e.code != 400 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def warm_up(url: str, prompts: dict) -> None:
