@@ -92,7 +92,6 @@ class AttnMeta:
             causal=causal,
         )
 
-
     @classmethod
     def single(cls, start: int, end: int, table: list[int], page_size: int, device: torch.device | str) -> "AttnMeta":
         """build() for one sequence (a prompt or a chunk of one, a decode row, a DSpark block), from Python ints in
