@@ -8,9 +8,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import json
 from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
+import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -45,15 +45,20 @@ def error_response(status: int, message: str) -> JSONResponse:
     return JSONResponse(error_body(status, message), status_code=status)
 
 
-def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj) -> bytes:
+    """One SSE event, UTF-8 as is (like ensure_ascii=False). orjson, because a stream writes one per token, a
+    /generate chunk with every output id so far: 2.6 us against the standard library's 27 us for a chunk of 128."""
+    return b"data: " + orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS) + b"\n\n"
 
 
 def stream_error_response(status: int, message: str) -> Response:
     """A streamed request's error as a 200 SSE body: the error event (with the real status as its `code`), then
     [DONE]. A decode server answers so because routers relay its stream: sglang-router (0.3.2) rewrites any non-2xx
     answer to a streamed request into a broken frame (`data: {'error': ...` cut at the original length)."""
-    return Response(sse(error_body(status, message)) + "data: [DONE]\n\n", 200, media_type="text/event-stream")
+    return Response(sse(error_body(status, message)) + SSE_DONE, 200, media_type="text/event-stream")
 
 
 def wants_stream_error(request: Request, config: Config) -> bool:
@@ -139,6 +144,6 @@ class ServerState:
                         yield sse(c)
                 for c in tail():
                     yield sse(c)
-            yield "data: [DONE]\n\n"
+            yield SSE_DONE
 
         return StreamingResponse(body(), media_type="text/event-stream")

@@ -9,7 +9,7 @@ import json
 import time
 from typing import Any
 
-import httpx
+import aiohttp
 
 from sparkrelay.tools.bench.serving_report import Record
 from sparkrelay.tools.bench.serving_workload import Item
@@ -81,22 +81,27 @@ def finish_openai(rec: Record, state: dict) -> None:
     rec.output_tokens, rec.itl, rec.chunk_tokens = tokens, [g / per for g in rec.itl], [per] * chunks
 
 
-async def send(client: httpx.AsyncClient, url: str, item: Item, args: argparse.Namespace, t0: float) -> Record:
+class HTTPStatusError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+async def send(client: aiohttp.ClientSession, url: str, item: Item, args: argparse.Namespace, t0: float) -> Record:
     rec, state = Record(item.index, conversation=item.conversation, turn=item.turn), {"tokens": 0, "last": 0.0}
     start = time.perf_counter()
     rec.start = start - t0
     try:
         async with asyncio.timeout(args.request_timeout):
-            async with client.stream("POST", url, json=payload(item, args)) as resp:
-                if resp.status_code != 200:
-                    raise httpx.HTTPStatusError(error_message(resp.status_code, await resp.aread()),
-                                                request=resp.request, response=resp)
+            async with client.post(url, json=payload(item, args)) as resp:
+                if resp.status != 200:
+                    raise HTTPStatusError(resp.status, error_message(resp.status, await resp.read()))
                 done = False
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
+                async for line in resp.content:  # one line at a time
+                    if not line.startswith(b"data:"):
                         continue
-                    data = line[len("data:"):].strip()
-                    if data == "[DONE]":
+                    data = line[len(b"data:"):].strip()
+                    if data == b"[DONE]":
                         done = True
                         break
                     on_chunk(rec, json.loads(data), args.backend, time.perf_counter(), start, state)
@@ -116,8 +121,8 @@ async def send(client: httpx.AsyncClient, url: str, item: Item, args: argparse.N
 
 
 def error_kind(e: Exception, timeout: float) -> tuple[str, str]:
-    if isinstance(e, httpx.HTTPStatusError):
-        return f"HTTP {e.response.status_code}", str(e)
+    if isinstance(e, HTTPStatusError):
+        return f"HTTP {e.status}", str(e)
     if isinstance(e, TimeoutError):
         return "timeout", f"no complete answer within --request-timeout {timeout:g} s"
     if isinstance(e, RuntimeError):
