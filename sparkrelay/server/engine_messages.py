@@ -7,12 +7,14 @@
 
 Between processes each message is one msgpack frame `[kind, fields...]`, fields in the dataclass's order, nested
 dataclasses as arrays the same way; `decode` rebuilds the dataclass and raises MessageError for anything else.
+On a byte stream (the scheduler process's outputs) each frame goes behind its length: `framed`, `FrameReader`.
 Nothing here is pickled. In one process (the engine thread) the dataclasses are handed over as they are.
 """
 
 from __future__ import annotations
 
 import secrets
+import struct
 import uuid
 from dataclasses import astuple, dataclass, field, fields
 from typing import Optional
@@ -154,6 +156,36 @@ def decode(frame: bytes):
         return cls(*body)
     except (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException) as e:
         raise MessageError(f"not an engine message: {type(e).__name__}: {e}") from None
+
+
+FRAME_HEADER = struct.Struct("!I")  # a frame's length in bytes, big-endian
+
+
+def framed(msg) -> bytes:
+    """encode(msg) behind its length: one message on a byte stream."""
+    body = encode(msg)
+    return FRAME_HEADER.pack(len(body)) + body
+
+
+class FrameReader:
+    """The frames of a byte stream written by `framed`, whatever pieces the bytes arrive in."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Append what was read -> the frames it completed, in order (a partial one waits for more)."""
+        self._buf += data
+        frames, pos, size = [], 0, len(self._buf)
+        while size - pos >= FRAME_HEADER.size:
+            (n,) = FRAME_HEADER.unpack_from(self._buf, pos)
+            if size - pos - FRAME_HEADER.size < n:
+                break
+            pos += FRAME_HEADER.size
+            frames.append(bytes(self._buf[pos : pos + n]))
+            pos += n
+        del self._buf[:pos]
+        return frames
 
 
 def _item_fields(it: GenerationItem) -> list:

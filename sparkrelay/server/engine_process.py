@@ -2,8 +2,9 @@
 
     HTTP process (uvicorn, tokenizer, EngineProcess)          scheduler process (engine_main)
     ------------------------------------------------          -------------------------------
-    cmd  PUSH  --AddItems / AbortRequest / Shutdown-->  PULL   receiver thread -> EngineLoop.put (wakes the engine)
-    out  PULL  <--Ready | StartFailed, Added, Progress, Fatal-- PUSH   EngineLoop.run on the main thread
+    cmd  ZMQ PUSH  --AddItems / AbortRequest / Shutdown-->  PULL  receiver thread -> EngineLoop.put (wakes it)
+    out  socketpair end  <--Ready | StartFailed, Added, Progress, Fatal--  the other end: EngineLoop.run on the main
+         (read on the event loop)                                          thread writes each message as it comes
 
 Why a process: the thread that builds the engine is the one that steps it, so PyTorch runs one OpenMP team; an engine
 built on one thread and stepped on another ran two, and libgomp then cut its spin-waiting (served decode was
@@ -13,9 +14,14 @@ Why fork: the HTTP process needs transformers for its tokenizer, which imports t
 imported them all again, ~2.5 s of CPU at every start on top of the model (a 2-core host restarting a server
 beside busy ones felt it). It is forked once torch, transformers and the model code are imported and the tokenizer
 is loaded, before this process has any thread, ZMQ context or OpenMP team (torch starts its threads at the first
-parallel op), and it closes the HTTP socket it inherits. Sockets are ipc:// files in a private
+parallel op), and it closes the HTTP socket it inherits. The command socket is an ipc:// file in a private
 folder (0700); frames are msgpack (engine_messages.py), never pickles. The scheduler process ends when told to, or
 when the HTTP process is gone (its sentinel); the HTTP process shuts down when the scheduler process dies.
+
+Why the outputs take a socketpair, not ZMQ: they cross once per decode step, and the engine's two OpenMP threads
+fill both cores of a small host. Through ZMQ each message woke four threads (the sender's ZMQ I/O thread, the
+receiver's, then the event loop); the engine's send alone was ~5% of its step loop (py-spy), being preempted by its
+own I/O thread. Written to a Unix socket it wakes the HTTP process's event loop and nothing else.
 """
 
 from __future__ import annotations
@@ -24,25 +30,27 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import select
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
-from typing import Optional
 
 import zmq
 
 from sparkrelay.config import Config
 from sparkrelay.server.async_engine import EngineClient, EngineStopped
 from sparkrelay.server.engine_loop import EngineLoop
-from sparkrelay.server.engine_messages import (AddItems, EngineInfo, Fatal, MessageError, Ready, Shutdown,
-                                               StartFailed, decode, encode)
+from sparkrelay.server.engine_messages import (AddItems, EngineInfo, Fatal, FrameReader, MessageError, Ready,
+                                               Shutdown, StartFailed, decode, encode, framed)
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 1800.0  # a real-size checkpoint read from a slow disk
 STOP_TIMEOUT_S = 15.0  # the engine closes its pipeline stages and transfer agents in this time, or is killed
+READ_BYTES = 1 << 20  # one read of the outputs socket
 
 
 class EngineStartError(RuntimeError):
@@ -52,12 +60,12 @@ class EngineStartError(RuntimeError):
 class EngineProcess(EngineClient):
     """The client side of the scheduler process. `launch` blocks until the engine is built (or failed)."""
 
-    def __init__(self, proc, folder: str, ctx: zmq.Context, cmd: zmq.Socket, out: zmq.Socket, info: EngineInfo,
-                 tokenizer):
+    def __init__(self, proc, folder: str, ctx: zmq.Context, cmd: zmq.Socket, out: socket.socket,
+                 frames: FrameReader, early: list, info: EngineInfo, tokenizer):
         super().__init__(info, tokenizer)
         self._proc, self._folder, self._ctx, self._cmd, self._out = proc, folder, ctx, cmd, out
-        self._out_fd: int = out.getsockopt(zmq.FD)
-        self._reading = False  # the event loop watches the out socket and the process's sentinel
+        self._frames, self._early = frames, early  # early: messages read with Ready, handled once the loop runs
+        self._reading = False  # the event loop watches the outputs socket and the process's sentinel
         self._stopping = threading.Event()
 
     @classmethod
@@ -68,25 +76,30 @@ class EngineProcess(EngineClient):
         from sparkrelay.engine.setup import load_tokenizer
 
         tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.model_path)
-        folder = tempfile.mkdtemp(prefix="sparkrelay-engine-")  # 0700: only this user reaches the sockets
-        addrs = (f"ipc://{folder}/cmd", f"ipc://{folder}/out")
+        folder = tempfile.mkdtemp(prefix="sparkrelay-engine-")  # 0700: only this user reaches the socket
+        cmd_addr = f"ipc://{folder}/cmd"
+        out, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         proc = multiprocessing.get_context("fork").Process(  # see the module docstring: why fork, and when
-            target=engine_main, name="sparkrelay-scheduler", daemon=True, args=(config, *addrs, inherited))
+            target=engine_main, name="sparkrelay-scheduler", daemon=True,
+            args=(config, cmd_addr, theirs, (*inherited, out.fileno())))
         proc.start()
+        theirs.close()
+        out.setblocking(False)
         ctx = zmq.Context()  # after the fork: a context's I/O threads do not survive one
-        cmd, out = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        cmd = ctx.socket(zmq.PUSH)
         cmd.setsockopt(zmq.LINGER, 0)
         cmd.setsockopt(zmq.SNDHWM, 0)  # no limit on queued commands: a send fails only when nobody is connected
+        frames = FrameReader()
         try:
-            cmd.bind(addrs[0])
-            out.bind(addrs[1])
-            info = _wait_ready(proc, out)
+            cmd.bind(cmd_addr)
+            info, early = _wait_ready(proc, out, frames)
         except BaseException:
             _end(proc, 0.0)
             ctx.destroy(linger=0)
+            out.close()
             shutil.rmtree(folder, ignore_errors=True)
             raise
-        return cls(proc, folder, ctx, cmd, out, info, tokenizer)
+        return cls(proc, folder, ctx, cmd, out, frames, early, info, tokenizer)
 
     def _start_transport(self) -> None:
         """Engine messages are read on the event loop itself: a reader thread's hand-off (a wake-up and a
@@ -94,9 +107,12 @@ class EngineProcess(EngineClient):
         if self._reading:
             return
         self._reading = True
-        self._loop.add_reader(self._out_fd, self._receive_all)
+        for msg in self._early:
+            self._on_message(msg)
+        self._early = []
+        self._loop.add_reader(self._out.fileno(), self._receive)
         self._loop.add_reader(self._proc.sentinel, self._scheduler_exited)
-        self._receive_all()  # the socket's FD is edge-triggered: what arrived before the reader was added
+
     def _send(self, cmd) -> None:
         """On the event loop thread only. Never blocks: with the scheduler process gone (or going) there is no peer
         to queue for; an add then fails with 503, an abort or a shutdown has nothing left to do."""
@@ -109,28 +125,33 @@ class EngineProcess(EngineClient):
     def _transport_alive(self) -> bool:
         return self._proc.is_alive()
 
-    def _receive_all(self) -> None:
-        """Every queued engine message to its handler (on the event loop). ZMQ's FD only says that the socket's
-        state changed, so the queue is drained until ZMQ itself says it is empty."""
-        while self._out.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frame = self._out.recv(zmq.NOBLOCK)
-            try:
-                msg = decode(frame)
-            except MessageError:
-                logger.exception("dropped a bad frame from the scheduler process")
-                continue
+    def _receive(self) -> bool:
+        """One read of the outputs socket (the loop calls again while it stays readable); every message it
+        completes to its handler. False when there was nothing to read, or nothing more can come."""
+        try:
+            data = self._out.recv(READ_BYTES)
+        except BlockingIOError:
+            return False
+        except OSError:
+            data = b""
+        if not data:
+            self._loop.remove_reader(self._out.fileno())  # end of stream: readable for ever; the sentinel follows
+            return False
+        for msg in _messages(self._frames.feed(data)):
             self._on_message(msg)
+        return True
 
     def _scheduler_exited(self) -> None:
         """The process ended: what it sent last first, then (unless it was told to stop) a Fatal."""
-        self._receive_all()
+        while self._receive():
+            pass
         self._stop_reading()
         if not self._stopping.is_set():
             self._on_message(Fatal(f"the scheduler process exited with code {self._proc.exitcode}"))
 
     def _stop_reading(self) -> None:
         if self._reading and self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._out_fd)
+            self._loop.remove_reader(self._out.fileno())
             self._loop.remove_reader(self._proc.sentinel)
         self._reading = False
 
@@ -145,21 +166,37 @@ class EngineProcess(EngineClient):
         _end(self._proc, timeout)
         self._stop_reading()
         self._ctx.destroy(linger=0)
+        self._out.close()
         shutil.rmtree(self._folder, ignore_errors=True)
 
 
-def _wait_ready(proc, out: zmq.Socket) -> EngineInfo:
+def _wait_ready(proc, out: socket.socket, frames: FrameReader) -> tuple[EngineInfo, list]:
+    """-> the engine's info, and the messages read with it (the loop's first stats may share its read)."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
-        if out.poll(100):
-            msg = decode(out.recv())
-            if isinstance(msg, Ready):
-                return msg.info
-            if isinstance(msg, StartFailed):
-                raise EngineStartError(msg.error)
-        elif not proc.is_alive():
+        if select.select([out], [], [], 0.1)[0]:
+            data = out.recv(READ_BYTES)
+            msgs = _messages(frames.feed(data))
+            for i, msg in enumerate(msgs):
+                if isinstance(msg, Ready):
+                    return msg.info, msgs[i + 1:]
+                if isinstance(msg, StartFailed):
+                    raise EngineStartError(msg.error)
+            if data:
+                continue
+        if not proc.is_alive():
             raise EngineStartError(f"the scheduler process exited with code {proc.exitcode} while loading")
     raise EngineStartError(f"the engine was not built after {START_TIMEOUT_S:.0f} s")
+
+
+def _messages(frames: list[bytes]) -> list:
+    out = []
+    for frame in frames:
+        try:
+            out.append(decode(frame))
+        except MessageError:
+            logger.exception("dropped a bad frame from the scheduler process")
+    return out
 
 
 def _end(proc, timeout: float) -> None:
@@ -172,40 +209,57 @@ def _end(proc, timeout: float) -> None:
 
 # ---------------------------------------------------------------- the scheduler process
 
-def engine_main(config: Config, cmd_addr: str, out_addr: str, inherited: tuple[int, ...]) -> None:
-    """The scheduler process's entry point: build the engine here, then serve the loop on this (main) thread."""
+def engine_main(config: Config, cmd_addr: str, out: socket.socket, inherited: tuple[int, ...]) -> None:
+    """The scheduler process's entry point: build the engine here, then serve the loop on this (main) thread.
+    out: this process's end of the outputs socketpair."""
     for fd in inherited:
         os.close(fd)
     _name_process(b"sparkrelay-sched")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the HTTP process, which sends Shutdown
     ctx = zmq.Context()
-    out, cmd = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    out.setsockopt(zmq.LINGER, 2000)  # the last outputs (503 aborts at shutdown) still leave
-    out.connect(out_addr)
+    cmd = ctx.socket(zmq.PULL)
     cmd.connect(cmd_addr)
+    emit = _emitter(out)
     from sparkrelay.engine.engine import build_engine
 
     try:
         engine = build_engine(config)
     except BaseException as e:
-        out.send(encode(StartFailed(_start_error(e))))
-        ctx.destroy(linger=2000)
+        emit(StartFailed(_start_error(e)))
+        ctx.destroy(linger=0)
         raise SystemExit(1)
-    done, loop = threading.Event(), EngineLoop(engine, emit=lambda msg: out.send(encode(msg)))
+    done, loop = threading.Event(), EngineLoop(engine, emit=emit)
     inbox = threading.Thread(target=_receive, args=(cmd, loop, done), name="sparkrelay-engine-inbox", daemon=True)
     # SIGTERM (a process group's stop): shut down as if told to; a thread queues it, because the handler may run
     # while this thread holds the inbox's lock
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=loop.put, args=(Shutdown("SIGTERM"),)).start())
     try:
-        out.send(encode(Ready(EngineInfo.of(engine))))
+        emit(Ready(EngineInfo.of(engine)))
         inbox.start()
         loop.run()
     finally:
         done.set()
         engine.close()  # pipeline stages, bootstrap server, transfer agents
         inbox.join(1.0)  # it closes its own socket
-        out.close(linger=2000)
+        out.close()  # what was written stays readable after this process ends
         ctx.term()
+
+
+def _emitter(out: socket.socket):
+    """Writes each message to the outputs socket, blocking while its buffer is full (as a ZMQ PUSH socket blocks at
+    its high-water mark): the HTTP process reads as fast as it can. Its end gone, nothing is listening: dropped."""
+    lost = threading.Event()
+
+    def emit(msg) -> None:
+        if lost.is_set():
+            return
+        try:
+            out.sendall(framed(msg))
+        except OSError as e:
+            lost.set()
+            logger.warning("the HTTP process stopped reading engine outputs (%s); the rest are dropped", e)
+
+    return emit
 
 
 def _name_process(name: bytes) -> None:

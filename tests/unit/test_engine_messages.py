@@ -5,8 +5,9 @@ import msgpack
 import pytest
 
 from sparkrelay.scheduler.request import Bootstrap, Logprobs, RequestOutput, SamplingParams
-from sparkrelay.server.engine_messages import (AbortRequest, AddItems, Added, EngineInfo, Fatal, GenerationItem,
-                                               MessageError, Progress, Ready, Shutdown, StartFailed, decode, encode)
+from sparkrelay.server.engine_messages import (AbortRequest, AddItems, Added, EngineInfo, Fatal, FrameReader,
+                                               GenerationItem, MessageError, Progress, Ready, Shutdown, StartFailed,
+                                               decode, encode, framed)
 
 
 def _output(with_logprobs: bool) -> RequestOutput:
@@ -46,3 +47,17 @@ def test_every_message_survives_the_wire(msg):
 def test_a_bad_frame_is_a_message_error(frame):
     with pytest.raises(MessageError):
         decode(frame)
+
+
+def test_framed_messages_come_back_whatever_pieces_the_stream_cuts():
+    msgs = [Added(1), Progress((_output(False),), {"num_running": 1}), Fatal("x" * 70_000), Progress(), Shutdown()]
+    frames = [encode(m) for m in msgs]
+    stream = b"".join(framed(m) for m in msgs)
+    for cut in (1, 3, 4, 5, 17, 4096, len(stream)):
+        reader, got = FrameReader(), []
+        for i in range(0, len(stream), cut):
+            got += reader.feed(stream[i : i + cut])
+        assert got == frames, cut
+    reader = FrameReader()
+    assert reader.feed(stream[:-1]) == frames[:-1]
+    assert reader.feed(b"") == [] and reader.feed(stream[-1:]) == frames[-1:]
