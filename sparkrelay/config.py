@@ -76,11 +76,11 @@ class SpecConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    pp_size: int = _f(1, "Pipeline-parallel stages, one process each (gloo on CPU, NCCL on CUDA); each owns a "
+    pp_size: int = _f(1, "Pipeline-parallel stages, one process each (ZMQ ipc:// between them; NCCL with a GPU each); each owns a "
                          "contiguous layer range (pipeline/partition.py).")
     dist_init_port: Optional[int] = _f(
         None, "TCP port of the stages' torch.distributed rendezvous (default: a free port). The stages are processes "
-              "this server starts on its own host: the rendezvous and the stages' gloo/NCCL sockets bind 127.0.0.1 "
+              "this server starts on its own host: the rendezvous (and NCCL's sockets) bind 127.0.0.1 "
               "only (there is no multi-host pipeline).", ftype=int)
 
 

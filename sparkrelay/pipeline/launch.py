@@ -9,8 +9,8 @@ The launch record (config, dtype, partition, KV blocks, capture, sink factory, b
 in the SPARKRELAY_PP_LAUNCH environment variable as JSON, not on argv, so the config's api_key is not shown by `ps`.
 Every stage runs on this host, so every socket of the pipeline binds the loopback (RENDEZVOUS_HOST): the store's
 listening socket (torch's TCPStore server would listen on every interface whatever host it is given, so rank 0
-binds the socket itself and hands it over), gloo's pair listeners (pipeline/comm.py creates its device on this
-host) and NCCL's bootstrap (NCCL_SOCKET_IFNAME defaults to the loopback interface).
+binds the socket itself and hands it over) and NCCL's bootstrap (NCCL_SOCKET_IFNAME defaults to the loopback
+interface); without NCCL the stages' sockets are ipc:// files in a private folder (pipeline/comm.py).
 The watchdog polls the processes; when one exits unasked it records "pipeline stage r (pid N) exited with code X"
 and kills the others, so every blocked send or receive on every rank fails at once instead of hanging.
 """
@@ -34,7 +34,7 @@ STOP_TIMEOUT_S = 10.0    # close(): a worker still alive this long after the shu
 PEER_LOST_EXIT = 3       # a worker's exit code when it stops because another rank went away (not a root cause)
 
 
-RENDEZVOUS_HOST = "127.0.0.1"  # the store and gloo's pairs listen here, and only here
+RENDEZVOUS_HOST = "127.0.0.1"  # the store listens here, and only here
 LOOPBACK_IFNAME = "lo"         # its interface, for NCCL (NCCL_SOCKET_IFNAME, when the user has not set it)
 
 

@@ -20,6 +20,8 @@ import functools
 import itertools
 import json
 import os
+import shutil
+import tempfile
 import threading
 import weakref
 from contextlib import contextmanager
@@ -33,7 +35,7 @@ from sparkrelay.scheduler.scheduler import Batch, ScheduledSeq
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.qwen3 import Qwen3ForCausalLM
 from sparkrelay.pipeline.capture import CaptureSpec
-from sparkrelay.pipeline.comm import Channel, PeerLost, make_group
+from sparkrelay.pipeline.comm import Channel, PeerLost, connect
 from sparkrelay.pipeline.descriptor import SHUTDOWN, STEP, MicroBatch, SeqDesc, reply_shape
 from sparkrelay.pipeline.launch import Workers, rendezvous_store
 from sparkrelay.pipeline.partition import pp_partition
@@ -130,24 +132,25 @@ class PipelineRunner:
     def _start_workers(self, config: Config, model: Qwen3ForCausalLM, pool: KVPool, sink_factory: Optional[str],
                        status_address: str) -> None:
         cuda = self.device.type == "cuda"
-        backend = "nccl" if cuda and config.model.device == "cuda" and torch.cuda.device_count() >= self.pp else "gloo"
+        backend = "nccl" if cuda and config.model.device == "cuda" and torch.cuda.device_count() >= self.pp else "ipc"
         self._store = rendezvous_store(config.parallel.dist_init_port, self.pp)  # on 127.0.0.1 only
-        port = self._store.port
+        self._ipc_dir = tempfile.mkdtemp(prefix="sparkrelay-pp-")  # 0700: the stages' sockets (pipeline/comm.py)
         launch = {"config": config.flat(), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
                   "partition": self.partition, "num_blocks": pool.num_blocks, "capture": self.capture.to_dict(),
                   "sink_factory": sink_factory, "status_address": status_address, "backend": backend,
-                  "parent_pid": os.getpid(), "threads": shared_threads(self.pp),
+                  "ipc_dir": self._ipc_dir, "parent_pid": os.getpid(), "threads": shared_threads(self.pp),
                   "alone_threads": torch.get_num_threads()}
-        self.workers = Workers(self.pp, port, json.dumps(launch))
+        self.workers = Workers(self.pp, self._store.port, json.dumps(launch))
         try:
             self.workers.wait_ready(self._store)
-            group = make_group(self._store, 0, self.pp, backend)
+            wire = connect(self._store, 0, self.pp, backend, self._ipc_dir)
         except BaseException:
             self.workers.stop(timeout=0)
             self.stage.close()
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
             raise
         self.workers.watch()
-        self.channel = Channel(group, 0, self.pp, backend, self.device, health=self.workers.check)
+        self.channel = Channel(wire, 0, self.pp, backend, self.device, health=self.workers.check)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -234,6 +237,8 @@ class PipelineRunner:
                 except PeerLost:
                     pass  # a stage died meanwhile: stop() below kills and reaps the rest
             self.workers.stop()
+            self.channel.close()
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self.channel = self._store = None
 
     # -- helpers -------------------------------------------------------------------------------------------------

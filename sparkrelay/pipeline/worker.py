@@ -31,7 +31,7 @@ from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.quant import apply_torchao_config
 from sparkrelay.models.qwen3 import load_qwen3
 from sparkrelay.pipeline.capture import CaptureSpec, PayloadShape
-from sparkrelay.pipeline.comm import Channel, PeerLost, make_group
+from sparkrelay.pipeline.comm import Channel, PeerLost, connect
 from sparkrelay.pipeline.descriptor import SHUTDOWN
 from sparkrelay.pipeline.heap import HeapTrimmer, reuse_freed_memory
 from sparkrelay.pipeline.launch import LAUNCH_ENV, LOAD_TIMEOUT_S, PEER_LOST_EXIT, RENDEZVOUS_HOST
@@ -111,13 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         raise
     stage.share_cores(launch["alone_threads"], launch["threads"])
     store.set(f"ready/{args.rank}", "1")
-    group = make_group(store, args.rank, args.world_size, launch["backend"])
-    channel = Channel(group, args.rank, args.world_size, launch["backend"], device, shape)
+    wire = connect(store, args.rank, args.world_size, launch["backend"], launch["ipc_dir"])
+    channel = Channel(wire, args.rank, args.world_size, launch["backend"], device, shape)
     try:
         serve(stage, channel)
     except PeerLost as e:  # another rank died or rank 0 went away: rank 0's watchdog reports the root cause
         print(f"sparkrelay pipeline stage {args.rank}: stopping, a peer is gone: {e}", file=sys.stderr, flush=True)
         return PEER_LOST_EXIT
+    finally:
+        channel.close()
     return 0
 
 
