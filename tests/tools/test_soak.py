@@ -107,6 +107,14 @@ def test_injection_sets_the_failure_knob_and_turns_retries_off():
         soak.parse_args(["--inject-transfer-failures", "1.5"])
 
 
+def test_out_must_be_a_file_in_an_existing_folder(tmp_path):
+    """Refused at start, not after the soak's minutes: a folder, or a file in a folder that does not exist."""
+    for out in (tmp_path, tmp_path / "missing" / "soak.json"):
+        with pytest.raises(SystemExit):
+            soak.parse_args(["--out", str(out)])
+    assert soak.parse_args(["--out", str(tmp_path / "soak.json")]).out == str(tmp_path / "soak.json")
+
+
 def test_own_process_snapshot_reads_proc(monkeypatch):
     import os
     st = probe._proc_status(os.getpid())

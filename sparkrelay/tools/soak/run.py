@@ -83,6 +83,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be in [0, 1]")
     if args.minutes <= 0 or args.max_requests <= 0 or args.concurrency <= 0 or args.pool_size <= 0:
         p.error("--minutes, --max-requests, --concurrency and --pool-size must be positive")
+    if Path(args.out).is_dir() or not Path(args.out).parent.is_dir():
+        p.error(f"--out {args.out}: a JSON file to write in an existing folder (the .md goes next to it)")
     return args
 
 
