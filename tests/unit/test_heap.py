@@ -48,13 +48,15 @@ import torch.nn.functional as F
 from sparkrelay.pipeline.heap import reuse_freed_memory
 if sys.argv[1] == "reuse":
     assert reuse_freed_memory()
-x, w = torch.randn(2048, 256), torch.randn(256, 768)
+x, w = torch.randn(2048, 1024), torch.randn(1024, 1024)
 def faults(rounds):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(rounds):  # a layer's pattern: activations of a few MiB made, used, freed
-        h = F.rms_norm(x, (256,), None, 1e-6)
-        y = F.silu(h @ w) * (h @ w)
-        del h, y
+    for _ in range(rounds):  # a layer's pattern: activations of 8 MiB each made, used, freed (48 MiB a round)
+        h = F.rms_norm(x, (1024,), None, 1e-6)
+        a, b = h @ w, h @ w
+        y = F.silu(a) * b
+        z = y @ w
+        del h, a, b, y, z
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 faults(10)  # the heap grows to its working size (with the setting, sometimes over more than the first rounds)
 print(min(faults(20), faults(20)))  # then the steady state
