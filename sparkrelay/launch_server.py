@@ -127,6 +127,7 @@ def _uvicorn_server(app, config: Config):
 
 def serve(config: Config) -> None:
     """The engine in its scheduler process (server/engine_process.py), uvicorn in this one."""
+    from sparkrelay.server import affinity
     from sparkrelay.server.engine_process import EngineProcess
     from sparkrelay.server.http_server import build_app
 
@@ -136,6 +137,9 @@ def serve(config: Config) -> None:
     except BaseException:
         sock.close()
         raise
+    cores = affinity.plan(config)
+    if cores is not None:  # after the fork: the scheduler process keeps every core
+        affinity.pin_process(cores[1])
     try:
         app = build_app(engine, config)
         server = _uvicorn_server(app, config)

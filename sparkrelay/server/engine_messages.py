@@ -173,8 +173,9 @@ class FrameReader:
     def __init__(self) -> None:
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> list[bytes]:
-        """Append what was read -> the frames it completed, in order (a partial one waits for more)."""
+    def feed(self, data) -> list[bytes]:
+        """Append what was read (bytes or a memoryview) -> the frames it completed, in order (a partial one waits
+        for more)."""
         self._buf += data
         frames, pos, size = [], 0, len(self._buf)
         while size - pos >= FRAME_HEADER.size:

@@ -41,6 +41,7 @@ import time
 import zmq
 
 from sparkrelay.config import Config
+from sparkrelay.server import affinity
 from sparkrelay.server.async_engine import EngineClient, EngineStopped
 from sparkrelay.server.engine_loop import EngineLoop
 from sparkrelay.server.engine_messages import (AddItems, EngineInfo, Fatal, FrameReader, MessageError, Ready,
@@ -66,6 +67,8 @@ class EngineProcess(EngineClient):
         self._proc, self._folder, self._ctx, self._cmd, self._out = proc, folder, ctx, cmd, out
         self._frames, self._early = frames, early  # early: messages read with Ready, handled once the loop runs
         self._reading = False  # the event loop watches the outputs socket and the process's sentinel
+        self._chunk = memoryview(bytearray(READ_BYTES))  # each read lands here: a fresh 1 MiB bytes per read would
+        # cost an mmap, an mremap and a munmap per streamed token
         self._stopping = threading.Event()
 
     @classmethod
@@ -129,15 +132,15 @@ class EngineProcess(EngineClient):
         """One read of the outputs socket (the loop calls again while it stays readable); every message it
         completes to its handler. False when there was nothing to read, or nothing more can come."""
         try:
-            data = self._out.recv(READ_BYTES)
+            n = self._out.recv_into(self._chunk)
         except BlockingIOError:
             return False
         except OSError:
-            data = b""
-        if not data:
+            n = 0
+        if not n:
             self._loop.remove_reader(self._out.fileno())  # end of stream: readable for ever; the sentinel follows
             return False
-        for msg in _messages(self._frames.feed(data)):
+        for msg in _messages(self._frames.feed(self._chunk[:n])):
             self._on_message(msg)
         return True
 
@@ -236,6 +239,9 @@ def engine_main(config: Config, cmd_addr: str, out: socket.socket, inherited: tu
     try:
         emit(Ready(EngineInfo.of(engine)))
         inbox.start()
+        cores = affinity.plan(config)
+        if cores is not None:  # after the inbox thread starts: it stays free
+            affinity.pin_engine_thread(cores[0])
         loop.run()
     finally:
         done.set()
