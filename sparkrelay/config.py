@@ -129,8 +129,8 @@ class ServerConfig:
     api_key: Optional[str] = _f(None, "Require `Authorization: Bearer KEY` on every API route.", ftype=str)
     max_request_body_mb: int = _f(64, "Largest HTTP request body accepted, in MiB (a larger one gets a 413); the "
                                       "default fits dozens of 128k-token prompts in one batch.")
-    cpu_affinity: str = _f("auto", "auto: on a CPU engine without pipeline stages, the engine loop's thread keeps the "
-                                   "first core this server may use and the HTTP process runs on the last one "
+    cpu_affinity: str = _f("auto", "auto: on an aggregated CPU server without pipeline stages, the engine loop's thread "
+                                   "keeps the first core this server may use and the HTTP process runs on the last one "
                                    "(server/affinity.py); none: the kernel places both.", ("auto", "none"))
     enable_metrics: bool = _f(True, "SGLang's switch, accepted and always in force: /metrics (Prometheus) is always "
                                     "served (default: true).")

@@ -105,3 +105,42 @@ def test_openmp_policy_lowers_spinning_only_where_processes_share_cores(monkeypa
     monkeypatch.delenv("GOMP_SPINCOUNT")
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")
     assert openmp_policy(Config().replace(disaggregation_mode="prefill")) is None
+
+
+def _cores(pid: int, tid: int) -> set[int]:
+    return os.sched_getaffinity(tid) if Path(f"/proc/{pid}/task/{tid}").exists() else set()
+
+
+def test_cpu_affinity_keeps_the_engine_loop_and_the_http_process_on_their_own_cores(tiny_model_dir, tmp_path):
+    """--cpu-affinity auto (the default): the scheduler's main thread (the engine loop) on the first core, every
+    thread of the HTTP process on the last, the engine's other threads (OpenMP) free; a served request still works."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        import pytest
+        pytest.skip("one core: nothing is pinned")
+    server, scheduler = _serve(tiny_model_dir, tmp_path)
+    try:
+        r = httpx.post(server.url + "/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4}})
+        assert r.status_code == 200, r.text
+        http_threads = [int(t) for t in os.listdir(f"/proc/{server.proc.pid}/task")]
+        assert all(_cores(server.proc.pid, t) in ({allowed[-1]}, set()) for t in http_threads)
+        assert os.sched_getaffinity(scheduler) == {allowed[0]}  # a process's pid is its main thread's id
+        others = [int(t) for t in os.listdir(f"/proc/{scheduler}/task") if int(t) != scheduler]
+        assert any(_cores(scheduler, t) == set(allowed) for t in others)  # OpenMP's worker, the inbox thread
+        assert server.wait_for_log("the engine loop runs on core") and server.wait_for_log("the HTTP server runs on core")
+    finally:
+        server.stop()
+
+
+def test_cpu_affinity_plan_pins_only_an_aggregated_cpu_server_with_two_cores_or_more(monkeypatch):
+    from sparkrelay.config import Config
+    from sparkrelay.server.affinity import plan
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 1, 2})
+    assert plan(Config()) == (1, 3)
+    assert plan(Config().replace(cpu_affinity="none")) is None
+    assert plan(Config().replace(pp_size=2)) is None
+    assert plan(Config().replace(disaggregation_mode="decode")) is None
+    assert plan(Config().replace(device="cuda")) is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
+    assert plan(Config()) is None
