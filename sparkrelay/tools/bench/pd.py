@@ -88,11 +88,13 @@ def warm_up(url: str, prompts: dict) -> None:
 
 
 def summary(name: str, n: int, runs: list[dict], trace: Optional[str], sent: tuple[float, float] = (0, 0)) -> dict:
-    """One table row: the means over `runs` (stream_generate's records) of `n`-token prompts; sent: bytes the decode
-    received per request (all, of which DSpark context + metadata rows)."""
+    """One table row: the means over `runs` (stream_generate's records) of `n`-token prompts, and each request's
+    TTFT (ttfts_s, in order); sent: bytes the decode received per request (all, of which DSpark context + metadata
+    rows)."""
     events = timeline.read(trace) if trace else []
     return {"deployment": name, "prompt_len": n, "handoff_bytes": sent[0], "context_bytes": sent[1],
             **{k: sum(r[k] for r in runs) / len(runs) for k in ("ttft_s", "decode_tok_s", "accept_length")},
+            "ttfts_s": [r["ttft_s"] for r in runs],
             "breakdown": mean_breakdown([request_breakdown(events, r["t_send"], r["t_first"]) for r in runs]),
             "outputs": [r["output_ids"] for r in runs]}
 
@@ -145,7 +147,7 @@ def run_paired(name: str, cluster: PDCluster, agg: Aggregated, prompts: dict, ma
         agg.runs.setdefault(n, []).extend(theirs)
         row = summary(name, n, mine, trace, per_request(before, after, len(group)))
         row["paired"] = {k: v for k, v in summary("aggregated", n, theirs, None).items()
-                         if k in ("ttft_s", "decode_tok_s", "accept_length", "outputs")}
+                         if k in ("ttft_s", "ttfts_s", "decode_tok_s", "accept_length", "outputs")}
         rows.append(printed(row))
     return rows
 
