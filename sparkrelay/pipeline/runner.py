@@ -21,7 +21,6 @@ import itertools
 import json
 import os
 import shutil
-import tempfile
 import threading
 import weakref
 from contextlib import contextmanager
@@ -30,6 +29,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from sparkrelay.config import Config, ConfigError
+from sparkrelay.envs import socket_folder
 from sparkrelay.scheduler.request import Request
 from sparkrelay.scheduler.scheduler import Batch, ScheduledSeq
 from sparkrelay.kvcache.pool import KVPool
@@ -134,7 +134,7 @@ class PipelineRunner:
         cuda = self.device.type == "cuda"
         backend = "nccl" if cuda and config.model.device == "cuda" and torch.cuda.device_count() >= self.pp else "ipc"
         self._store = rendezvous_store(config.parallel.dist_init_port, self.pp)  # on 127.0.0.1 only
-        self._ipc_dir = tempfile.mkdtemp(prefix="sparkrelay-pp-")  # 0700: the stages' sockets (pipeline/comm.py)
+        self._ipc_dir = socket_folder("sparkrelay-pp-", f"rank{self.pp - 1}")  # 0700: the stages' sockets (comm.py)
         launch = {"config": config.flat(), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
                   "partition": self.partition, "num_blocks": pool.num_blocks, "capture": self.capture.to_dict(),
                   "sink_factory": sink_factory, "status_address": status_address, "backend": backend,

@@ -13,7 +13,8 @@ alone, 1.002x. A PD server, a pipeline's stages and a GPU engine are left to the
 single core: PD servers share a host's cores with other engine processes by design (launch_server.openmp_policy),
 and a pinned loop thread cannot move off a core a co-located prefill stage is using (a PD decode pinned so,
 1,024-token prompts through the router, alternating: TTFT median 239.9 ms against 230.4 unpinned; 28.9 / 28.5 at
-32 tokens)."""
+32 tokens). The cores are those the process may use (`taskset`, cgroups): aggregated servers sharing a host
+should each be started on their own cores, or with --cpu-affinity none, since each would take the same two."""
 
 from __future__ import annotations
 

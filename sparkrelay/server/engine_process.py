@@ -34,13 +34,13 @@ import select
 import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
 
 import zmq
 
 from sparkrelay.config import Config
+from sparkrelay.envs import socket_folder
 from sparkrelay.server import affinity
 from sparkrelay.server.async_engine import EngineClient, EngineStopped
 from sparkrelay.server.engine_loop import EngineLoop
@@ -79,7 +79,7 @@ class EngineProcess(EngineClient):
         from sparkrelay.engine.setup import load_tokenizer
 
         tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.model_path)
-        folder = tempfile.mkdtemp(prefix="sparkrelay-engine-")  # 0700: only this user reaches the socket
+        folder = socket_folder("sparkrelay-engine-", "cmd")  # 0700: only this user reaches the socket
         cmd_addr = f"ipc://{folder}/cmd"
         out, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         proc = multiprocessing.get_context("fork").Process(  # see the module docstring: why fork, and when

@@ -5,6 +5,7 @@ errors that name the flag and exit 2 before the model loads (a port another proc
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import subprocess
 import sys
@@ -285,3 +286,21 @@ def test_the_api_socket_sends_without_nagle():
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     finally:
         sock.close()
+
+
+@pytest.mark.parametrize("pp", ["1", "2"])
+def test_a_tmpdir_too_long_for_unix_sockets_is_named(pp, tmp_path):
+    """The scheduler's command socket (and the pipeline stages' sockets) are ipc:// files under TMPDIR; a path too
+    long to bind is a start-up error naming TMPDIR, not ZMQ's "File name too long" from deep inside."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "sparkrelay.launch_server", "--model-path", MODEL, "--port",
+                           str(port), "--pp-size", pp], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(deep)})
+    assert proc.returncode != 0
+    assert f"TMPDIR={str(deep)!r} is too long for this server's Unix sockets" in proc.stderr, proc.stderr[-2000:]
+    assert "set TMPDIR to a shorter folder" in proc.stderr
+    assert not any(p.name.startswith("sparkrelay-") for p in deep.iterdir())  # nothing left behind
