@@ -288,7 +288,7 @@ SGLANG_ROUTER = pytest.param("sglang", marks=[pytest.mark.slow, pytest.mark.skip
     importlib.util.find_spec("sglang_router") is None, reason="sglang-router is not installed")])
 
 
-@pytest.mark.parametrize("router", ["sparkrelay", SGLANG_ROUTER])
+@pytest.mark.parametrize("router", [pytest.param("sparkrelay", marks=pytest.mark.slow), SGLANG_ROUTER])  # ~17 s each
 def test_pd_logprobs_equal_aggregated(tmp_path, prompts, plain_and_dspark, router):
     """The prefill's last stage scores the first token and carries it in the metadata row; the decode scores
     the rest from its verify passes; with logprob_start_len >= 0 the prefill (PP=2) scores the prompt and the

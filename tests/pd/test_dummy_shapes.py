@@ -55,6 +55,7 @@ def generate_all(url: str, first_deadline: float = 0.0) -> list[dict]:
     return results
 
 
+@pytest.mark.slow  # ~44 s: three deployments at a real shape
 def test_dummy_weights_serve_plain_dspark_and_pd(folders, tmp_path):
     target, drafter = folders
     ports = free_port(), free_port()

@@ -48,6 +48,7 @@ def test_mismatched_handoff_mode(tmp_path):
     _mismatch(tmp_path, "handoff", handoff="hidden", pp_size=1, prefill_args=["--dspark-pd-handoff", "tail"])
 
 
+@pytest.mark.slow  # ~22 s; the other mismatches (handoff, tail length) stay in the default run
 def test_mismatched_transfer_backend(tmp_path):
     """Mooncake on the prefill, NIXL on the decode: refused before a byte moves, the message names both."""
     _mismatch(tmp_path, "transfer_backend: prefill='mooncake' decode='nixl'",
@@ -107,6 +108,7 @@ def _kv_used(url: str) -> int:
         return json.loads(r.read())["internal_states"][0]["kv_used_tokens"]
 
 
+@pytest.mark.slow  # ~19 s: waits out the transfer timeout on both sides
 def test_peer_never_shows_up_fails_after_timeout_and_frees_blocks(tmp_path):
     """A prefill request whose decode never comes, and a decode request whose prefill never gets it, both fail
     with a message naming the timeout, and both servers end with no KV block in use."""

@@ -58,7 +58,7 @@ def reference(text) -> list[dict]:
 
 
 @pytest.mark.parametrize("backend, mode", [
-    ("zmq", "hidden"), ("zmq", "draft-kv"), ("nixl", "hidden"),
+    ("zmq", "hidden"), pytest.param("zmq", "draft-kv", marks=pytest.mark.slow), ("nixl", "hidden"),
     pytest.param("zmq", "tail", marks=pytest.mark.slow), pytest.param("mooncake", "draft-kv", marks=pytest.mark.slow),
 ])
 def test_pd_with_the_cache_on_both_sides_equals_aggregated(tmp_path, text, reference, backend, mode):

@@ -14,6 +14,8 @@ import random
 import threading
 import time
 
+import pytest
+
 from sparkrelay.tools.cluster import free_port, server_argv, start
 from sparkrelay.transfer.base import KVPoll, Part, PartSpec
 from sparkrelay.transfer.bootstrap import BootstrapServer
@@ -263,6 +265,7 @@ def _p95(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
 
 
+@pytest.mark.slow  # ~36 s: two PD pairs under load and a restart
 def test_prefill_killed_and_restarted_under_load_other_rooms_keep_their_latency(tmp_path):
     a_boot, a_port, b_boot, b_port, dport = (free_port() for _ in range(5))
     log_dir = str(tmp_path)

@@ -63,6 +63,7 @@ def run_tail(tmp_path, prompts: list[list[int]], pp: int) -> list[dict]:
         cluster.stop()
 
 
+@pytest.mark.slow  # ~20 s: two PD pairs
 def test_tail_handoff_chunked_prefill_pp1_pp2(tmp_path, prompts, reference):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two independent deployments, side by side
         by_pp = dict(zip((1, 2), pool.map(lambda pp: run_tail(tmp_path, prompts, pp), (1, 2))))

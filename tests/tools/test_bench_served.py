@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import statistics
 
+import pytest
 
+
+@pytest.mark.slow  # ~17 s: a server and the offline engine, two engines' rounds
 def test_bench_served_pairs_its_rounds(bundled_model_dir, bundled_drafter_dir, tmp_path, capsys):
     from sparkrelay.tools.bench import served
 

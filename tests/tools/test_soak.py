@@ -156,7 +156,7 @@ def cached_references(monkeypatch):
     monkeypatch.setattr(soak, "compute_references", compute)
 
 
-@pytest.mark.parametrize("router", ["sparkrelay", "sglang"])
+@pytest.mark.parametrize("router", [pytest.param("sparkrelay", marks=pytest.mark.slow), "sglang"])  # ~35 s each
 def test_short_soak_through_each_router_has_no_errors(router, tmp_path, cached_references, capsys):
     out = tmp_path / "soak.json"
     code = soak.main([*SHORT, "--router", router, "--out", str(out)])

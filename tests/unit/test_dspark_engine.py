@@ -60,7 +60,7 @@ def random_drafter(request, tmp_path_factory):
     return drafter_dir(request.param, tmp_path_factory, request)
 
 
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 8])  # batch 1: ~25 s per head and threshold
 @pytest.mark.parametrize("threshold", [0.0, 0.5])
 def test_random_drafters_of_every_head_type_are_lossless(reference, random_drafter, batch, threshold):
     prompts, expected = reference

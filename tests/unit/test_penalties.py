@@ -420,6 +420,7 @@ def test_bad_penalty_is_a_400_naming_the_field(http, case):
 
 # ---------------------------------------------------------------- PD
 
+@pytest.mark.slow  # ~28 s: a PD pair with PP=2 (test_pp2_equals_pp1_with_penalties covers PP in the default run)
 def test_pd_pp2_with_penalties_equals_plain(tmp_path, plain, prompts):
     """PP = 2 prefill (samples the first token, repetition penalty over the prompt) + DSpark decode + router."""
     from sparkrelay.tools.cluster import PDSettings, start_pd
