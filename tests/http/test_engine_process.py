@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from sparkrelay.tools.cluster import free_port, server_argv, start
 
@@ -116,7 +117,6 @@ def test_cpu_affinity_keeps_the_engine_loop_and_the_http_process_on_their_own_co
     thread of the HTTP process on the last, the engine's other threads (OpenMP) free; a served request still works."""
     allowed = sorted(os.sched_getaffinity(0))
     if len(allowed) < 2:
-        import pytest
         pytest.skip("one core: nothing is pinned")
     server, scheduler = _serve(tiny_model_dir, tmp_path)
     try:
