@@ -30,8 +30,8 @@ from sparkrelay.pipeline.partition import pp_partition
 from sparkrelay.transfer.base import Part, PartSpec, piece_name, split_piece
 
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
-# Positions per streamed piece: the pipeline's smallest chunk (pipeline/runner.py CHUNK_TOKENS), so a chunk of a
-# long prompt completes about one piece and its KV leaves while the next chunk computes.
+# Positions per streamed piece: half the pipeline's smallest chunk (pipeline/runner.py CHUNK_TOKENS), so a chunk of
+# a long prompt completes its pieces and their KV leaves while the next chunk computes.
 STREAM_TOKENS = 128
 
 

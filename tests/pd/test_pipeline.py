@@ -224,12 +224,12 @@ def read_trace(folder: Path, stage: int) -> list[dict]:
 
 
 def test_chunks_pipeline_across_stages(bundled_model_dir, tmp_path, monkeypatch):
-    """A 512-token prompt on 2 stages is cut into 4 chunks of 128 (pipeline/runner.py CHUNK_TOKENS): stage 1 runs
+    """A 1,024-token prompt on 2 stages is cut into 4 chunks of 256 (pipeline/runner.py CHUNK_TOKENS): stage 1 runs
     chunk k while stage 0 runs chunk k + 1 (the stages' recorded intervals overlap), and the tokens, the prompt's
     logprobs and the sampled token's logprobs equal PP = 1's."""
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(str(bundled_model_dir)).encode(Path(__file__).read_text())[:512]
+    ids = AutoTokenizer.from_pretrained(str(bundled_model_dir)).encode(Path(__file__).read_text())[:1024]
     params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, return_logprob=True,
                             top_logprobs_num=2, logprob_start_len=100)
     settings = dict(page_size=4, chunked_prefill_size=2048, max_total_tokens=4096)
@@ -247,7 +247,7 @@ def test_chunks_pipeline_across_stages(bundled_model_dir, tmp_path, monkeypatch)
         assert [e[0] for e in got["meta_info"][key]] == pytest.approx([e[0] for e in want["meta_info"][key]],
                                                                         abs=1e-4)
     s0, s1 = ([r for r in read_trace(tmp_path / "trace", s) if r["num_mbs"] == 4] for s in (0, 1))
-    assert [r["tokens"] for r in s0] == [[[128 * k, 128 * (k + 1)]] for k in range(4)]
+    assert [r["tokens"] for r in s0] == [[[256 * k, 256 * (k + 1)]] for k in range(4)]
     assert [r["tokens"] for r in s1] == [r["tokens"] for r in s0]
     assert s1[0]["start"] < s0[3]["end"], "stage 1 waited for stage 0's last chunk"
     overlaps = [k for k in range(3) if s1[k]["start"] < s0[k + 1]["end"] and s0[k + 1]["start"] < s1[k]["end"]]
