@@ -1,7 +1,7 @@
 """PD vs aggregated DSpark on the bundled pair: TTFT, decode throughput, acceptance length and handoff bytes per
 request for each handoff mode over prompt lengths, and `tail`'s acceptance as a function of the tail length.
 
-    python -m sparkrelay.tools.bench.pd [--lengths 32,128,512,1024,2048] [--per-length 10] [--pp-size 2]
+    python -m sparkrelay.tools.bench.pd [--lengths 32,128,512,1024,2048] [--per-length 8] [--pp-size 2]
                                   [--backends zmq[,mooncake,nixl]] [--tails 1,2,4,8,16,64,256]
                                   [--out benchmarks/results] [--name bench_pd]
 
@@ -47,6 +47,10 @@ def prompts_by_length(lengths: list[int], per_length: int) -> dict[int, list[lis
 
     text = "\n".join(read_texts(stdlib_files()[1]))[:2_000_000]
     ids = AutoTokenizer.from_pretrained(MODEL).encode(text)
+    need = per_length * sum(lengths)
+    if need > len(ids):
+        raise SystemExit(f"bench_pd: --per-length {per_length} x --lengths needs {need:,} prompt tokens; the held-out "
+                         f"corpus has {len(ids):,}")
     out, offset = {}, 0
     for n in lengths:
         out[n] = []
@@ -297,7 +301,7 @@ def _plot(modes: list[dict], tails: list[dict], path: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sparkrelay.tools.bench.pd", description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="32,128,512,1024,2048")
-    ap.add_argument("--per-length", type=int, default=10)
+    ap.add_argument("--per-length", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--pp-size", type=int, default=2)
     ap.add_argument("--tails", default="1,2,4,8,16,64,256")
