@@ -257,7 +257,8 @@ def write_report(modes: list[dict], tails: list[dict], out: Path, args) -> None:
     for r in modes:
         agg = f"{1000 * r['paired']['ttft_s']:.0f}" if "paired" in r else "-"
         lines.append(f"| {r['deployment']} | {r['prompt_len']} | {1000 * r['ttft_s']:.0f} | {agg} | "
-                     f"{against_aggregated(r)} | {against_aggregated(r, median=True)} | {r['decode_tok_s']:.1f} | {r['accept_length']:.2f} | "
+                     f"{against_aggregated(r)} | {against_aggregated(r, median=True)} | "
+                     f"{r['decode_tok_s']:.1f} | {r['accept_length']:.2f} | "
                      f"{r['handoff_bytes'] / 1024:,.0f} | {r['context_bytes'] / 1024:,.1f} |")
     if tails:  # --skip-tails: no section
         lines += ["", f"`tail` acceptance vs tail length ({args.tail_prompt_len}-token prompts):", "",
