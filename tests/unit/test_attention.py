@@ -1,9 +1,10 @@
-"""Paged attention against a dense float64 reference, for every call shape it takes (causal, masked, decode)."""
+"""Paged attention against a dense float64 reference, for every call shape it takes (causal, masked, decode, a
+chunk after a long prefix in two calls)."""
 
 import pytest
 import torch
 
-from sparkrelay.models.attention import AttnMeta, paged_attention
+from sparkrelay.models.attention import SPLIT_MIN_PREFIX, SPLIT_MIN_QUERIES, AttnMeta, paged_attention
 
 H, KV, D, PAGE = 4, 2, 16, 4
 
@@ -21,8 +22,9 @@ def reference(q_rows, keys, values, positions) -> torch.Tensor:
 def run(starts, ends, dtype, seed=0):
     """Feed positions [start, end) of each sequence (earlier positions already cached); -> (output, references)."""
     g = torch.Generator().manual_seed(seed)
-    pages = [list(range(i * 16, i * 16 + -(-e // PAGE))) for i, e in enumerate(ends)]  # disjoint tables
-    k_pool, v_pool = torch.zeros(2, 16 * len(ends) * PAGE, KV, D, dtype=dtype)
+    span = max(16, -(-max(ends) // PAGE))  # pages per sequence
+    pages = [list(range(i * span, i * span + -(-e // PAGE))) for i, e in enumerate(ends)]  # disjoint tables
+    k_pool, v_pool = torch.zeros(2, span * len(ends) * PAGE, KV, D, dtype=dtype)
     seqs = [(torch.randn(e, KV, D, generator=g).to(dtype), torch.randn(e, KV, D, generator=g).to(dtype),
              torch.randn(e - s, H, D, generator=g).to(dtype)) for s, e in zip(starts, ends)]
     meta = AttnMeta.build(starts, ends, pages, PAGE, "cpu")
@@ -46,11 +48,16 @@ def run(starts, ends, dtype, seed=0):
     ([8, 5, 12], [9, 6, 13], False),  # decode, one query per sequence (bfloat16: the query fed twice)
     ([12], [13], False),
     ([4], [11], False),            # one sequence's later chunk (or a prompt after its cached prefix): masked
+    ([SPLIT_MIN_PREFIX], [SPLIT_MIN_PREFIX + SPLIT_MIN_QUERIES], False),  # ... after a long prefix: split_prefix
+    ([SPLIT_MIN_PREFIX + 77], [SPLIT_MIN_PREFIX + 77 + 130], False),
+    ([SPLIT_MIN_PREFIX], [SPLIT_MIN_PREFIX + SPLIT_MIN_QUERIES - 1], False),  # too few queries: masked
 ])
 @torch.inference_mode()
 def test_paged_attention_equals_dense_reference(dtype, starts, ends, causal):
     meta, out, ref = run(starts, ends, dtype)
     assert meta.causal == causal and (meta.mask is None or not causal)
+    split = len(starts) == 1 and starts[0] >= SPLIT_MIN_PREFIX and ends[0] - starts[0] >= SPLIT_MIN_QUERIES
+    assert meta.prefix == (starts[0] if split else 0) and (meta.mask is None or not split)
     tol = dict(rtol=0, atol=2e-5) if dtype == torch.float32 else dict(rtol=0, atol=2e-2)
     assert out.dtype == dtype and out.shape == ref.shape
     torch.testing.assert_close(out.double(), ref, **tol)
