@@ -156,7 +156,8 @@ def cached_references(monkeypatch):
     monkeypatch.setattr(soak, "compute_references", compute)
 
 
-@pytest.mark.parametrize("router", [pytest.param("sparkrelay", marks=pytest.mark.slow), "sglang"])  # ~35 s each
+@pytest.mark.slow  # ~35 s each; the soak's verdict is unit-tested above, the sglang-router routes in tests/pd
+@pytest.mark.parametrize("router", ["sparkrelay", "sglang"])
 def test_short_soak_through_each_router_has_no_errors(router, tmp_path, cached_references, capsys):
     out = tmp_path / "soak.json"
     code = soak.main([*SHORT, "--router", router, "--out", str(out)])
@@ -171,6 +172,7 @@ def test_short_soak_through_each_router_has_no_errors(router, tmp_path, cached_r
     assert "Verdict: PASS" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # ~26 s: a PD pair failing half its rooms; the verdict's rules are unit-tested above
 def test_injected_transfer_failures_make_the_soak_fail(tmp_path, cached_references, capsys):
     out = tmp_path / "soak.json"
     code = soak.main([*SHORT, "--minutes", "0.1", "--inject-transfer-failures", "0.5", "--out", str(out)])
