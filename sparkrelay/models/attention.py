@@ -6,7 +6,7 @@ A batch feeds T tokens in total, `q_len[b]` of them for sequence b, whose keys o
 (the cached context followed by the fed tokens). Queries are scattered into a padded [B, Lq] layout,
 keys gathered into a padded [B, Lk] layout, and one SDPA call with a boolean mask does the whole batch.
 
-Two shapes get a faster call (torch's CPU SDPA, measured on a 2-core avx512_bf16 CPU, 16 q / 8 kv heads of 128):
+Three shapes get a faster call (torch's CPU SDPA, measured on a 2-core avx512_bf16 CPU, 16 q / 8 kv heads of 128 unless said):
 - a prefill of whole prompts (every sequence from position 0, all of one length: no padding, no cached prefix)
   runs `is_causal` without a mask: 124 ms instead of 210 ms per layer at 2,048 tokens;
 - a bfloat16 decode on CPU (one query per sequence) feeds the query twice and keeps the first row: torch's kernel

@@ -4,9 +4,9 @@ position's drafter context (kept beside its cached pages; `tail` rows always com
 it holds and receives only the pieces after it. Every mode gives the aggregated tokens, `hidden` / `draft-kv` the
 aggregated acceptance per request, and a turn the decode holds most of costs fewer handoff bytes
 (docs/prefix_cache.md).
-The default run does hidden over zmq; draft-kv over zmq (its context in its own pool), hidden over NIXL (a
-one-sided backend: the landed context is read back from the prefix on), `tail` and Mooncake are marked slow, for
-the default run's time (the scheduler's computed tail is unit-tested in test_radix_cache.py)."""
+The default run does hidden over zmq. Marked slow, for the default run's time: draft-kv over zmq (its context in
+its own pool), hidden over NIXL (a one-sided backend: the landed context is read back from the prefix on), `tail`
+(the scheduler's computed tail is unit-tested in test_radix_cache.py) and Mooncake."""
 
 from __future__ import annotations
 
