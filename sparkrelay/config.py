@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
 class ConfigError(ValueError):
@@ -29,14 +29,16 @@ def _f(default: Any, help: str, choices: tuple | None = None, ftype: type | None
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model_path: str = _f("models/tiny-qwen3", "Hugging Face folder of the target model.")
-    tokenizer_path: Optional[str] = _f(None, "Tokenizer folder (default: --model-path).", ftype=str)
+    model_path: str = _f("models/tiny-qwen3", "Hugging Face folder of the target model, or a .gguf file.")
+    tokenizer_path: Optional[str] = _f(None, "Tokenizer folder or .gguf file (default: --model-path).", ftype=str)
     dtype: str = _f("auto", "Weight and activation dtype (auto: float32 on cpu, bfloat16 on cuda).", DTYPES)
     device: str = _f("cpu", "Torch device: cpu, cuda or cuda:N.")
     torchao_config: str = _f("", "int8wo: int8 weights with per-output-channel scales in the target's and drafter's "
                                  "linears, cpu only (the LM head and embeddings stay in --dtype).", ("", "int8wo"))
-    load_format: str = _f("auto", "Target and drafter weights: auto = safetensors (the folders' files), or dummy "
-                                  "(random, at each config.json's shapes, the same in every process).", LOAD_FORMATS)
+    load_format: str = _f("auto", "Target and drafter weights: auto = a folder's safetensors or a .gguf file, by the "
+                                  "path; safetensors; gguf (the target is a .gguf file, dequantized with the gguf "
+                                  "package into --dtype); or dummy (random, at each config.json's shapes, the same "
+                                  "in every process).", LOAD_FORMATS)
     context_length: Optional[int] = _f(None, "Longest prompt + output (default: the model's limit).", ftype=int)
     served_model_name: Optional[str] = _f(None, "Model name reported by the API (default: --model-path).", ftype=str)
     seed: int = _f(0, "Seed of the sampling generator used by requests without their own seed.")
@@ -169,9 +171,9 @@ class Config:
         dev = self.model.device
         if not (dev == "cpu" or dev == "cuda" or dev.startswith("cuda:")):
             raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {dev!r}")
-        _folder("--model-path", self.model.model_path)
+        _folder("--model-path", self.model.model_path, gguf_ok=True)
         if self.model.tokenizer_path is not None:
-            _folder("--tokenizer-path", self.model.tokenizer_path)
+            _folder("--tokenizer-path", self.model.tokenizer_path, gguf_ok=True)
         self._validate_load_format()
         return self
 
@@ -179,6 +181,8 @@ class Config:
         fmt, draft = self.model.load_format, self.spec.speculative_draft_model_path
         if fmt not in LOAD_FORMATS:
             raise ConfigError(f"--load-format {fmt!r} is not one of {', '.join(LOAD_FORMATS)}")
+        if fmt == "gguf" and not self.model.model_path.endswith(".gguf"):
+            raise ConfigError(f"--load-format gguf: --model-path {self.model.model_path!r} is not a .gguf file")
         for flag, path in (("--model-path", self.model.model_path), ("--speculative-draft-model-path", draft)):
             if fmt == "dummy" and path is not None and not os.path.isfile(os.path.join(path, "config.json")):
                 raise ConfigError(f"--load-format dummy: {flag} {path!r} has no config.json (the shapes)")
@@ -246,10 +250,13 @@ def _positive(flag: str, value: int) -> None:
         raise ConfigError(f"{flag} must be positive, got {value}")
 
 
-def _folder(flag: str, path: str) -> None:
-    """A model folder must exist here: nothing is downloaded, so a hub id gets the command that fetches it."""
-    if os.path.isdir(path):
+def _folder(flag: str, path: str, gguf_ok: bool = False) -> None:
+    """A model folder (or, where `gguf_ok`, a .gguf file) must exist here: nothing is downloaded, so a hub id gets
+    the command that fetches it."""
+    if os.path.isdir(path) or (gguf_ok and path.endswith(".gguf") and os.path.isfile(path)):
         return
+    if gguf_ok and path.endswith(".gguf"):
+        raise ConfigError(f"{flag} {path!r}: no such GGUF file")
     msg = f"{flag} {path!r} is not a folder; sparkrelay reads local folders only (no Hugging Face hub downloads)"
     parts = path.split("/")
     if len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and not os.path.isdir(parts[0]):
@@ -266,7 +273,7 @@ def _folder(flag: str, path: str) -> None:
 SGLANG_ONLY_FLAGS: dict[str, str] = {
     "--enable-radix-cache": "the prefix (radix) cache is on by default; --disable-radix-cache turns it off",
     "--disaggregation-decode-enable-radix-cache": "a decode's prefix cache is on unless --disable-radix-cache",
-    "--trust-remote-code": "sparkrelay runs its own Qwen3 code and loads none from the model folder",
+    "--trust-remote-code": "sparkrelay runs its own model code and loads none from the model folder",
     "--random-seed": "sparkrelay's is --seed",
     "--mem-fraction-static": "size the KV cache with --max-total-tokens",
     "--max-prefill-tokens": "--chunked-prefill-size is the token budget of a prefill step",

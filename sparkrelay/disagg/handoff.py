@@ -24,7 +24,7 @@ from sparkrelay.config import Config, ConfigError
 from sparkrelay.disagg.metadata import TORCH_DTYPES, MetadataLayout, MetadataRow, unpack
 from sparkrelay.disagg.schema import SCHEMA_VERSION, HandoffSchema, model_identity
 from sparkrelay.envs import TAIL_TOKENS, DisaggEnv
-from sparkrelay.models.qwen3 import Qwen3Spec
+from sparkrelay.models.decoder import DecoderSpec
 from sparkrelay.pipeline.capture import resolve_capture, resolve_layer_ids
 from sparkrelay.pipeline.partition import pp_partition
 from sparkrelay.transfer.base import Part, PartSpec, piece_name, split_piece
@@ -41,7 +41,7 @@ def _draft_config(path: Optional[str]) -> Optional[dict]:
     return json.loads((Path(path) / "config.json").read_text())
 
 
-def _layer_ids(config: Config, spec: Qwen3Spec, env: DisaggEnv) -> tuple[int, ...]:
+def _layer_ids(config: Config, spec: DecoderSpec, env: DisaggEnv) -> tuple[int, ...]:
     """The record's taps: on a prefill exactly what its stages capture (pipeline/capture.py resolves both); on a
     decode its drafter's (or the knob's, checked against the drafter's)."""
     if config.disagg.disaggregation_mode == "decode":
@@ -51,14 +51,14 @@ def _layer_ids(config: Config, spec: Qwen3Spec, env: DisaggEnv) -> tuple[int, ..
     return resolve_capture(config, env, spec.num_layers).target_layer_ids
 
 
-def _check_tail(config: Config, spec: Qwen3Spec, env: DisaggEnv) -> None:
+def _check_tail(config: Config, spec: DecoderSpec, env: DisaggEnv) -> None:
     context = config.model.context_length or spec.max_position_embeddings
     if env.tail_tokens > context:
         raise ConfigError(f"{env.var(TAIL_TOKENS)}={env.tail_tokens} exceeds the context length {context} "
                           "(--context-length, else the model's max_position_embeddings): no prompt has that many rows")
 
 
-def build_schema(config: Config, spec: Qwen3Spec, dtype: torch.dtype, env: DisaggEnv) -> HandoffSchema:
+def build_schema(config: Config, spec: DecoderSpec, dtype: torch.dtype, env: DisaggEnv) -> HandoffSchema:
     """This side's schema record, from model-level facts and the flags that shape the wire."""
     _check_tail(config, spec, env)
     ids = _layer_ids(config, spec, env)

@@ -31,7 +31,7 @@ from sparkrelay.envs import DisaggEnv
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import slot_index
 from sparkrelay.models.loader import read_config
-from sparkrelay.models.qwen3 import Qwen3Spec
+from sparkrelay.models.decoder import DecoderSpec
 from sparkrelay.trace import timeline
 from sparkrelay.transfer.base import KVPoll, Part, piece_name
 from sparkrelay.transfer.base import get_backend
@@ -197,7 +197,7 @@ def make_stage_sink(config: Config, stage: int, partition: list[tuple[int, int]]
                     status_address: str) -> PrefillSink:
     """Called by each pipeline stage of a prefill server (pipeline/)."""
     env = DisaggEnv.read()
-    spec = Qwen3Spec.from_hf(read_config(config.model.model_path))
+    spec = DecoderSpec.from_hf(read_config(config.model.model_path))
     dtype = next(iter(pool.layers.values()))[0].dtype
     schema = build_schema(config, spec, dtype, env)
     return PrefillSink(config, stage, partition, pool, status_address, schema, env)

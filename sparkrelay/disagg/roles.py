@@ -30,7 +30,7 @@ from sparkrelay.disagg.handoff import build_schema
 from sparkrelay.envs import DisaggEnv
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.loader import read_config
-from sparkrelay.models.qwen3 import Qwen3Spec
+from sparkrelay.models.decoder import DecoderSpec
 from sparkrelay.scheduler.request import Bootstrap, Request, RequestError, TopLogprobs
 from sparkrelay.scheduler.scheduler import Scheduler
 from sparkrelay.spec.proposer import DSparkProposer
@@ -140,7 +140,7 @@ class PDRole(Handoff):
     def __init__(self, config: Config, dtype: torch.dtype) -> None:
         self.config = config
         self.env = DisaggEnv.read()
-        spec = Qwen3Spec.from_hf(read_config(config.model.model_path))
+        spec = DecoderSpec.from_hf(read_config(config.model.model_path))
         self.schema = build_schema(config, spec, dtype, self.env)
         self.by_room: dict[int, Request] = {}
 

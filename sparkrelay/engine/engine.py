@@ -22,7 +22,7 @@ from sparkrelay.engine import setup
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.loader import SHAPE_FIELDS, read_config
 from sparkrelay.models.quant import apply_torchao_config
-from sparkrelay.models.qwen3 import load_qwen3
+from sparkrelay.models.decoder import load_causal_lm
 from sparkrelay.pipeline.heap import reuse_freed_memory
 from sparkrelay.runner.model_runner import RunResult
 from sparkrelay.scheduler.block_manager import BlockManager
@@ -53,7 +53,7 @@ class Engine:
     def _build(self, config: Config) -> None:
         mc = config.model
         self.hf_config = read_config(mc.model_path, SHAPE_FIELDS)
-        self.model = load_qwen3(mc.model_path, 0, setup.stage0_end(config, self.hf_config), dtype=self.dtype,
+        self.model = load_causal_lm(mc.model_path, 0, setup.stage0_end(config, self.hf_config), dtype=self.dtype,
                                 device=mc.device, load_format=mc.load_format)
         apply_torchao_config(self.model, mc.torchao_config)
         self.tokenizer = setup.load_tokenizer(mc.tokenizer_path or mc.model_path)

@@ -14,8 +14,9 @@ import torch
 from sparkrelay.config import Config, ConfigError
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.dspark import load_dspark
+from sparkrelay.models.gguf_file import GGUFError, gguf_tokenizer, is_gguf
 from sparkrelay.models.quant import apply_torchao_config
-from sparkrelay.models.qwen3 import Qwen3ForCausalLM
+from sparkrelay.models.decoder import CausalLM
 from sparkrelay.pipeline.partition import pp_partition
 from sparkrelay.runner.model_runner import ModelRunner
 from sparkrelay.runner.spec_runner import SpecRunner
@@ -39,8 +40,14 @@ def check_device(device: str) -> torch.device:
 
 
 def load_tokenizer(path: str):
+    """The tokenizer of a model folder, or of a GGUF file (its vocabulary, merges and chat template)."""
     from transformers import AutoTokenizer
 
+    if is_gguf(path):
+        try:
+            return gguf_tokenizer(path)
+        except GGUFError as e:
+            raise ConfigError(f"--tokenizer-path / --model-path: {e}") from None
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -85,7 +92,7 @@ def kv_capacity(config: Config, context: int, bytes_per_token: int = 1) -> int:
     return total // page * page
 
 
-def build_proposer(config: Config, model: Qwen3ForCausalLM, dtype: torch.dtype, device: torch.device,
+def build_proposer(config: Config, model: CausalLM, dtype: torch.dtype, device: torch.device,
                    num_blocks: int) -> DSparkProposer:
     sp = config.spec
     try:
@@ -100,7 +107,7 @@ def build_proposer(config: Config, model: Qwen3ForCausalLM, dtype: torch.dtype, 
                           sp.speculative_dspark_confidence_threshold, head=model.head)
 
 
-def build_runner(config: Config, model: Qwen3ForCausalLM, pool: KVPool, device: torch.device,
+def build_runner(config: Config, model: CausalLM, pool: KVPool, device: torch.device,
                  proposer: Optional[DSparkProposer], context: int, status_address: str):
     """(runner, spec stats or None): a pipeline of stage processes (--pp-size > 1, or a prefill server, whose
     stages send the handoff and report to `status_address`), a drafting runner (DSpark) or the plain one."""
@@ -115,7 +122,7 @@ def build_runner(config: Config, model: Qwen3ForCausalLM, pool: KVPool, device: 
     return runner, SpecStats(proposer.max_drafts)
 
 
-def compile_model(model: Qwen3ForCausalLM, proposer: Optional[DSparkProposer]) -> None:
+def compile_model(model: CausalLM, proposer: Optional[DSparkProposer]) -> None:
     """torch.compile the forwards, shapes dynamic (token counts and context lengths change every step).
     Prefill, one-sequence decode and batched decode trace different graphs; the cache limit leaves room."""
     import torch._dynamo

@@ -20,12 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparkrelay.models.kernels import fast_head, frozen_linear
-from sparkrelay.models.layers import RMSNorm, Rotary, apply_rope, fuse_linears, transposed
+from sparkrelay.models.layers import RMSNorm, apply_rope, fuse_linears, transposed
 from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
 from sparkrelay.models.loader import SHAPE_FIELDS, CheckpointError, is_dummy, load_weights, read_config
-from sparkrelay.models.qwen3 import Qwen3DecoderLayer, Qwen3Spec
+from sparkrelay.models.decoder import DecoderLayer, DecoderSpec
 
 ARCHITECTURE = "Qwen3DSparkModel"
+DRAFT_LAYERS = "Qwen3ForCausalLM"  # the family of the draft layers (DeepSpec's Qwen3 drafter): q/k head norms
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
 
 
@@ -33,7 +34,7 @@ MARKOV_HEADS = ("vanilla", "gated", "rnn")
 class DSparkSpec:
     """The draft config.json (§1.2): `body` holds the layer shapes (num_layers = draft layers), the rest the DSpark fields."""
 
-    body: Qwen3Spec
+    body: DecoderSpec
     block_size: int
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
@@ -45,14 +46,14 @@ class DSparkSpec:
     num_anchors: Optional[int]               # training only
 
     @classmethod
-    def from_hf(cls, cfg: dict, target_spec: Qwen3Spec) -> "DSparkSpec":
+    def from_hf(cls, cfg: dict, target_spec: DecoderSpec) -> "DSparkSpec":
         missing = [k for k in ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers") if k not in cfg]
         if missing:
             raise ValueError(f"draft config.json lacks the DSpark field(s) {missing}")
         rank = int(cfg.get("markov_rank", 0))
         conf = bool(cfg.get("enable_confidence_head", False))
         spec = cls(
-            body=Qwen3Spec.from_hf(cfg),
+            body=DecoderSpec.from_hf(cfg, DRAFT_LAYERS),  # Qwen3 layers, whatever the target's family
             block_size=int(cfg["block_size"]),
             target_layer_ids=tuple(int(i) for i in cfg["target_layer_ids"]),
             mask_token_id=int(cfg["mask_token_id"]),
@@ -66,7 +67,7 @@ class DSparkSpec:
         spec.validate(target_spec)
         return spec
 
-    def validate(self, target: Qwen3Spec) -> None:
+    def validate(self, target: DecoderSpec) -> None:
         """Start-up checks against the target; each error names the field and the value(s)."""
         n, ids = self.num_target_layers, list(self.target_layer_ids)
         if n != target.num_layers:
@@ -79,7 +80,8 @@ class DSparkSpec:
                              "whose Hugging Face hidden state is post-norm, never a raw tap (docs/dspark.md §1.8)")
         if any(a >= b for a, b in zip(ids, ids[1:])):
             raise ValueError(f"target_layer_ids {ids} is not strictly increasing")
-        for field in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "rope_theta"):
+        for field in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "rope_theta",
+                      "rope_scaling"):
             mine, theirs = getattr(self.body, field), getattr(target, field)
             if mine != theirs:
                 raise ValueError(f"{field} {mine} of the drafter != the target's {theirs}")
@@ -141,7 +143,7 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(dim, 1)
 
 
-class DraftLayer(Qwen3DecoderLayer):
+class DraftLayer(DecoderLayer):
     """A Qwen3 layer whose B block queries attend, without a causal mask, over [context K/V ; block K/V] (§1.5)."""
 
     def fuse(self) -> None:
@@ -192,7 +194,7 @@ class Qwen3DSparkModel(nn.Module):
         self.markov_head = MarkovHead(spec.markov_head_type, s.vocab_size, r, s.hidden_size) if r > 0 else None
         conf_dim = s.hidden_size + (r if spec.confidence_head_with_markov else 0)
         self.confidence_head = ConfidenceHead(conf_dim) if spec.enable_confidence_head else None
-        self.rotary = Rotary(s.head_dim, s.rope_theta, s.max_position_embeddings, torch.device(device))
+        self.rotary = s.rotary(device)
         self.head: nn.Module | None = None  # the LM head's fast copy, unless the target's is used (load_dspark)
 
     def fuse(self) -> None:
@@ -291,19 +293,20 @@ def _share(module: nn.Module, tensor: Optional[torch.Tensor], trust: bool = Fals
     return True
 
 
-def dspark_dummy_key(target_spec: Qwen3Spec):
+def dspark_dummy_key(target_spec: DecoderSpec):
     """Drafter parameter name -> the checkpoint key seeding its dummy values: the embedding and LM head are the
     target's (frozen copies in a released drafter), so they equal the target's dummy tensors and are shared."""
     head = "model.embed_tokens.weight" if target_spec.tie_word_embeddings else "lm_head.weight"
     return lambda name: {"embed_tokens.weight": "model.embed_tokens.weight", "lm_head.weight": head}.get(name, name)
 
 
-def load_dspark(folder: str | Path, target_spec: Qwen3Spec, dtype: torch.dtype = torch.float32, device: str = "cpu",
+def load_dspark(folder: str | Path, target_spec: DecoderSpec, dtype: torch.dtype = torch.float32, device: str = "cpu",
                 share_embedding_from: Optional[torch.Tensor] = None, share_lm_head_from: Optional[torch.Tensor] = None,
                 fuse: bool = True, load_format: str = "auto") -> Qwen3DSparkModel:
     """Build the drafter in `folder` for `target_spec` and load it (checked complete), or give it dummy weights
     (`load_format` "dummy"). The embedding / LM head are replaced by the target's tensors when those are identical,
-    so the drafter holds no second copy (`model.shared_with_target` names the ones shared)."""
+    so the drafter holds no second copy (`model.shared_with_target` names the ones shared); a checkpoint that does
+    not store them (they are the target's by definition) takes them from the `share_*_from` tensors."""
     dummy = is_dummy(load_format)
     hf = dummy_config(folder, SHAPE_FIELDS) if dummy else read_config(folder, SHAPE_FIELDS)
     archs = hf.get("architectures")
@@ -313,14 +316,20 @@ def load_dspark(folder: str | Path, target_spec: Qwen3Spec, dtype: torch.dtype =
     with torch.device("meta"):
         model = Qwen3DSparkModel(spec, device="cpu")
     model = model.to(dtype).to_empty(device=device)  # allocated once, in `dtype`
-    model.rotary = Rotary(spec.body.head_dim, spec.body.rope_theta, spec.body.max_position_embeddings, torch.device(device))
+    model.rotary = spec.body.rotary(device)
     shares = {"embed_tokens": share_embedding_from, "lm_head": share_lm_head_from}
     # dummy: the embedding and LM head are the target's (frozen copies in a released drafter), never drawn twice
     trusted = {n for n, t in shares.items() if dummy and _fits(getattr(model, n).weight, t)}
     if dummy:
         fill_dummy(model, init_std(hf), dspark_dummy_key(target_spec), skip={f"{n}.weight" for n in trusted})
     else:
-        load_weights(model, folder, dtype=dtype)
+        given = frozenset(f"{n}.weight" for n, t in shares.items() if t is not None)
+        loaded = load_weights(model, folder, dtype=dtype, optional=given)
+        for name in ("embed_tokens", "lm_head"):
+            if f"{name}.weight" not in loaded:  # not stored: the target's, copied in if its dtype differs
+                with torch.no_grad():
+                    getattr(model, name).weight.copy_(shares[name].to(dtype))
+                trusted.add(name)
     if fuse:
         model.fuse()
     model.eval().requires_grad_(False)  # before sharing: never touch the target's own flags

@@ -8,12 +8,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from sparkrelay.models.dspark import ARCHITECTURE, DSparkSpec, Qwen3DSparkModel
-from sparkrelay.models.loader import read_config, safetensors_files
-from sparkrelay.models.qwen3 import Qwen3Spec
+from sparkrelay.models.loader import checkpoint_tensors, read_config
+from sparkrelay.models.decoder import DecoderSpec
 
 
 def draft_config(target_cfg: dict, **fields) -> dict:
@@ -38,23 +37,25 @@ def draft_config(target_cfg: dict, **fields) -> dict:
 
 def target_head_weights(target_folder: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """The target checkpoint's (embedding [V, d], LM head [V, d]); a tied target's LM head is its embedding."""
-    found = {}
-    for path in safetensors_files(target_folder):
-        with safe_open(str(path), framework="pt") as f:
-            for key in ("model.embed_tokens.weight", "lm_head.weight"):
-                if key in f.keys():
-                    found[key] = f.get_tensor(key)
+    found = {key: read() for key, read in checkpoint_tensors(target_folder)
+             if key in ("model.embed_tokens.weight", "lm_head.weight")}
     embed = found["model.embed_tokens.weight"]
     return embed, found.get("lm_head.weight", embed)
 
 
-def save_checkpoint(model: Qwen3DSparkModel, cfg: dict, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+FROZEN_COPIES = ("embed_tokens.weight", "lm_head.weight")  # the target's own tensors, frozen in training
+
+
+def save_checkpoint(model: Qwen3DSparkModel, cfg: dict, folder: str | Path, dtype: torch.dtype = torch.bfloat16,
+                    with_frozen_copies: bool = True) -> Path:
     """Write config.json + model.safetensors in the DeepSpec layout (docs/dspark.md §1.3: top-level keys, the frozen
-    copies included)."""
+    copies of the target's embedding and LM head included unless `with_frozen_copies` is False: the loader then
+    shares the target's)."""
     assert all(layer.self_attn.qkv is None for layer in model.layers), "save an unfused drafter"
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in model.state_dict().items()
+               if with_frozen_copies or k not in FROZEN_COPIES}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     cfg = dict(cfg, dtype=str(dtype).removeprefix("torch."))
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -67,7 +68,7 @@ def write_random_checkpoint(folder: str | Path, target_folder: str | Path, seed:
     `overrides` are config fields, e.g. markov_head_type="rnn", or markov_rank=0, enable_confidence_head=False (DFlash)."""
     target_cfg = read_config(target_folder)
     cfg = draft_config(target_cfg, **overrides)
-    spec = DSparkSpec.from_hf(cfg, Qwen3Spec.from_hf(target_cfg))
+    spec = DSparkSpec.from_hf(cfg, DecoderSpec.from_hf(target_cfg))
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     model = Qwen3DSparkModel(spec)

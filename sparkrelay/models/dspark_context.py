@@ -24,16 +24,16 @@ from torch import nn
 
 from sparkrelay.models.dspark import ARCHITECTURE, DSparkSpec, Qwen3DSparkModel
 from sparkrelay.models.kernels import frozen_linear
-from sparkrelay.models.layers import RMSNorm, Rotary, apply_rope, fuse_linears
+from sparkrelay.models.layers import RMSNorm, apply_rope, fuse_linears
 from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
 from sparkrelay.models.loader import SHAPE_FIELDS, CheckpointError, is_dummy, load_weights, read_config
-from sparkrelay.models.qwen3 import Qwen3Spec
+from sparkrelay.models.decoder import DecoderSpec
 
 
 class _ContextAttn(nn.Module):
     """The K/V half of a draft layer's attention (checkpoint names `layers.{i}.self_attn.*`)."""
 
-    def __init__(self, s: Qwen3Spec) -> None:
+    def __init__(self, s: DecoderSpec) -> None:
         super().__init__()
         self.n_kv, self.head_dim = s.num_kv_heads, s.head_dim
         self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attention_bias)
@@ -42,7 +42,7 @@ class _ContextAttn(nn.Module):
 
 
 class _ContextLayer(nn.Module):
-    def __init__(self, s: Qwen3Spec) -> None:
+    def __init__(self, s: DecoderSpec) -> None:
         super().__init__()
         self.self_attn = _ContextAttn(s)
         self.kv_proj: nn.Module | None = None  # k_proj and v_proj as one frozen product, after `fuse`
@@ -56,7 +56,7 @@ class ContextProjector(nn.Module):
         self.fc = nn.Linear(len(spec.target_layer_ids) * s.hidden_size, s.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.layers = nn.ModuleList(_ContextLayer(s) for _ in range(s.num_layers))
-        self.rotary = Rotary(s.head_dim, s.rope_theta, s.max_position_embeddings, torch.device(device))
+        self.rotary = s.rotary(device)
         self._slices: dict[tuple[int, ...], nn.Module] = {}  # fc column blocks per stage, frozen
 
     def stage_slice(self, stage_tap_ids: tuple[int, ...]) -> torch.Tensor:
@@ -105,7 +105,7 @@ def _drafter_names(spec: DSparkSpec) -> set[str]:
         return {name for name, _ in Qwen3DSparkModel(spec, device="meta").named_parameters()}
 
 
-def load_context_projector(folder: str | Path, target_spec: Qwen3Spec, dtype: torch.dtype = torch.float32,
+def load_context_projector(folder: str | Path, target_spec: DecoderSpec, dtype: torch.dtype = torch.float32,
                            device: str = "cpu", load_format: str = "auto") -> ContextProjector:
     """Read only the context-projection tensors of the DeepSpec drafter in `folder` (checked complete), or give them
     their dummy values (`load_format` "dummy": the same as the full drafter's, tensor by tensor name)."""
@@ -118,7 +118,7 @@ def load_context_projector(folder: str | Path, target_spec: Qwen3Spec, dtype: to
         model = ContextProjector(spec, device="meta")
     model = model.to(dtype).to_empty(device=device)
     s = spec.body
-    model.rotary = Rotary(s.head_dim, s.rope_theta, s.max_position_embeddings, torch.device(device))
+    model.rotary = s.rotary(device)
     if dummy:
         fill_dummy(model, init_std(hf))
     else:

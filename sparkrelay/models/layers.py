@@ -1,6 +1,8 @@
-"""Building blocks shared by the target (qwen3.py) and, later, the DSpark drafter."""
+"""Building blocks shared by the target (decoder.py) and the DSpark drafter."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +28,11 @@ class RMSNorm(nn.Module):
 class SwiGLU(nn.Module):
     """gate_proj / up_proj as in the checkpoint; `fuse()` merges them into one [2 * inter, dim] matmul after loading."""
 
-    def __init__(self, dim: int, inter: int) -> None:
+    def __init__(self, dim: int, inter: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dim, inter, bias=False)
-        self.up_proj = nn.Linear(dim, inter, bias=False)
-        self.down_proj = nn.Linear(inter, dim, bias=False)
+        self.gate_proj = nn.Linear(dim, inter, bias=bias)
+        self.up_proj = nn.Linear(dim, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, dim, bias=bias)
         self.gate_up: nn.Module | None = None
 
     def fuse(self) -> None:
@@ -58,10 +60,13 @@ def fuse_linears(*linears: nn.Linear) -> nn.Module:
 
 
 class Rotary:
-    """Default (unscaled) RoPE with a precomputed cos/sin table, indexed by absolute position."""
+    """RoPE with a precomputed cos/sin table, indexed by absolute position; `scaling` (rope_scaling's result) rescales
+    the frequencies (linear, Llama 3), as transformers' rope init functions do."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device) -> None:
+    def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device,
+                 scaling: tuple | None = None) -> None:
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+        inv_freq = scaled_inv_freq(inv_freq, scaling)
         pos = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
@@ -87,13 +92,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 def rope_theta(hf_config: dict) -> float:
-    """The RoPE base from `rope_theta` or `rope_parameters`; scaled RoPE variants are refused by name."""
+    """The RoPE base from `rope_theta` or `rope_parameters`."""
     params = hf_config.get("rope_parameters") or {}
-    scaling = hf_config.get("rope_scaling") or {}
-    for kind in (params.get("rope_type"), scaling.get("rope_type"), scaling.get("type")):
-        if kind not in (None, "default"):
-            raise NotImplementedError(f"rope_type {kind!r} is not supported (only 'default')")
     theta = params.get("rope_theta", hf_config.get("rope_theta"))
     if theta is None:
         raise ValueError("config.json has neither rope_theta nor rope_parameters.rope_theta")
     return float(theta)
+
+
+ROPE_KINDS = ("default", "linear", "llama3")
+
+
+def rope_scaling(hf_config: dict) -> tuple | None:
+    """(kind, sorted (name, value) pairs) from `rope_scaling` or `rope_parameters`, None for plain RoPE; a kind
+    outside ROPE_KINDS is refused by name."""
+    params = dict(hf_config.get("rope_scaling") or {}) or dict(hf_config.get("rope_parameters") or {})
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    if kind not in ROPE_KINDS:
+        raise NotImplementedError(f"rope_type {kind!r} is not supported (supported: {', '.join(ROPE_KINDS)})")
+    if kind == "default":
+        return None
+    params.pop("rope_theta", None)
+    return kind, tuple(sorted((k, float(v)) for k, v in params.items() if isinstance(v, (int, float))))
+
+
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: tuple | None) -> torch.Tensor:
+    """inv_freq [D/2] under `scaling`: linear divides every frequency by `factor`; Llama 3 divides the low ones
+    (wavelength beyond original_max_position_embeddings / low_freq_factor), keeps the high ones and blends between."""
+    if scaling is None:
+        return inv_freq
+    kind, p = scaling[0], dict(scaling[1])
+    if kind == "linear":
+        return inv_freq / p["factor"]
+    factor, low, high, old = p["factor"], p["low_freq_factor"], p["high_freq_factor"], p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, blended, scaled)

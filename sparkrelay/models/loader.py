@@ -1,4 +1,4 @@
-"""Read Hugging Face safetensors checkpoints as they are, with a completeness check.
+"""Read Hugging Face safetensors checkpoints as they are (or a GGUF file, as the same keys), with a completeness check.
 
 Every parameter of the module must be found with the right shape, and every tensor in the files must be
 either loaded or explicitly owned by another pipeline stage (`elsewhere(key)`); anything else is an error that
@@ -7,16 +7,18 @@ names the keys.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from sparkrelay.config import LOAD_FORMATS  # auto = safetensors, the only weight files read
+from sparkrelay.config import LOAD_FORMATS  # auto = a folder's safetensors or a .gguf file, by the path
+from sparkrelay.models.gguf_file import GGUFError, gguf_config, gguf_tensors, is_gguf
 
 
 # The config.json fields every Qwen3-shaped model (target or drafter) needs; the rest have defaults.
@@ -28,7 +30,13 @@ class CheckpointError(ValueError):
 
 
 def read_config(folder: str | Path, require: tuple[str, ...] = ()) -> dict:
-    """The folder's config.json; a field of `require` that it lacks is an error naming the file and the fields."""
+    """The folder's config.json (a GGUF file's metadata as one); a field of `require` that it lacks is an error
+    naming the file and the fields."""
+    if is_gguf(folder):
+        try:
+            return dict(gguf_config(str(folder)))
+        except GGUFError as e:
+            raise CheckpointError(str(e)) from None
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path} not found")
@@ -46,6 +54,23 @@ def is_dummy(load_format: str) -> bool:
     return load_format == "dummy"
 
 
+def checkpoint_tensors(path: str | Path, load_format: str = "auto") -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(key, loader) for every tensor at `path`: a folder's *.safetensors, or a GGUF file's tensors under their Hugging
+    Face keys (`--load-format gguf` insists on the latter). A loader reads its tensor only when called."""
+    if load_format == "gguf" and not is_gguf(path):
+        raise CheckpointError(f"--load-format gguf: {path} is not a .gguf file")
+    if is_gguf(path):
+        try:
+            yield from gguf_tensors(str(path))
+        except GGUFError as e:
+            raise CheckpointError(str(e)) from None
+        return
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                yield key, functools.partial(f.get_tensor, key)
+
+
 def safetensors_files(folder: str | Path) -> list[Path]:
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
@@ -61,32 +86,32 @@ def _summary(keys: list[str], limit: int = 8) -> str:
 
 
 def load_weights(module: nn.Module, folder: str | Path, rename: Callable[[str], Optional[str]] = lambda k: k,
-                 elsewhere: Callable[[str], bool] = lambda k: False, dtype: torch.dtype = torch.float32) -> None:
-    """Copy the folder's tensors into `module`'s parameters.
+                 elsewhere: Callable[[str], bool] = lambda k: False, dtype: torch.dtype = torch.float32,
+                 load_format: str = "auto", optional: frozenset[str] = frozenset()) -> set[str]:
+    """Copy the checkpoint's tensors (checkpoint_tensors) into `module`'s parameters; returns the names loaded.
 
     rename(key) maps a checkpoint key to a parameter name, or None to skip a key on purpose (e.g. a tied
-    lm_head); elsewhere(key) is True for keys another pipeline stage loads.
+    lm_head); elsewhere(key) is True for keys another pipeline stage loads; a parameter in `optional` may be absent
+    (the caller fills it, e.g. a drafter's embedding shared with the target).
     """
     params = dict(module.named_parameters())
     loaded: set[str] = set()
     unexpected, bad_shape = [], []
-    for path in safetensors_files(folder):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                name = rename(key)
-                if name is None or (name not in params and elsewhere(key)):
-                    continue
-                if name not in params:
-                    unexpected.append(key)
-                    continue
-                tensor = f.get_tensor(key)
-                if tuple(tensor.shape) != tuple(params[name].shape):
-                    bad_shape.append(f"{key} {tuple(tensor.shape)} != expected {tuple(params[name].shape)}")
-                    continue
-                with torch.no_grad():
-                    params[name].copy_(tensor.to(dtype))
-                loaded.add(name)
-    missing = [n for n in params if n not in loaded]
+    for key, read in checkpoint_tensors(folder, load_format):
+        name = rename(key)
+        if name is None or (name not in params and elsewhere(key)):
+            continue
+        if name not in params:
+            unexpected.append(key)
+            continue
+        tensor = read()
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            bad_shape.append(f"{key} {tuple(tensor.shape)} != expected {tuple(params[name].shape)}")
+            continue
+        with torch.no_grad():
+            params[name].copy_(tensor.to(dtype))
+        loaded.add(name)
+    missing = [n for n in params if n not in loaded and n not in optional]
     problems = []
     if missing:
         problems.append(f"missing tensors: {_summary(missing)}")
@@ -96,13 +121,14 @@ def load_weights(module: nn.Module, folder: str | Path, rename: Callable[[str], 
         problems.append(f"shape mismatch: {_summary(bad_shape)}")
     if problems:
         raise CheckpointError(f"checkpoint {folder} does not match the model: " + "; ".join(problems))
+    return loaded
 
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def qwen3_key_owner(num_layers: int, start: int, end: int, tied: bool) -> tuple[Callable, Callable]:
-    """(rename, elsewhere) for a Qwen3 stage owning layers [start, end)."""
+def decoder_key_owner(num_layers: int, start: int, end: int, tied: bool) -> tuple[Callable, Callable]:
+    """(rename, elsewhere) for a decoder stage owning layers [start, end)."""
     is_last = end == num_layers
 
     def rename(key: str) -> Optional[str]:
@@ -126,7 +152,7 @@ def qwen3_key_owner(num_layers: int, start: int, end: int, tied: bool) -> tuple[
     return rename, elsewhere
 
 
-def qwen3_dummy_key(tied: bool) -> Callable[[str], str]:
+def decoder_dummy_key(tied: bool) -> Callable[[str], str]:
     """Parameter name -> the checkpoint key whose dummy values it gets (rename's inverse): a tied LM head on a last
     stage without the embedding is the embedding."""
     return lambda name: "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name

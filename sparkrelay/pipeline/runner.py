@@ -33,7 +33,7 @@ from sparkrelay.envs import socket_folder
 from sparkrelay.scheduler.request import Request
 from sparkrelay.scheduler.scheduler import Batch, ScheduledSeq
 from sparkrelay.kvcache.pool import KVPool
-from sparkrelay.models.qwen3 import Qwen3ForCausalLM
+from sparkrelay.models.decoder import CausalLM
 from sparkrelay.pipeline.capture import CaptureSpec
 from sparkrelay.pipeline.comm import Channel, PeerLost, connect
 from sparkrelay.pipeline.descriptor import SHUTDOWN, STEP, MicroBatch, SeqDesc, reply_shape
@@ -101,7 +101,7 @@ class PipelineRunner:
     sparkrelay.disagg.prefill_sink:make_stage_sink). status_address: handed to every stage's sink factory
     (default ""; see pipeline/stage.py). room_of: a request's bootstrap room (0: none)."""
 
-    def __init__(self, config: Config, model: Qwen3ForCausalLM, pool: KVPool, *, capture: Optional[CaptureSpec] = None,
+    def __init__(self, config: Config, model: CausalLM, pool: KVPool, *, capture: Optional[CaptureSpec] = None,
                  sink_factory: Optional[str] = None, status_address: str = STATUS_ADDRESS,
                  room_of: Callable[[Request], int] = default_room) -> None:
         pp, num_layers = config.parallel.pp_size, model.spec.num_layers
@@ -132,7 +132,7 @@ class PipelineRunner:
         atexit.register(self._atexit)
 
     # -- start-up ----------------------------------------------------------------------------------------------
-    def _start_workers(self, config: Config, model: Qwen3ForCausalLM, pool: KVPool, sink_factory: Optional[str],
+    def _start_workers(self, config: Config, model: CausalLM, pool: KVPool, sink_factory: Optional[str],
                        status_address: str) -> None:
         cuda = self.device.type == "cuda"
         backend = "nccl" if cuda and config.model.device == "cuda" and torch.cuda.device_count() >= self.pp else "ipc"

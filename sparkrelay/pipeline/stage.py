@@ -23,7 +23,7 @@ from sparkrelay.config import Config, ConfigError
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.dspark_context import ContextProjector, load_context_projector
-from sparkrelay.models.qwen3 import Qwen3ForCausalLM, StageOutput
+from sparkrelay.models.decoder import CausalLM, StageOutput
 from sparkrelay.pipeline.capture import CaptureSpec, StagePayload
 from sparkrelay.pipeline.descriptor import MicroBatch, SeqDesc, reply_shape, token_width
 from sparkrelay.pipeline.partition import stage_taps
@@ -76,12 +76,12 @@ def make_sink(factory: Optional[str], config: Config, stage: int, partition: lis
     return fn(config, stage, partition, pool, status_address)
 
 
-def model_view(full: Qwen3ForCausalLM, start: int, end: int) -> Qwen3ForCausalLM:
+def model_view(full: CausalLM, start: int, end: int) -> CausalLM:
     """Layers [start, end) of an already loaded full model, sharing its modules (no copy, no loading)."""
     if (full.start, full.end) == (start, end):
         return full
     with torch.device("meta"):
-        view = Qwen3ForCausalLM(full.spec, start, end, device="meta")
+        view = CausalLM(full.spec, start, end, device="meta")
     view.model.embed_tokens = full.model.embed_tokens if start == 0 else None
     view.model.layers = nn.ModuleDict({str(i): full.model.layers[str(i)] for i in range(start, end)})
     view.model.norm = full.model.norm if view.is_last else None
@@ -91,7 +91,7 @@ def model_view(full: Qwen3ForCausalLM, start: int, end: int) -> Qwen3ForCausalLM
     return view
 
 
-def build_stage(index: int, partition: list[tuple[int, int]], model: Qwen3ForCausalLM, pool: KVPool,
+def build_stage(index: int, partition: list[tuple[int, int]], model: CausalLM, pool: KVPool,
                 capture: CaptureSpec, config: Config, sink_factory: Optional[str], device: torch.device,
                 status_address: str = STATUS_ADDRESS) -> Stage:
     """A stage around a loaded model range: the drafter's context weights when it owns taps or finishes the
@@ -131,7 +131,7 @@ def stage_delay(index: int) -> float:
 
 
 class Stage:
-    def __init__(self, index: int, partition: list[tuple[int, int]], model: Qwen3ForCausalLM, pool: KVPool,
+    def __init__(self, index: int, partition: list[tuple[int, int]], model: CausalLM, pool: KVPool,
                  capture: CaptureSpec, projector: Optional[ContextProjector], sink: Optional[StageSink],
                  seed: int, device: torch.device) -> None:
         self.index, self.partition, self.model, self.pool = index, partition, model, pool

@@ -3,7 +3,7 @@
 Started by rank 0 (pipeline/launch.py), with its launch record, JSON, in SPARKRELAY_PP_LAUNCH:
     config (Config.flat()), dtype, partition, num_blocks, capture (CaptureSpec.to_dict()), sink_factory,
     status_address, backend, threads, alone_threads, parent_pid.
-Life: connect to rank 0's TCPStore on 127.0.0.1:P -> load layers [start, end) of the target (load_qwen3) and a
+Life: connect to rank 0's TCPStore on 127.0.0.1:P -> load layers [start, end) of the target (load_causal_lm) and a
 KVPool for them with rank 0's num_blocks and page size (block tables come in each descriptor) -> set `ready/R`
 (or `error/R` with the message) -> join the process group -> serve micro-batches until a SHUTDOWN descriptor
 (passed on first). An error of its own exits with code 1 (rank 0's watchdog names the stage); losing a peer
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from sparkrelay.config import Config
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.quant import apply_torchao_config
-from sparkrelay.models.qwen3 import load_qwen3
+from sparkrelay.models.decoder import load_causal_lm
 from sparkrelay.pipeline.capture import CaptureSpec, PayloadShape
 from sparkrelay.pipeline.comm import Channel, PeerLost, connect
 from sparkrelay.pipeline.descriptor import SHUTDOWN
@@ -56,7 +56,7 @@ def load(rank: int, launch: dict) -> tuple[Stage, PayloadShape, torch.device]:
         torch.cuda.set_device(device)  # NCCL binds this rank to its own GPU
     partition = [tuple(b) for b in launch["partition"]]
     start, end = partition[rank]
-    model = load_qwen3(config.model.model_path, start, end, dtype, str(device), config.model.load_format)
+    model = load_causal_lm(config.model.model_path, start, end, dtype, str(device), config.model.load_format)
     apply_torchao_config(model, config.model.torchao_config)
     s = model.spec
     pool = KVPool(range(start, end), launch["num_blocks"], config.cache.page_size, s.num_kv_heads, s.head_dim,

@@ -11,7 +11,7 @@ from sparkrelay.scheduler.request import Request
 from sparkrelay.scheduler.scheduler import Batch
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import AttnMeta
-from sparkrelay.models.qwen3 import Qwen3ForCausalLM, StageOutput
+from sparkrelay.models.decoder import CausalLM, StageOutput
 from sparkrelay.runner.logprobs import Entry, Scored, score_rows, token_logprobs
 from sparkrelay.runner.sampler import PenaltyRows, SamplingBatch, apply_penalties, sample
 
@@ -31,7 +31,7 @@ class RunResult:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, pool: KVPool, device: torch.device, seed: int) -> None:
+    def __init__(self, model: CausalLM, pool: KVPool, device: torch.device, seed: int) -> None:
         self.model, self.pool, self.device = model, pool, device
         self.shared_gen = torch.Generator(device=device).manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}

@@ -14,7 +14,7 @@ import torch
 
 from sparkrelay.scheduler.scheduler import Batch
 from sparkrelay.models.attention import AttnMeta
-from sparkrelay.models.qwen3 import StageOutput
+from sparkrelay.models.decoder import StageOutput
 from sparkrelay.runner.logprobs import token_logprobs
 from sparkrelay.runner.model_runner import ModelRunner, RunResult
 from sparkrelay.runner.sampler import filter_probs

@@ -30,7 +30,7 @@ class Proposal:
 class DSparkProposer:
     def __init__(self, drafter: Qwen3DSparkModel, num_blocks: int, page_size: int, device: torch.device,
                  max_drafts: int, confidence_threshold: float, head: Optional[nn.Module] = None) -> None:
-        """head: the target's fast LM head copy (`Qwen3ForCausalLM.head`), used when the drafter shares the head."""
+        """head: the target's fast LM head copy (`CausalLM.head`), used when the drafter shares the head."""
         body = drafter.spec.body
         self.head = head if "lm_head" in getattr(drafter, "shared_with_target", ()) else None
         self.drafter, self.device, self.page_size = drafter, device, page_size

@@ -187,9 +187,9 @@ def test_taps_capture_equals_reference(pp, bundled_model_dir, prompts, tmp_path,
     ids = (-1, 3, 4)  # PP 4 stages [0,2) [2,4) [4,6) [6,8): -1 on 0, 3 ends stage 1, 4 starts stage 2, none on 3
     dumps = run_capture(bundled_model_dir, pp, CaptureSpec("taps", ids), prompts, tmp_path, monkeypatch)
     got = by_room(dumps, "aux", lambda aux, r: aux[r])
-    from sparkrelay.models.qwen3 import load_qwen3
+    from sparkrelay.models.decoder import load_causal_lm
 
-    model = load_qwen3(str(bundled_model_dir))
+    model = load_causal_lm(str(bundled_model_dir))
     for i, p in enumerate(prompts):
         ref = reference_taps(model, p, ids)  # [n, 3*d]
         rows = got[1000 + i]
@@ -201,9 +201,9 @@ def test_taps_capture_equals_reference(pp, bundled_model_dir, prompts, tmp_path,
 @pytest.mark.parametrize("pp", [1, 2])
 def test_partial_projection_equals_drafter_context_kv(pp, bundled_model_dir, bundled_drafter_dir, prompts, tmp_path,
                                                       monkeypatch):
-    from sparkrelay.models.qwen3 import load_qwen3
+    from sparkrelay.models.decoder import load_causal_lm
 
-    model = load_qwen3(str(bundled_model_dir))
+    model = load_causal_lm(str(bundled_model_dir))
     drafter = load_dspark(bundled_drafter_dir, model.spec, torch.float32, fuse=False)
     ids = drafter.spec.target_layer_ids  # (1, 3, 5, 6): PP 2 puts 1, 3 on stage 0 and 5, 6 on the last stage
     capture = CaptureSpec("partial", ids, str(bundled_drafter_dir))

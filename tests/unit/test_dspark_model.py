@@ -13,7 +13,7 @@ from testkit.models import make_random_qwen3
 from sparkrelay.models.dspark import DSparkSpec, load_dspark
 from sparkrelay.models.dspark_checkpoint import draft_config, write_random_checkpoint
 from sparkrelay.models.loader import CheckpointError, read_config
-from sparkrelay.models.qwen3 import Qwen3Spec, load_qwen3
+from sparkrelay.models.decoder import DecoderSpec, load_causal_lm
 
 torch.set_num_threads(1)
 
@@ -40,7 +40,7 @@ def target_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target_spec(target_dir):
-    return Qwen3Spec.from_hf(read_config(target_dir))
+    return DecoderSpec.from_hf(read_config(target_dir))
 
 
 def write(tmp_path, target_dir, variant, **kw):
@@ -131,7 +131,7 @@ def test_validation_errors_name_field_and_value(target_dir, target_spec, field, 
 
 def test_shares_identical_embedding_and_lm_head(tmp_path, target_spec, target_dir):
     tied = make_random_qwen3(tmp_path / "tied", seed=5, tie_word_embeddings=True)
-    target = load_qwen3(str(tied), dtype=torch.bfloat16)
+    target = load_causal_lm(str(tied), dtype=torch.bfloat16)
     emb = target.model.embed_tokens.weight
     assert target.lm_head.weight is emb
     folder = write_random_checkpoint(tmp_path / "d", tied, target_layer_ids=TAPS)
@@ -140,12 +140,12 @@ def test_shares_identical_embedding_and_lm_head(tmp_path, target_spec, target_di
     assert model.shared_with_target == ("embed_tokens", "lm_head")
     assert emb.requires_grad  # the target's own parameter is left as it was
     # untied fp32 target: both shared; a different target's tensors are not
-    untied = load_qwen3(str(target_dir))
+    untied = load_causal_lm(str(target_dir))
     folder = write_random_checkpoint(tmp_path / "f", target_dir, weight_dtype=torch.float32, target_layer_ids=TAPS)
     model = load_dspark(folder, target_spec, share_embedding_from=untied.model.embed_tokens.weight,
                         share_lm_head_from=untied.lm_head.weight)
     assert model.embed_tokens.weight is untied.model.embed_tokens.weight and model.lm_head.weight is untied.lm_head.weight
-    other = load_qwen3(str(tied))
+    other = load_causal_lm(str(tied))
     model = load_dspark(folder, target_spec, share_embedding_from=other.model.embed_tokens.weight)
     assert model.shared_with_target == () and model.embed_tokens.weight is not other.model.embed_tokens.weight
 

@@ -19,7 +19,7 @@ from sparkrelay.models.dspark import DSparkSpec, Qwen3DSparkModel, load_dspark
 from sparkrelay.models.dspark_context import load_context_projector
 from sparkrelay.models.dummy import fill_dummy
 from sparkrelay.models.loader import CheckpointError
-from sparkrelay.models.qwen3 import Qwen3ForCausalLM, Qwen3Spec, load_qwen3
+from sparkrelay.models.decoder import CausalLM, DecoderSpec, load_causal_lm
 from sparkrelay.tools import make_configs
 
 CONFIGS = Path("models/configs")
@@ -40,8 +40,8 @@ def small_pair(folder: Path, **overrides) -> tuple[Path, Path]:
 
 @pytest.fixture
 def unfused(monkeypatch):
-    """load_qwen3 / load_dspark without the post-load fusion: parameters keep their checkpoint names."""
-    monkeypatch.setattr(Qwen3ForCausalLM, "fuse", lambda self: None)
+    """load_causal_lm / load_dspark without the post-load fusion: parameters keep their checkpoint names."""
+    monkeypatch.setattr(CausalLM, "fuse", lambda self: None)
 
 
 def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -59,9 +59,9 @@ def forward(model, ids: list[int], hidden=None):
 @pytest.mark.parametrize("tied", [True, False])
 def test_same_weights_in_every_load_and_stage_split(tmp_path, unfused, tied):
     target, _ = small_pair(tmp_path, tie_word_embeddings=tied)
-    whole = params(load_qwen3(str(target), load_format="dummy"))
-    assert all(torch.equal(p, whole[n]) for n, p in params(load_qwen3(str(target), load_format="dummy")).items())
-    first, last = (params(load_qwen3(str(target), a, b, load_format="dummy")) for a, b in ((0, 2), (2, 4)))
+    whole = params(load_causal_lm(str(target), load_format="dummy"))
+    assert all(torch.equal(p, whole[n]) for n, p in params(load_causal_lm(str(target), load_format="dummy")).items())
+    first, last = (params(load_causal_lm(str(target), a, b, load_format="dummy")) for a, b in ((0, 2), (2, 4)))
     assert set(first) | set(last) == set(whole) | ({"lm_head.weight"} if tied else set())
     for name, p in {**first, **last}.items():
         ref = whole["model.embed_tokens.weight"] if tied and name == "lm_head.weight" else whole[name]
@@ -72,8 +72,8 @@ def test_same_weights_in_every_load_and_stage_split(tmp_path, unfused, tied):
 @torch.inference_mode()
 def test_stages_compose_to_the_whole_model(tmp_path):
     target, _ = small_pair(tmp_path)
-    whole = load_qwen3(str(target), load_format="dummy")
-    first, last = (load_qwen3(str(target), a, b, load_format="dummy") for a, b in ((0, 2), (2, 4)))
+    whole = load_causal_lm(str(target), load_format="dummy")
+    first, last = (load_causal_lm(str(target), a, b, load_format="dummy") for a, b in ((0, 2), (2, 4)))
     ids = list(range(5, 17))
     ref = forward(whole, ids).logits
     out = forward(last, ids, hidden=forward(first, ids).hidden).logits
@@ -83,8 +83,8 @@ def test_stages_compose_to_the_whole_model(tmp_path):
 
 def test_bfloat16_is_the_float32_values_rounded(tmp_path, unfused):
     target, _ = small_pair(tmp_path)
-    f32 = params(load_qwen3(str(target), load_format="dummy"))
-    for name, p in params(load_qwen3(str(target), dtype=torch.bfloat16, load_format="dummy")).items():
+    f32 = params(load_causal_lm(str(target), load_format="dummy"))
+    for name, p in params(load_causal_lm(str(target), dtype=torch.bfloat16, load_format="dummy")).items():
         assert p.dtype == torch.bfloat16 and torch.equal(p, f32[name].to(torch.bfloat16)), name
 
 
@@ -93,7 +93,7 @@ def test_every_parameter_initialized(tmp_path):
     target, draft = small_pair(tmp_path, attention_bias=True, initializer_range=0.05)
     hf = json.loads((draft / "config.json").read_text())
     spec = DSparkSpec.from_hf({**hf, "markov_head_type": "gated", "attention_bias": True},
-                              Qwen3Spec.from_hf(json.loads((target / "config.json").read_text())))
+                              DecoderSpec.from_hf(json.loads((target / "config.json").read_text())))
     model = Qwen3DSparkModel(spec)
     for p in model.parameters():
         p.data.fill_(float("nan"))
@@ -112,13 +112,13 @@ def test_every_parameter_initialized(tmp_path):
 def test_deep_bfloat16_logits_stay_finite(tmp_path):
     """36 layers (the 4B's depth) in bf16: the init keeps the residual stream and the logits finite."""
     target, _ = small_pair(tmp_path, num_hidden_layers=36, max_window_layers=36)
-    out = forward(load_qwen3(str(target), dtype=torch.bfloat16, load_format="dummy"), list(range(3, 30)))
+    out = forward(load_causal_lm(str(target), dtype=torch.bfloat16, load_format="dummy"), list(range(3, 30)))
     assert out.logits.isfinite().all() and out.hidden.isfinite().all() and out.logits.float().std() > 0
 
 
 def test_drafter_shares_the_target_tensors_and_the_context_projection_matches(tmp_path):
     target_dir, draft = small_pair(tmp_path)
-    target = load_qwen3(str(target_dir), load_format="dummy")
+    target = load_causal_lm(str(target_dir), load_format="dummy")
     drafter = load_dspark(draft, target.spec, fuse=False, load_format="dummy",
                           share_embedding_from=target.model.embed_tokens.weight,
                           share_lm_head_from=target.lm_head.weight)
@@ -156,19 +156,19 @@ def test_missing_config_field_is_named(tmp_path):
     del cfg["hidden_size"]
     (target / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"lacks the field\(s\) \['hidden_size'\]"):
-        load_qwen3(str(target), load_format="dummy")
+        load_causal_lm(str(target), load_format="dummy")
     hf = json.loads((draft / "config.json").read_text())
     del hf["block_size"]
     (draft / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ValueError, match="block_size"):
-        load_dspark(draft, Qwen3Spec.from_hf({**cfg, "hidden_size": 128}), load_format="dummy")
+        load_dspark(draft, DecoderSpec.from_hf({**cfg, "hidden_size": 128}), load_format="dummy")
 
 
 def test_no_config_json_names_the_flag(tmp_path, capsys):
     from sparkrelay.launch_server import main
 
     with pytest.raises(CheckpointError, match="--load-format dummy: .*config.json not found"):
-        load_qwen3(str(tmp_path), load_format="dummy")
+        load_causal_lm(str(tmp_path), load_format="dummy")
     with pytest.raises(ConfigError, match="--load-format dummy: --model-path .* has no config.json"):
         Config().replace(model_path=str(tmp_path), load_format="dummy").validate()
     with pytest.raises(SystemExit) as e:
@@ -176,7 +176,7 @@ def test_no_config_json_names_the_flag(tmp_path, capsys):
     assert e.value.code == 2 and "--load-format dummy: --model-path" in capsys.readouterr().err
     target, _ = small_pair(tmp_path / "x")  # a config without weights, the default format: the hint names dummy
     with pytest.raises(CheckpointError, match="no \\*.safetensors files .*--load-format dummy"):
-        load_qwen3(str(target))
+        load_causal_lm(str(target))
 
 
 def test_the_flag_on_the_command_line():
@@ -197,7 +197,7 @@ def test_the_flag_on_the_command_line():
 def test_shipped_real_shape_folders(name, shape, tmp_path):
     from transformers import AutoTokenizer
 
-    spec = Qwen3Spec.from_hf(json.loads((CONFIGS / name / "config.json").read_text()))
+    spec = DecoderSpec.from_hf(json.loads((CONFIGS / name / "config.json").read_text()))
     assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
             spec.intermediate_size) == shape
     assert (spec.vocab_size, spec.tie_word_embeddings, spec.max_position_embeddings, spec.rope_theta) == \
@@ -215,7 +215,7 @@ def test_shipped_real_shape_folders(name, shape, tmp_path):
 
 
 def test_default_kv_pool_fits_4_gib_on_cpu():
-    spec = Qwen3Spec.from_hf(json.loads((CONFIGS / "qwen3-0.6b" / "config.json").read_text()))
+    spec = DecoderSpec.from_hf(json.loads((CONFIGS / "qwen3-0.6b" / "config.json").read_text()))
     per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.bfloat16)
     config = Config()
     tokens = setup.kv_capacity(config, spec.max_position_embeddings, per_token)

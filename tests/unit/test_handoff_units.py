@@ -16,7 +16,7 @@ from sparkrelay.disagg.metadata import MetadataLayout, MetadataRow, build_tail, 
 from sparkrelay.disagg.schema import HandoffSchema, compare
 from sparkrelay.envs import DisaggEnv
 from sparkrelay.kvcache.pool import KVPool
-from sparkrelay.models.qwen3 import Qwen3Spec
+from sparkrelay.models.decoder import DecoderSpec
 from sparkrelay.pipeline.partition import check_layer_ids, pp_partition, stage_taps, tap_owner
 
 
@@ -128,7 +128,7 @@ def test_schema_round_trip_and_compare():
 
 
 def test_build_schema_from_config(bundled_model_dir, bundled_drafter_dir):
-    spec = Qwen3Spec.from_hf(__import__("json").loads((bundled_model_dir / "config.json").read_text()))
+    spec = DecoderSpec.from_hf(__import__("json").loads((bundled_model_dir / "config.json").read_text()))
     base = Config().replace(model_path=str(bundled_model_dir), speculative_draft_model_path=str(bundled_drafter_dir))
     prefill = build_schema(base.replace(disaggregation_mode="prefill", pp_size=2), spec, torch.float32, DisaggEnv.read())
     decode = build_schema(base.replace(disaggregation_mode="decode", speculative_algorithm="DSPARK"), spec,

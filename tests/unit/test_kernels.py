@@ -16,7 +16,7 @@ from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.kernels import PackedLinear, SmallLinear, TLinear, fast_head, frozen_linear
 from sparkrelay.models.layers import fuse_linears
 from sparkrelay.models.quant import DEQUANT_ROWS, Int8Linear, apply_torchao_config, quantize_per_channel
-from sparkrelay.models.qwen3 import load_qwen3
+from sparkrelay.models.decoder import load_causal_lm
 from testkit.models import PROMPT_SOURCE, code_prompts, make_random_qwen3
 
 BF16 = dict(rtol=1.6e-2, atol=2e-2)  # a bfloat16 ulp is 2^-8 relative; outputs here are O(1)
@@ -95,7 +95,7 @@ def test_int8wo_linear(rows, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @torch.inference_mode()
 def test_int8wo_replaces_every_layer_linear_but_the_head(random_model_dir, dtype):
-    model = load_qwen3(str(random_model_dir), dtype=dtype)
+    model = load_causal_lm(str(random_model_dir), dtype=dtype)
     before = model.model.layers["0"].mlp.down_proj.weight.clone()
     apply_torchao_config(model, "int8wo")
     layer = model.model.layers["0"]
@@ -148,8 +148,8 @@ def test_int8wo_bundled_model_quality(bundled_model_dir):
 
     tok = AutoTokenizer.from_pretrained(bundled_model_dir)
     ids = torch.tensor(tok.encode(PROMPT_SOURCE)[: 24 * 48])
-    bf16 = load_qwen3(str(bundled_model_dir), dtype=torch.bfloat16)
-    int8 = load_qwen3(str(bundled_model_dir), dtype=torch.bfloat16)
+    bf16 = load_causal_lm(str(bundled_model_dir), dtype=torch.bfloat16)
+    int8 = load_causal_lm(str(bundled_model_dir), dtype=torch.bfloat16)
     apply_torchao_config(int8, "int8wo")
     loss_bf16, top_bf16 = held_out_loss(bf16, ids, torch.bfloat16)
     loss_int8, top_int8 = held_out_loss(int8, ids, torch.bfloat16)

@@ -16,7 +16,7 @@ from sparkrelay.disagg.handoff import HandoffError, build_schema, inject_context
 from sparkrelay.disagg.metadata import MetadataRow, build_tail
 from sparkrelay.disagg.schema import SCHEMA_VERSION, HandoffSchema
 from sparkrelay.envs import DisaggEnv
-from sparkrelay.models.qwen3 import Qwen3Spec
+from sparkrelay.models.decoder import DecoderSpec
 from sparkrelay.pipeline.capture import CaptureSpec
 
 IDS, SG_IDS = "SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS", "SGLANG_DSPARK_PD_TARGET_LAYER_IDS"
@@ -71,8 +71,8 @@ def _prefill(**leaves) -> Config:
     return Config().replace(model_path="models/tiny-qwen3", disaggregation_mode="prefill", **leaves)
 
 
-def _spec() -> Qwen3Spec:
-    return Qwen3Spec.from_hf(json.loads(open("models/tiny-qwen3/config.json").read()))
+def _spec() -> DecoderSpec:
+    return DecoderSpec.from_hf(json.loads(open("models/tiny-qwen3/config.json").read()))
 
 
 def _record_and_capture(config: Config) -> tuple:

@@ -12,7 +12,7 @@ from testkit.hf import load_hf
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.loader import CheckpointError
-from sparkrelay.models.qwen3 import load_qwen3
+from sparkrelay.models.decoder import load_causal_lm
 
 
 def run_stage(model, pool, ids, start, end, table, page, hidden=None, taps=()):
@@ -34,7 +34,7 @@ def model_dir(request, random_model_dir):
 @torch.inference_mode()
 def test_prefill_and_decode_logits_match_transformers(model_dir):
     hf = load_hf(model_dir)
-    ours = load_qwen3(str(model_dir))
+    ours = load_causal_lm(str(model_dir))
     pool, table = fresh_pool(ours), list(range(40, 0, -1))  # a scrambled block table
     ids = torch.randint(0, ours.spec.vocab_size, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = hf(torch.tensor([ids])).logits[0]  # [37, V]
@@ -48,7 +48,7 @@ def test_prefill_and_decode_logits_match_transformers(model_dir):
 @torch.inference_mode()
 def test_taps_equal_hidden_states(model_dir):
     hf = load_hf(model_dir)
-    ours = load_qwen3(str(model_dir))
+    ours = load_causal_lm(str(model_dir))
     n = ours.spec.num_layers
     ids = list(range(3, 23))
     ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
@@ -60,10 +60,10 @@ def test_taps_equal_hidden_states(model_dir):
 
 @torch.inference_mode()
 def test_layer_ranges_compose(random_model_dir):
-    whole = load_qwen3(str(random_model_dir))
-    first = load_qwen3(str(random_model_dir), 0, 1)
-    mid = load_qwen3(str(random_model_dir), 1, 3)
-    last = load_qwen3(str(random_model_dir), 3, 4)
+    whole = load_causal_lm(str(random_model_dir))
+    first = load_causal_lm(str(random_model_dir), 0, 1)
+    mid = load_causal_lm(str(random_model_dir), 1, 3)
+    last = load_causal_lm(str(random_model_dir), 3, 4)
     ids = list(range(5, 17))
     ref = run_stage(whole, fresh_pool(whole), ids, 0, 12, [0, 1, 2], 4)
     h = run_stage(first, fresh_pool(first), ids, 0, 12, [0, 1, 2], 4, taps=(-1, 0)).hidden
@@ -80,9 +80,9 @@ def test_rope_parameters_and_tied_layout(tmp_path):
     cfg.pop("rope_theta", None)
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
     (folder / "config.json").write_text(json.dumps(cfg))
-    hf, ours = load_hf(folder), load_qwen3(str(folder))
+    hf, ours = load_hf(folder), load_causal_lm(str(folder))
     assert ours.lm_head.weight is ours.model.embed_tokens.weight  # one copy
-    last = load_qwen3(str(folder), 1, 2)  # a last stage without the embedding gets it as its LM head
+    last = load_causal_lm(str(folder), 1, 2)  # a last stage without the embedding gets it as its LM head
     torch.testing.assert_close(last.lm_head.weight, hf.lm_head.weight)
     with torch.inference_mode():
         ids = list(range(9))
@@ -104,16 +104,16 @@ def test_loader_names_missing_unexpected_and_misshaped(random_model_dir, tmp_pat
     key = "model.layers.1.mlp.up_proj.weight"
     bad = _corrupt(random_model_dir, tmp_path, lambda t: t.pop(key))
     with pytest.raises(CheckpointError, match=f"missing tensors: {key}"):
-        load_qwen3(str(bad))
-    load_qwen3(str(bad), 2, 4)  # a stage that does not own layer 1 does not need it
+        load_causal_lm(str(bad))
+    load_causal_lm(str(bad), 2, 4)  # a stage that does not own layer 1 does not need it
     shutil.rmtree(bad)
     bad = _corrupt(random_model_dir, tmp_path, lambda t: t.update({"model.extra.weight": torch.zeros(2)}))
     with pytest.raises(CheckpointError, match="unexpected tensors: model.extra.weight"):
-        load_qwen3(str(bad))
+        load_causal_lm(str(bad))
     shutil.rmtree(bad)
     bad = _corrupt(random_model_dir, tmp_path, lambda t: t.update({key: torch.zeros(3, 3)}))
     with pytest.raises(CheckpointError, match=r"shape mismatch: model.layers.1.mlp.up_proj.weight \(3, 3\)"):
-        load_qwen3(str(bad))
+        load_causal_lm(str(bad))
 
 
 def test_scaled_rope_is_refused(random_model_dir, tmp_path):
@@ -123,4 +123,4 @@ def test_scaled_rope_is_refused(random_model_dir, tmp_path):
     cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(NotImplementedError, match="yarn"):
-        load_qwen3(str(folder))
+        load_causal_lm(str(folder))

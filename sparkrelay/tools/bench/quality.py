@@ -50,10 +50,10 @@ def teacher_forced(folder: str, dtype: str, tao: str, windows: list[list[int]]) 
     from sparkrelay.kvcache.pool import KVPool
     from sparkrelay.models.attention import AttnMeta
     from sparkrelay.models.quant import apply_torchao_config
-    from sparkrelay.models.qwen3 import load_qwen3
+    from sparkrelay.models.decoder import load_causal_lm
 
     torch_dtype = getattr(torch, dtype)
-    model = load_qwen3(folder, dtype=torch_dtype)
+    model = load_causal_lm(folder, dtype=torch_dtype)
     apply_torchao_config(model, tao)
     losses, top = [], []
     for ids in windows:

@@ -59,11 +59,12 @@ import torch.nn.functional as F
 from sparkrelay.models.dspark import DSparkSpec, Qwen3DSparkModel, load_dspark
 from sparkrelay.models.dspark_checkpoint import draft_config, save_checkpoint, target_head_weights
 from sparkrelay.models.loader import read_config
-from sparkrelay.models.qwen3 import Qwen3Spec
+from sparkrelay.models.decoder import DecoderSpec
 from sparkrelay.tools.train.common import add_work_args, corpus_ids, load_state, parse_work_args, save_state
 from sparkrelay.tools.train.drafter_data import (
-    generated_pool, load_target, sample_batch, target_pass, unused_byte_token)
-from sparkrelay.tools.train.drafter_eval import acceptance, eval_set
+    chat_sequences, generated_pool, load_target, sample_batch, sample_chat_batch, special_token, target_pass,
+    unused_byte_token)
+from sparkrelay.tools.train.drafter_eval import acceptance, chat_eval_set, eval_set
 
 LOSS_WEIGHTS = {"ce": 0.1, "l1": 0.9, "bce": 1.0}
 DECAY = 4.0  # slot weight exp(-k / 4), k = 0..B-1 (DeepSpec loss_decay_gamma)
@@ -74,7 +75,7 @@ def new_drafter(target_folder: str, args) -> tuple[Qwen3DSparkModel, dict]:
     cfg = draft_config(target_cfg, num_hidden_layers=args.layers, block_size=args.block, target_layer_ids=args.taps,
                        mask_token_id=args.mask_token_id, markov_rank=args.markov_rank, markov_head_type="vanilla",
                        enable_confidence_head=True, confidence_head_with_markov=True, num_anchors=args.anchors)
-    model = Qwen3DSparkModel(DSparkSpec.from_hf(cfg, Qwen3Spec.from_hf(target_cfg)))
+    model = Qwen3DSparkModel(DSparkSpec.from_hf(cfg, DecoderSpec.from_hf(target_cfg)))
     for name, p in model.named_parameters():
         if name.endswith("bias"):
             torch.nn.init.zeros_(p)
@@ -89,9 +90,10 @@ def new_drafter(target_folder: str, args) -> tuple[Qwen3DSparkModel, dict]:
     return model, cfg
 
 
-def block_loss(model: Qwen3DSparkModel, feats: torch.Tensor, tlogits: torch.Tensor, x: torch.Tensor,
-               anchors: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One sequence: feats [S, n_taps*d], tlogits [S, V], x [S], anchors [A] -> weighted loss sums and counts."""
+def block_loss(model: Qwen3DSparkModel, feats: torch.Tensor, final: torch.Tensor, head: torch.nn.Module,
+               x: torch.Tensor, anchors: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One sequence: feats [S, n_taps*d], the target's final hidden states [S, d] and its LM head, x [S], anchors
+    [A], loss_mask [S] (slots whose label is outside it carry no loss) -> weighted loss sums and counts."""
     s, a, b = x.shape[0], anchors.shape[0], model.spec.block_size
     c = model.project_context(feats)  # [S, d]
     kv = model.context_kv(c, torch.arange(s))
@@ -101,20 +103,29 @@ def block_loss(model: Qwen3DSparkModel, feats: torch.Tensor, tlogits: torch.Tens
     ids = torch.full((a, b), model.spec.mask_token_id)
     ids[:, 0] = x[anchors]
     h = model.block_forward(ids, pos, ks, vs, ctx_len=anchors)  # context strictly < anchor, as at inference
-    valid = pos + 1 < s
-    labels = x[(pos + 1).clamp(max=s - 1)]  # [A, B]
+    label_pos = (pos + 1).clamp(max=s - 1)
+    valid = ((pos + 1 < s) & loss_mask[label_pos]).int().cumprod(1).bool()  # a contiguous prefix of valid slots
+    labels = x[label_pos]  # [A, B]
     prev = torch.cat([x[anchors, None], labels[:, :-1]], dim=1)  # teacher forcing
     z = model.base_logits(h) + model.markov_bias(h, prev)  # [A, B, V]
     logp = z.float().log_softmax(-1)
-    p_t = tlogits[pos.clamp(max=s - 1)].float().softmax(-1)  # [A, B, V]
+    with torch.no_grad():
+        p_t = head(final[pos.clamp(max=s - 1)]).float().softmax(-1)  # [A, B, V]: the target's next-token law
     l1 = (logp.exp() - p_t).abs().sum(-1)  # [A, B]
     ce = -logp.gather(-1, labels[..., None]).squeeze(-1)
     bce = F.binary_cross_entropy_with_logits(model.confidence(h, prev).float(), (1 - 0.5 * l1).detach(),
                                              reduction="none")
     w = torch.exp(-torch.arange(b) / DECAY) * valid  # [A, B]
-    hit0 = (z[:, 0].argmax(-1) == p_t[:, 0].argmax(-1)).float()
+    hit0 = (z[:, 0].argmax(-1) == p_t[:, 0].argmax(-1)).float() * valid[:, 0]
     return {"ce": (w * ce).sum(), "l1": (w * l1).sum(), "bce": (w * bce).sum(), "w": w.sum(),
-            "hit0": hit0.sum(), "n0": torch.tensor(float(a)), "slots": valid.sum()}
+            "hit0": hit0.sum(), "n0": valid[:, 0].sum().float(), "slots": valid.sum()}
+
+
+def pick_anchors(loss_mask: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Up to n anchors, sorted, among positions a with loss_mask[a] and loss_mask[a + 1] (DeepSpec's candidates:
+    the anchor is a committed answer token and its first label is one too)."""
+    ok = (loss_mask[:-1] & loss_mask[1:]).nonzero().flatten()  # a in [0, S-2]
+    return ok[torch.randperm(ok.numel(), generator=gen)[:n]].sort().values
 
 
 def lr_at(progress: float, peak: float, warmup: float = 0.04) -> float:
@@ -123,49 +134,73 @@ def lr_at(progress: float, peak: float, warmup: float = 0.04) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / (1 - warmup))))
 
 
-def train(args, work: Path, target, train_ids: torch.Tensor, pool: torch.Tensor):
-    """The training loop; returns (drafter, its config, stats). Resumes from `work/ckpt.pt`."""
+def train(args, work: Path, target, draw, evaluate=None):
+    """The training loop; `draw(gen)` gives a batch of (ids [S], loss_mask [S]) pairs, `evaluate(model)` (every
+    `--eval-every` steps) a dict for the learning curve (work/curve.jsonl). Returns (drafter, its config, stats).
+    Resumes from `work/ckpt.pt`."""
     model, cfg = new_drafter(args.target, args)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.0)
     gen = torch.Generator().manual_seed(1)
-    st = {"step": 0, "elapsed": 0.0, "slots": 0, "done": False, "recent": []}
+    st = {"step": 0, "elapsed": 0.0, "cpu": 0.0, "slots": 0, "done": False, "recent": []}
     ckpt = work / "ckpt.pt"
     saved = load_state(ckpt, model, opt, gen)
     if saved is not None:
-        st = saved["stats"]
+        st = {"cpu": 0.0, **saved["stats"]}
         print(f"resumed at step {st['step']} ({st['elapsed']:.0f}s trained)", flush=True)
     model.train()
     budget, t0, last_save = args.train_minutes * 60, time.time() - st["elapsed"], time.time()
+    cpu0 = time.process_time() - st["cpu"]
     while not st["done"]:
-        st["elapsed"] = time.time() - t0
+        st["elapsed"], st["cpu"] = time.time() - t0, time.process_time() - cpu0
         progress = max(st["elapsed"] / budget, st["step"] / args.max_steps if args.max_steps else 0.0)
         st["done"] = progress >= 1
         if not st["done"]:
-            batch = sample_batch(train_ids, pool, args, gen)
-            stats = train_step(model, opt, target, batch, lr_at(progress, args.lr), args, gen)
+            stats = train_step(model, opt, target, draw(gen), lr_at(progress, args.lr), args, gen)
             st["step"] += 1
             st["slots"] += stats.pop("slots")
             st["recent"] = (st["recent"] + [stats])[-args.log_every * 2:]
             if st["step"] % args.log_every == 0:
-                mean = {k: sum(r[k] for r in st["recent"][-args.log_every:]) / args.log_every for k in stats}
-                print(f"step {st['step']} {st['elapsed']:.0f}s lr {mean['lr']:.2e} loss {mean['loss']:.3f} "
-                      f"ce {mean['ce']:.3f} l1 {mean['l1']:.3f} bce {mean['bce']:.3f} slot0-match {mean['hit0']:.3f}",
-                      flush=True)
+                log_line(st, stats.keys(), args.log_every)
+            if evaluate is not None and args.eval_every and st["step"] % args.eval_every == 0:
+                curve_point(work, st, evaluate(model.eval()))
+                model.train()
         if st["done"] or time.time() - last_save > args.ckpt_minutes * 60:
             save_state(ckpt, model, opt, gen, stats=st)
             last_save = time.time()
     return model.eval(), cfg, st
 
 
-def train_step(model, opt, target, x: torch.Tensor, lr: float, args, gen: torch.Generator) -> dict:
-    feats, tlogits = target_pass(target, x, args.taps)
+def log_line(st: dict, keys, n: int) -> None:
+    mean = {k: sum(r[k] for r in st["recent"][-n:]) / n for k in keys}
+    print(f"step {st['step']} {st['elapsed']:.0f}s cpu {st['cpu'] / 3600:.2f}h lr {mean['lr']:.2e} "
+          f"loss {mean['loss']:.3f} ce {mean['ce']:.3f} l1 {mean['l1']:.3f} bce {mean['bce']:.3f} "
+          f"slot0-match {mean['hit0']:.3f}", flush=True)
+
+
+def curve_point(work: Path, st: dict, result: dict) -> None:
+    """One learning-curve point: step, wall and CPU hours, and the evaluation's figures, appended to curve.jsonl."""
+    point = {"step": st["step"], "train_hours": round(st["elapsed"] / 3600, 3),
+             "cpu_hours": round(st["cpu"] / 3600, 3), **result}
+    with (work / "curve.jsonl").open("a") as f:
+        f.write(json.dumps(point) + "\n")
+    print(f"eval at step {st['step']}: " + " ".join(f"{k} {v}" for k, v in result.items() if k != "per_set"),
+          flush=True)
+
+
+def train_step(model, opt, target, batch: list[tuple[torch.Tensor, torch.Tensor]], lr: float, args,
+               gen: torch.Generator) -> dict:
+    """One optimizer step over `batch` (ids [S], loss_mask [S]) pairs, one target pass per sequence."""
     sums: dict[str, torch.Tensor] = {}
-    for b in range(x.shape[0]):
-        anchors = torch.randperm(args.seq - 1, generator=gen)[: args.anchors].sort().values  # a in [0, S-2]
-        for k, v in block_loss(model, feats[b], tlogits[b], x[b], anchors).items():
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast)
+    for ids, loss_mask in batch:
+        feats, final = target_pass(target, ids[None], args.taps)
+        with autocast:
+            out = block_loss(model, feats[0], final[0], target.lm_head, ids, pick_anchors(loss_mask, args.anchors, gen),
+                             loss_mask)
+        for k, v in out.items():
             sums[k] = sums[k] + v if k in sums else v
-    terms = {k: sums[k] / sums["w"] for k in LOSS_WEIGHTS}
+    terms = {k: sums[k] / sums["w"].clamp(min=1e-6) for k in LOSS_WEIGHTS}
     loss = sum(LOSS_WEIGHTS[k] * terms[k] for k in LOSS_WEIGHTS)
     for group in opt.param_groups:
         group["lr"] = lr
@@ -174,7 +209,7 @@ def train_step(model, opt, target, x: torch.Tensor, lr: float, args, gen: torch.
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
     opt.step()
     out = {k: float(v.detach()) for k, v in terms.items()}
-    return {**out, "loss": float(loss.detach()), "lr": lr, "hit0": float(sums["hit0"] / sums["n0"]),
+    return {**out, "loss": float(loss.detach()), "lr": lr, "hit0": float(sums["hit0"] / sums["n0"].clamp(min=1)),
             "slots": int(sums["slots"])}
 
 
@@ -201,6 +236,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-new", type=int, default=128)
     p.add_argument("--ckpt-minutes", type=float, default=3.0)
     p.add_argument("--log-every", type=int, default=10)
+    chat = p.add_argument_group("chat data (--data chat: the target's answers from chat_data.py)")
+    chat.add_argument("--data", choices=("stdlib", "chat"), default="stdlib")
+    chat.add_argument("--answers", nargs="+", default=None, help="training JSONL files (default: "
+                                                                 "WORK_DIR/answers/greedy.jsonl)")
+    chat.add_argument("--eval-answers", default=None, help="evaluation JSONL (default: "
+                                                          "WORK_DIR/answers/eval_greedy.jsonl)")
+    chat.add_argument("--eval-every", type=int, default=0, help="learning-curve point every N steps (0: none)")
+    chat.add_argument("--max-len", type=int, default=1024, help="tokens kept of prompt + answer")
+    chat.add_argument("--mask-token", default="<empty_output>", help="special token whose row is the mask")
+    chat.add_argument("--target-dtype", choices=("float32", "bfloat16"), default="float32")
+    chat.add_argument("--autocast", action="store_true", help="the drafter's forward and backward in bfloat16")
+    chat.add_argument("--no-frozen-copies", action="store_true",
+                      help="do not store the target's embedding and LM head in the drafter (the loader shares them)")
     return p
 
 
@@ -208,21 +256,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parse_work_args(build_parser(), argv)
 
 
-def write_report(args: argparse.Namespace, st: dict, evals: dict, t_start: float) -> None:
-    """train_report.json in the drafter folder: the run's size, its final losses and the offline acceptance."""
+def write_report(args: argparse.Namespace, st: dict, evals: dict, eval_what: str, t_start: float) -> None:
+    """train_report.json in the drafter folder: the run's data, size, time, final losses and offline acceptance."""
     last = st["recent"][-args.log_every:] or [{}]
     losses = {k: round(sum(r.get(k, 0.0) for r in last) / len(last), 4) for k in ("loss", "ce", "l1", "bce", "hit0")}
     report = {
-        "steps": st["step"], "sequences": st["step"] * args.batch, "tokens": st["step"] * args.batch * args.seq,
-        "block_slots": st["slots"], "train_seconds": round(st["elapsed"]),
+        "data": data_description(args), "steps": st["step"], "sequences": st["step"] * args.batch,
+        "block_slots": st["slots"], "train_seconds": round(st["elapsed"]), "cpu_hours": round(st["cpu"] / 3600, 3),
         "total_seconds_this_run": round(time.time() - t_start), "final_losses": losses,
-        "offline_greedy_acceptance": {"eval": f"{args.eval_prompts} held-out stdlib prompts x "
-                                              f"{args.eval_prompt_len} tokens, target greedy continuation of "
-                                              f"{args.eval_new} tokens", **evals},
+        "offline_greedy_acceptance": {"eval": eval_what, **evals},
         "hyper_parameters": {k: v for k, v in vars(args).items() if k not in ("target", "out", "work_dir")},
         "torch_threads": torch.get_num_threads(),
     }
+    if args.data == "stdlib":
+        report["tokens"] = st["step"] * args.batch * args.seq
+    curve = Path(args.work_dir) / "curve.jsonl"
+    if curve.is_file():
+        report["learning_curve"] = [json.loads(line) for line in curve.read_text().splitlines()]
     (Path(args.out) / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def data_description(args: argparse.Namespace) -> dict:
+    if args.data == "stdlib":
+        return {"kind": "stdlib", "what": "windows of the stdlib train split and the target's greedy continuations"}
+    rows = sum(len(Path(a).read_text().splitlines()) for a in args.answers)
+    return {"kind": "chat", "answers": args.answers, "rows": rows,
+            "what": "training-split prompts of the six DSpark evaluation sets (tools/corpus.py prompt_split) under "
+                    "the chat template, answered by the target (tools/train/chat_data.py)"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -231,21 +291,62 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.time()
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
+    run = run_chat if args.data == "chat" else run_stdlib
+    model, cfg, st, evals, eval_what = run(args, work)
+    print(f"greedy acceptance length tau {evals['markov']['tau']}", flush=True)
+    write_report(args, st, evals, eval_what, t_start)
+    print(f"wrote {args.out}", flush=True)
+
+
+def export(model, cfg: dict, args: argparse.Namespace, target) -> Qwen3DSparkModel:
+    """Write the drafter to `--out` and load it back (complete) for the final evaluation."""
+    save_checkpoint(model, cfg, args.out, with_frozen_copies=not args.no_frozen_copies)
+    spec = DecoderSpec.from_hf(read_config(args.target))
+    embed, head = target_head_weights(args.target)
+    return load_dspark(args.out, spec, share_embedding_from=embed, share_lm_head_from=head)
+
+
+def run_stdlib(args: argparse.Namespace, work: Path):
     train_ids, held = corpus_ids(work, Path(args.target) / "tokenizer.json")
     args.mask_token_id = unused_byte_token(args.target, torch.cat([train_ids, held]))
-    target = load_target(args.target)
+    target = load_target(args.target, args.target_dtype)
     pool = generated_pool(work, target, train_ids, args)
-    model, cfg, st = train(args, work, target, train_ids, pool)
-    save_checkpoint(model, cfg, args.out)
-    drafter = load_dspark(args.out, Qwen3Spec.from_hf(read_config(args.target)))  # the export loads, complete
+    ones = torch.ones(args.seq, dtype=torch.bool)
+    draw = lambda gen: [(row, ones) for row in sample_batch(train_ids, pool, args, gen)]
+    model, cfg, st = train(args, work, target, draw)
+    drafter = export(model, cfg, args, target)
     seqs, ends = eval_set(target, held, args)
     p = args.eval_prompt_len
     evals = {"markov": acceptance(drafter, target, seqs, ends, p),
              "no_markov": acceptance(drafter, target, seqs, ends, p, False)}
-    print(f"greedy acceptance length tau {evals['markov']['tau']} (Markov head off: {evals['no_markov']['tau']})",
-          flush=True)
-    write_report(args, st, evals, t_start)
-    print(f"wrote {args.out}", flush=True)
+    what = f"{args.eval_prompts} held-out stdlib prompts x {args.eval_prompt_len} tokens, target greedy " \
+           f"continuation of {args.eval_new} tokens"
+    return model, cfg, st, evals, what
+
+
+def run_chat(args: argparse.Namespace, work: Path):
+    args.answers = args.answers or [str(work / "answers" / "greedy.jsonl")]
+    args.eval_answers = args.eval_answers or str(work / "answers" / "eval_greedy.jsonl")
+    seqs = chat_sequences(args.answers, args.max_len)
+    args.mask_token_id = special_token(args.target, args.mask_token, seqs)
+    print(f"{len(seqs)} training sequences, {sum(int(m.sum()) for _, m in seqs)} answer tokens", flush=True)
+    target = load_target(args.target, args.target_dtype)
+    eval_sets = chat_eval_set(args.eval_answers, args.max_len)
+    evaluate = lambda model: chat_acceptance(model, target, eval_sets)
+    model, cfg, st = train(args, work, target, lambda gen: sample_chat_batch(seqs, args, gen), evaluate)
+    drafter = export(model, cfg, args, target)
+    evals = {"markov": chat_acceptance(drafter, target, eval_sets)}
+    rows = sum(len(v[0]) for v in eval_sets.values())
+    return model, cfg, st, evals, f"{rows} evaluation-split prompts ({args.eval_answers}), the target's greedy answers"
+
+
+def chat_acceptance(model, target, eval_sets: dict) -> dict:
+    """τ per prompt set and over all of them (the mean of the sets' τ, as the paper averages benchmarks)."""
+    per_set = {name: acceptance(model, target, seqs, ends, starts) for name, (seqs, ends, starts) in eval_sets.items()}
+    taus = {name: r["tau"] for name, r in per_set.items()}
+    return {"tau": round(sum(taus.values()) / len(taus), 3), **{f"tau_{k}": v for k, v in taus.items()},
+            "per_set": per_set}
+
 
 if __name__ == "__main__":
     main()

@@ -1,18 +1,50 @@
 """The drafter's training data (python -m sparkrelay.tools.train.drafter): the frozen target, the mask token, a
-pool of the target's own greedy continuations, the training batches, and the target's features and logits."""
+pool of the target's own greedy continuations or its chat answers (chat_data.py), the training batches, and the
+target's features and final hidden states."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import torch
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-def load_target(folder: str):
-    from transformers import Qwen3ForCausalLM
 
-    return Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
+def load_target(folder: str, dtype: str = "float32"):
+    """The frozen target (transformers, any family it reads) in `dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype])
+    return model.eval().requires_grad_(False)
+
+
+def chat_sequences(paths: list[str], max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(ids [S] long, loss_mask [S] bool) per answer row of chat_data.py's JSONL files: prompt + answer, cut to
+    `max_len` tokens; the loss mask covers the answer tokens. Rows with fewer than 14 answer tokens are dropped
+    (DeepSpec's rule)."""
+    out = []
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            row = json.loads(line)
+            prompt, answer = row["prompt_ids"], row["answer_ids"]
+            ids = torch.tensor((prompt + answer)[:max_len])
+            mask = torch.arange(len(ids)) >= len(prompt)
+            if int(mask.sum()) >= 14:
+                out.append((ids, mask))
+    return out
+
+
+def special_token(target_folder: str, name: str, seqs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """The id of special token `name`, asserted absent from every training sequence (the mask token's row)."""
+    from tokenizers import Tokenizer
+
+    token = Tokenizer.from_file(str(Path(target_folder) / "tokenizer.json")).token_to_id(name)
+    assert token is not None, f"{name} is not a token of {target_folder}"
+    assert all(int((ids == token).sum()) == 0 for ids, _ in seqs), f"{name} occurs in the training data"
+    return token
 
 
 def unused_byte_token(target_folder: str, ids: torch.Tensor) -> int:
@@ -57,10 +89,16 @@ def generated_pool(work: Path, target, train: torch.Tensor, args) -> torch.Tenso
 @torch.no_grad()
 def target_pass(target, x: torch.Tensor, taps: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """x [b, S] -> features [b, S, n_taps*d] (raw layer outputs, before any norm: docs/dspark.md, context
-    features), target logits [b, S, V]."""
-    out = target(input_ids=x, output_hidden_states=True)
+    features), final hidden states [b, S, d] (after the final norm: `target.lm_head` of a row is its logits, taken
+    only where a loss needs them)."""
+    out = target.model(input_ids=x, output_hidden_states=True)
     hs = out.hidden_states  # [0] = embedding output, [i + 1] = output of layer i (the last entry is post-norm)
-    return torch.cat([hs[i + 1] for i in taps], dim=-1), out.logits
+    return torch.cat([hs[i + 1] for i in taps], dim=-1), out.last_hidden_state
+
+
+def sample_chat_batch(seqs: list[tuple[torch.Tensor, torch.Tensor]], args, gen: torch.Generator) -> list:
+    """`args.batch` (ids, loss_mask) pairs drawn uniformly (with replacement) by `gen`."""
+    return [seqs[int(i)] for i in torch.randint(len(seqs), (args.batch,), generator=gen)]
 
 
 def sample_batch(train: torch.Tensor, pool: torch.Tensor, args, gen: torch.Generator) -> torch.Tensor:

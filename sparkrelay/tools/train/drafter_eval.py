@@ -4,6 +4,9 @@ per-slot rates without a serving engine."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from sparkrelay.models.dspark import Qwen3DSparkModel
@@ -21,20 +24,40 @@ def eval_set(target, held: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tens
     return seqs, torch.where(gen_part.any(1), p + gen_part.int().argmax(1) + 1, seqs.shape[1])
 
 
+def chat_eval_set(path: str | Path, max_len: int) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per prompt set, from chat_data.py's eval_greedy.jsonl (evaluation-split prompts + the target's greedy
+    answers): seqs [n, L] right-padded, ends [n] (exclusive), starts [n] (the prompt lengths: the first answer
+    token is the prefill's, the first anchor)."""
+    by_set: dict[str, list[dict]] = {}
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        by_set.setdefault(row["set"], []).append(row)
+    out = {}
+    for name, rows in by_set.items():
+        full = [(r["prompt_ids"] + r["answer_ids"])[:max_len] for r in rows]
+        seqs = torch.zeros(len(full), max(map(len, full)), dtype=torch.long)
+        for i, ids in enumerate(full):
+            seqs[i, : len(ids)] = torch.tensor(ids)
+        out[name] = (seqs, torch.tensor([len(f) for f in full]), torch.tensor([len(r["prompt_ids"]) for r in rows]))
+    return out
+
+
 @torch.no_grad()
-def acceptance(model: Qwen3DSparkModel, target, seqs: torch.Tensor, ends: torch.Tensor, p: int,
-               use_markov: bool = True) -> dict:
+def acceptance(model: Qwen3DSparkModel, target, seqs: torch.Tensor, ends: torch.Tensor, p: int | torch.Tensor,
+               use_markov: bool = True, feats: torch.Tensor | None = None) -> dict:
     """Greedy speculative decoding simulated offline (propose, verify with the greedy acceptance rule, commit:
     docs/dspark.md, decoding): the target's greedy
     continuation of held-out prompts is the committed text; each round drafts B tokens from the context < start
     and accepts the longest prefix equal to the target's tokens, plus the bonus. seqs [n, L] with prompts of length
-    p, ends [n] from `eval_set`. Returns τ (mean acceptance length incl. bonus) and per-slot rates."""
+    p (an int, or per row [n]), ends [n] from `eval_set`; `feats` the target's features of seqs when already at
+    hand. Returns τ (mean acceptance length incl. bonus) and per-slot rates."""
     (n, length), b = seqs.shape, model.spec.block_size
-    feats, _ = target_pass(target, seqs, list(model.spec.target_layer_ids))
+    if feats is None:
+        feats, _ = target_pass(target, seqs, list(model.spec.target_layer_ids))
     kv = model.context_kv(model.project_context(feats.reshape(n * length, -1)), torch.arange(length).repeat(n))
     ks = [k.view(n, length, *k.shape[1:]) for k, _ in kv]
     vs = [v.view(n, length, *v.shape[1:]) for _, v in kv]
-    starts = torch.full((n,), p)  # anchor = the first generated token (sampled by the prefill)
+    starts = torch.full((n,), p) if isinstance(p, int) else p.clone()  # anchor = the prefill's token
     rounds, tau_sum = 0, 0
     proposed, accepted, cond_n, cond_hit, conf_sum = (torch.zeros(b) for _ in range(5))
     while True:

@@ -1,4 +1,4 @@
-"""Qwen3 dense decoder (Qwen3ForCausalLM), owning a layer range, with DSpark tap capture.
+"""Qwen3 dense decoder (CausalLM), owning a layer range, with DSpark tap capture.
 
 Module names mirror the Hugging Face checkpoint keys (`model.layers.{i}...`, `lm_head`) so that weights load as
 they are. A stage owns layers [start, end): the embedding when start == 0, the final norm and LM head when
@@ -17,16 +17,17 @@ from torch import nn
 
 from sparkrelay.models.attention import AttnMeta, paged_attention
 from sparkrelay.models.kernels import fast_head
-from sparkrelay.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, fuse_linears, rope_theta, transposed
+from sparkrelay.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, fuse_linears, rope_scaling, rope_theta, transposed
 from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
-from sparkrelay.models.loader import (SHAPE_FIELDS, CheckpointError, is_dummy, load_weights, qwen3_dummy_key,
-                                      qwen3_key_owner, read_config)
+from sparkrelay.models.families import family_of
+from sparkrelay.models.loader import (SHAPE_FIELDS, CheckpointError, decoder_dummy_key, decoder_key_owner, is_dummy,
+                                      load_weights, read_config)
 
 
 
 @dataclass(frozen=True)
-class Qwen3Spec:
-    """The fields of a Qwen3 config.json that the forward uses."""
+class DecoderSpec:
+    """The fields of a config.json that the forward uses; `qk_norm` and the biases are the family's switches."""
 
     vocab_size: int
     hidden_size: int
@@ -39,11 +40,17 @@ class Qwen3Spec:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool                     # bias on q/k/v
+    qk_norm: bool = True                     # per-head RMSNorm on q and k (Qwen3)
+    o_bias: bool = False                     # bias on o_proj
+    mlp_bias: bool = False                   # bias on gate/up/down
+    rope_scaling: Optional[tuple] = None     # layers.rope_scaling's (kind, params) or None
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "Qwen3Spec":
+    def from_hf(cls, cfg: dict, architecture: Optional[str] = None) -> "DecoderSpec":
+        """`architecture` (default: the config's architectures[0]) picks the family's switches."""
         heads = cfg["num_attention_heads"]
+        fam = family_of(cfg, architecture)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -56,21 +63,31 @@ class Qwen3Spec:
             rope_theta=rope_theta(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 32768),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
+            attention_bias=fam.qkv_bias,
+            qk_norm=fam.qk_norm,
+            o_bias=fam.o_bias,
+            mlp_bias=fam.mlp_bias,
+            rope_scaling=rope_scaling(cfg),
         )
 
+    def rotary(self, device: torch.device | str) -> Rotary:
+        return Rotary(self.head_dim, self.rope_theta, self.max_position_embeddings, torch.device(device),
+                      self.rope_scaling)
 
-class Qwen3Attention(nn.Module):
-    def __init__(self, spec: Qwen3Spec) -> None:
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
         d, hd, bias = spec.hidden_size, spec.head_dim, spec.attention_bias
         self.n_heads, self.n_kv, self.head_dim = spec.num_heads, spec.num_kv_heads, hd
         self.q_proj = nn.Linear(d, self.n_heads * hd, bias=bias)
         self.k_proj = nn.Linear(d, self.n_kv * hd, bias=bias)
         self.v_proj = nn.Linear(d, self.n_kv * hd, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=bias)
-        self.q_norm = RMSNorm(hd, spec.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=spec.o_bias)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(hd, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
         self.scale = hd ** -0.5
         self.qkv: nn.Module | None = None
 
@@ -78,9 +95,10 @@ class Qwen3Attention(nn.Module):
         """After loading: one q/k/v matmul, and the q and k head norms as one norm with a per-head weight."""
         self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         self.o_proj = transposed(self.o_proj)
-        qk_w = torch.cat([self.q_norm.weight.detach().expand(self.n_heads, -1),
-                          self.k_norm.weight.detach().expand(self.n_kv, -1)])  # [H + n_kv, D]
-        self.register_buffer("qk_norm_weight", qk_w.contiguous(), persistent=False)
+        if self.qk_norm:
+            qk_w = torch.cat([self.q_norm.weight.detach().expand(self.n_heads, -1),
+                              self.k_norm.weight.detach().expand(self.n_kv, -1)])  # [H + n_kv, D]
+            self.register_buffer("qk_norm_weight", qk_w.contiguous(), persistent=False)
         del self.q_proj, self.k_proj, self.v_proj
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -96,12 +114,15 @@ class Qwen3Attention(nn.Module):
         """x [T, d] -> q [T, H, D], k [T, n_kv, D] (normed, rotated), v [T, n_kv, D]."""
         if self.qkv is None:
             q, k, v = self.project(x)
-            return apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin), v
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
         t, hd, h, n_kv = x.shape[0], self.head_dim, self.n_heads, self.n_kv
         qkv = self.qkv.forward(x)  # [T, (H + 2 n_kv) * D]
         qk = qkv[:, : (h + n_kv) * hd].view(t, h + n_kv, hd)  # q heads then k heads, normed and rotated together
-        normed = F.rms_norm(qk.float(), (hd,), None, self.q_norm.eps).to(qk.dtype) * self.qk_norm_weight
-        q, k = apply_rope(normed, cos, sin).split([h, n_kv], dim=1)
+        if self.qk_norm:
+            qk = F.rms_norm(qk.float(), (hd,), None, self.q_norm.eps).to(qk.dtype) * self.qk_norm_weight
+        q, k = apply_rope(qk, cos, sin).split([h, n_kv], dim=1)
         return q, k, qkv[:, (h + n_kv) * hd :].view(t, n_kv, hd)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
@@ -111,11 +132,11 @@ class Qwen3Attention(nn.Module):
         return self.o_proj.forward(out.reshape(x.shape[0], self.n_heads * self.head_dim))
 
 
-class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, spec: Qwen3Spec) -> None:
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(spec)
-        self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size)
+        self.self_attn = Attention(spec)
+        self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -127,13 +148,13 @@ class Qwen3DecoderLayer(nn.Module):
         return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
 
 
-class Qwen3Body(nn.Module):
+class DecoderBody(nn.Module):
     """`model.*` of the checkpoint, restricted to the owned layer range."""
 
-    def __init__(self, spec: Qwen3Spec, start: int, end: int) -> None:
+    def __init__(self, spec: DecoderSpec, start: int, end: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if start == 0 else None
-        self.layers = nn.ModuleDict({str(i): Qwen3DecoderLayer(spec) for i in range(start, end)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(spec) for i in range(start, end)})
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if end == spec.num_layers else None
 
 
@@ -147,20 +168,19 @@ class StageOutput:
     taps: dict[int, torch.Tensor]
 
 
-class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, spec: Qwen3Spec, start: int = 0, end: Optional[int] = None,
+class CausalLM(nn.Module):
+    def __init__(self, spec: DecoderSpec, start: int = 0, end: Optional[int] = None,
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
         end = spec.num_layers if end is None else end
         if not 0 <= start < end <= spec.num_layers:
             raise ValueError(f"layer range [{start}, {end}) is not inside [0, {spec.num_layers})")
         self.spec, self.start, self.end = spec, start, end
-        self.model = Qwen3Body(spec, start, end)
+        self.model = DecoderBody(spec, start, end)
         self.is_last = end == spec.num_layers
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if self.is_last else None
         self.head: nn.Module | None = None  # the LM head's fast copy, set by `fuse`
-        max_pos = spec.max_position_embeddings
-        self.rotary = Rotary(spec.head_dim, spec.rope_theta, max_pos, torch.device(device))
+        self.rotary = spec.rotary(device)
 
     def fuse(self) -> None:
         """After loading: merge each layer's q/k/v and gate/up projections, every product in its fast layout."""
@@ -200,26 +220,27 @@ class Qwen3ForCausalLM(nn.Module):
         return h, tuple(captured[i] for i in taps)
 
 
-def load_qwen3(folder: str, start: int = 0, end: Optional[int] = None, dtype: torch.dtype = torch.float32,
-               device: str = "cpu", load_format: str = "auto") -> Qwen3ForCausalLM:
-    """Build the stage [start, end) of the checkpoint in `folder` and load its weights (checked complete), or give
-    it the dummy weights of its config's shapes (`load_format` "dummy": the same values in every stage and process)."""
+def load_causal_lm(path: str, start: int = 0, end: Optional[int] = None, dtype: torch.dtype = torch.float32,
+                   device: str = "cpu", load_format: str = "auto") -> CausalLM:
+    """Build the stage [start, end) of the checkpoint at `path` (a Hugging Face folder or a GGUF file) and load its
+    weights (checked complete), or give it the dummy weights of its config's shapes (`load_format` "dummy": the
+    same values in every stage and process)."""
     dummy = is_dummy(load_format)
-    hf = dummy_config(folder, SHAPE_FIELDS) if dummy else read_config(folder, SHAPE_FIELDS)
-    archs = hf.get("architectures") or ["Qwen3ForCausalLM"]
-    if hf.get("model_type", "qwen3") != "qwen3" or "Qwen3ForCausalLM" not in archs:
-        raise CheckpointError(f"{folder}: model_type {hf.get('model_type')!r} / architectures {archs} is not Qwen3ForCausalLM")
-    spec = Qwen3Spec.from_hf(hf)
+    hf = dummy_config(path, SHAPE_FIELDS) if dummy else read_config(path, SHAPE_FIELDS)
+    try:
+        spec = DecoderSpec.from_hf(hf)
+    except ValueError as e:  # an unserved architecture; an unsupported RoPE kind stays NotImplementedError
+        raise CheckpointError(f"{path}: {e}") from None
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(spec, start, end, device=device)
+        model = CausalLM(spec, start, end, device=device)
     model = model.to(dtype).to_empty(device=device)  # allocated once, in `dtype`
-    model.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.max_position_embeddings, torch.device(device))
+    model.rotary = spec.rotary(device)
     if spec.tie_word_embeddings and model.is_last and model.model.embed_tokens is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     if dummy:
-        fill_dummy(model, init_std(hf), qwen3_dummy_key(spec.tie_word_embeddings))
+        fill_dummy(model, init_std(hf), decoder_dummy_key(spec.tie_word_embeddings))
     else:
-        rename, elsewhere = qwen3_key_owner(spec.num_layers, model.start, model.end, spec.tie_word_embeddings)
-        load_weights(model, folder, rename, elsewhere, dtype)
+        rename, elsewhere = decoder_key_owner(spec.num_layers, model.start, model.end, spec.tie_word_embeddings)
+        load_weights(model, path, rename, elsewhere, dtype, load_format)
     model.fuse()
     return model.eval()
