@@ -215,15 +215,16 @@ class Qwen3DSparkModel(nn.Module):
         return [layer.context_kv(c, cos, sin) for layer in self.layers]
 
     def block_forward(self, block_ids: torch.Tensor, block_positions: torch.Tensor, ctx_k: list[torch.Tensor],
-                      ctx_v: list[torch.Tensor], ctx_len: torch.Tensor) -> torch.Tensor:
+                      ctx_v: list[torch.Tensor], ctx_len: Optional[torch.Tensor],
+                      mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """block_ids, block_positions [R, B]; ctx_k/ctx_v per layer [R, Lc, n_kv, hd], rows >= ctx_len [R] are padding
-        (masked) -> h [R, B, d] after the final norm. Block queries see the valid context and the whole block."""
+        (masked) -> h [R, B, d] after the final norm. Block queries see the valid context and the whole block.
+        Training passes its own `mask` [R, 1, B, Lc+B] instead of ctx_len (many blocks of one sequence as one row)."""
         r, b = block_ids.shape
         x = self.embed_tokens(block_ids)  # [R, B, d]
         cos, sin = self.rotary.table(block_positions.reshape(-1), x.dtype)  # [R*B, 1, hd]
         lc = ctx_k[0].shape[1] if ctx_k else 0
-        mask = None
-        if bool((ctx_len < lc).any()):
+        if mask is None and bool((ctx_len < lc).any()):
             ctx_ok = torch.arange(lc, device=x.device)[None, :] < ctx_len[:, None]  # [R, Lc]
             mask = torch.cat([ctx_ok, ctx_ok.new_ones(r, b)], dim=1)[:, None, None, :]  # [R, 1, 1, Lc+B]
         for layer, k, v in zip(self.layers, ctx_k, ctx_v):

@@ -76,6 +76,10 @@ def generate(args: argparse.Namespace) -> Path:
     for c in range(0, len(todo), args.chunk):
         chunk = todo[c: c + args.chunk]
         prompts = [chat_ids(llm.tokenizer, text) for _, _, text in chunk]
+        # shortest prompts first: requests decoding together have similar lengths, so a batch's attention pads
+        # its keys to little more than each row's own
+        order = sorted(range(len(chunk)), key=lambda k: len(prompts[k]))
+        chunk, prompts = [chunk[k] for k in order], [prompts[k] for k in order]
         params = [SamplingParams(max_new_tokens=args.max_new, seed=hash_seed(s, i), **MODES[args.mode])
                   for s, i, _ in chunk]
         results = llm.generate(prompts, params)

@@ -54,6 +54,7 @@ def acceptance(model: Qwen3DSparkModel, target, seqs: torch.Tensor, ends: torch.
     (n, length), b = seqs.shape, model.spec.block_size
     if feats is None:
         feats, _ = target_pass(target, seqs, list(model.spec.target_layer_ids))
+    feats = feats.to(model.norm.weight.dtype)  # a bfloat16 target's features into the drafter's dtype
     kv = model.context_kv(model.project_context(feats.reshape(n * length, -1)), torch.arange(length).repeat(n))
     ks = [k.view(n, length, *k.shape[1:]) for k, _ in kv]
     vs = [v.view(n, length, *v.shape[1:]) for _, v in kv]

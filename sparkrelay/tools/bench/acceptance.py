@@ -1,0 +1,215 @@
+"""DSpark acceptance in the paper's protocol, and DSpark against plain decoding, on a chat model and its drafter.
+
+    python -m sparkrelay.tools.bench.acceptance --target models/smollm2-135m-instruct \\
+        --drafter models/smollm2-135m-instruct-dspark --prompts ../shared/data/prompts [--limit N]
+
+Protocol (DSpark paper, Table 1): per prompt set, the evaluation split only (tools/corpus.py prompt_split: the
+drafter never trained on it), the first user turn alone under the chat template with no system message, fixed
+blocks of 7 drafts (no confidence cut), at most 256 new tokens, greedy and temperature 1.0. Reported per set: the
+mean acceptance length per verify round (accepted drafts + the bonus token), the rate at which each draft position
+is accepted, and, greedy, whether every DSpark output equals plain greedy decoding token for token (float32).
+
+Speed: decode tokens per second of DSpark against plain decoding, batch 1 (one request at a time) and batch 8 (8
+concurrent requests), in bfloat16 and float32, on `--speed-prompts` evaluation prompts, the variants interleaved
+over `--rounds` rounds (min and median reported). Decode time is from a request's first token to its last.
+Writes acceptance.md, acceptance.json and acceptance.png under --out-dir, headed by host, commit and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sparkrelay.tools.bench.common import bar_chart, machine_info, markdown_table, write_json, write_markdown
+from sparkrelay.tools.corpus import PROMPT_SETS, read_prompt_set
+
+PAPER_TABLE1 = {"gsm8k": 6.11, "math500": 5.70, "humaneval": 5.38, "mbpp": 5.13, "mt-bench": 3.64,
+                "livecodebench": 4.86}  # Qwen3-4B + its DSpark drafter, temperature 1.0 (DSpark paper, Table 1)
+
+
+def engine(args: argparse.Namespace, dtype: str, dspark: bool, batch: int):
+    from sparkrelay import LLM
+
+    spec = dict(speculative_algorithm="DSPARK", speculative_draft_model_path=args.drafter) if dspark else {}
+    return LLM(args.target, dtype=dtype, max_running_requests=batch, max_total_tokens=args.kv_tokens, **spec)
+
+
+def chat_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
+    from sparkrelay.tools.train.chat_data import chat_ids
+
+    return [chat_ids(tokenizer, t) for t in texts]
+
+
+def run_timed(llm, prompts: list[list[int]], params) -> list[dict]:
+    """Generate (`params` one SamplingParams or one per prompt), recording each request's first- and last-token
+    times (the engine stepped here, not by LLM)."""
+    rids = [f"bench-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+    per = params if isinstance(params, list) else [params] * len(prompts)
+    for rid, ids, p in zip(rids, prompts, per):
+        llm.engine.add_request(rid, ids, p)
+    first, out, pending = {}, {}, set(rids)
+    while pending:
+        for o in llm.engine.step():
+            now = time.monotonic()
+            if o.rid in pending and o.new_ids and o.rid not in first:
+                first[o.rid] = now
+            if o.finished and o.rid in pending:
+                pending.discard(o.rid)
+                out[o.rid] = {"ids": o.output_ids, "first": first.get(o.rid, now), "end": now,
+                              "rounds": o.spec_verify_ct}
+    return [out[r] for r in rids]
+
+
+def stats_delta(llm, before: dict) -> dict:
+    s = llm.engine.spec_stats
+    return {"rounds": s.rounds - before["rounds"], "committed": s.committed - before["committed"],
+            "proposed_at": [a - b for a, b in zip(s.proposed_at, before["proposed_at"])],
+            "accepted_at": [a - b for a, b in zip(s.accepted_at, before["accepted_at"])]}
+
+
+def snapshot(llm) -> dict:
+    s = llm.engine.spec_stats
+    return {"rounds": s.rounds, "committed": s.committed, "proposed_at": list(s.proposed_at),
+            "accepted_at": list(s.accepted_at)}
+
+
+def acceptance_run(args, spec_llm, plain_llm, name: str, prompts: list[list[int]]) -> dict:
+    """One set: greedy DSpark (against plain greedy) and temperature-1.0 DSpark."""
+    from sparkrelay import SamplingParams
+
+    row = {"set": name, "prompts": len(prompts)}
+    greedy = SamplingParams(max_new_tokens=args.max_new, temperature=0.0)
+    for label, params in (("greedy", greedy), ("t1", None)):
+        before = snapshot(spec_llm)
+        sampled = [SamplingParams(max_new_tokens=args.max_new, temperature=1.0, seed=1000 + i)
+                   for i in range(len(prompts))]
+        outs = run_timed(spec_llm, prompts, params or sampled)
+        d = stats_delta(spec_llm, before)
+        row[f"tau_{label}"] = round(d["committed"] / max(d["rounds"], 1), 3)
+        row[f"accept_rate_{label}"] = [round(a / p, 3) if p else 0.0 for a, p in zip(d["accepted_at"], d["proposed_at"])]
+        row[f"rounds_{label}"] = d["rounds"]
+        if params is not None:
+            plain = run_timed(plain_llm, prompts, params)
+            row["greedy_equal"] = sum(a["ids"] == b["ids"] for a, b in zip(outs, plain))
+            row["tokens"] = sum(len(o["ids"]) for o in outs)
+    print(f"{name}: {row['prompts']} prompts, tau greedy {row['tau_greedy']}, T=1 {row['tau_t1']}, "
+          f"greedy equal to plain {row['greedy_equal']}/{row['prompts']}", flush=True)
+    return row
+
+
+def decode_rate(outs: list[dict]) -> float:
+    """Decode tokens per second: tokens after each request's first, over the span from the first first-token to
+    the last last-token (batch 1: requests run one after another, so their spans add)."""
+    tokens = sum(len(o["ids"]) - 1 for o in outs)
+    return tokens / max(sum(o["end"] - o["first"] for o in outs), 1e-9)
+
+
+def speed_runs(args, prompts: list[list[int]]) -> list[dict]:
+    """Every (dtype, batch, mode), interleaved round by round; min and median tok/s over the rounds."""
+    from sparkrelay import SamplingParams
+
+    greedy = SamplingParams(max_new_tokens=args.max_new, temperature=0.0)
+    cells = [(dt, b, m) for dt in ("bfloat16", "float32") for b in (1, 8) for m in ("plain", "dspark")]
+    engines = {}
+    rates: dict[tuple, list[float]] = {c: [] for c in cells}
+    for r in range(args.rounds):
+        for dt, b, m in cells:
+            key = (dt, m)
+            if key not in engines:
+                engines[key] = engine(args, dt, m == "dspark", 8)
+            llm = engines[key]
+            if b == 1:
+                outs = [run_timed(llm, [p], greedy)[0] for p in prompts]
+            else:
+                outs = []
+                for i in range(0, len(prompts), 8):
+                    wave = run_timed(llm, prompts[i: i + 8], greedy)
+                    start = min(o["first"] for o in wave)
+                    end = max(o["end"] for o in wave)
+                    outs.append({"ids": [0] * (sum(len(o["ids"]) - 1 for o in wave) + 1), "first": start, "end": end})
+            rates[(dt, b, m)].append(decode_rate(outs))
+            print(f"round {r + 1}: {dt} batch {b} {m} {rates[(dt, b, m)][-1]:.1f} tok/s", flush=True)
+    rows = []
+    for dt in ("bfloat16", "float32"):
+        for b in (1, 8):
+            plain, spec = rates[(dt, b, "plain")], rates[(dt, b, "dspark")]
+            ratios = [s / p for s, p in zip(spec, plain)]
+            rows.append({"dtype": dt, "batch": b, "plain_min": min(plain), "plain_median": statistics.median(plain),
+                         "dspark_min": min(spec), "dspark_median": statistics.median(spec),
+                         "speedup_min": min(ratios), "speedup_median": statistics.median(ratios)})
+    return rows
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def report(args, rows: list[dict], speed: list[dict], argv: list[str]) -> None:
+    out = Path(args.out_dir)
+    info = machine_info()
+    header = [f"`python -m sparkrelay.tools.bench.acceptance {' '.join(argv)}`",
+              f"host {info['host']}, {info['cpu_cores']} cores, torch {info['torch']}, commit {commit()}, "
+              f"{info['date']}", f"target {args.target}, drafter {args.drafter}, block 7, at most {args.max_new} new "
+              "tokens, evaluation split, chat template, no system message; acceptance in float32"]
+    acc = markdown_table(
+        ["set", "prompts", "tau greedy", "tau T=1", "paper DSpark (Qwen3-4B, T=1)", "greedy = plain",
+         "accept rate by position, greedy"],
+        [[r["set"], r["prompts"], r["tau_greedy"], r["tau_t1"], PAPER_TABLE1.get(r["set"], "-"),
+          f"{r['greedy_equal']}/{r['prompts']}", " ".join(f"{x:.2f}" for x in r["accept_rate_greedy"])]
+         for r in rows] + [["mean of sets", sum(r["prompts"] for r in rows),
+                            round(statistics.fmean(r["tau_greedy"] for r in rows), 3),
+                            round(statistics.fmean(r["tau_t1"] for r in rows), 3),
+                            round(statistics.fmean(PAPER_TABLE1[r["set"]] for r in rows), 2), "", ""]])
+    spd = markdown_table(["dtype", "batch", "plain tok/s (min / median)", "DSpark tok/s (min / median)",
+                          "DSpark / plain (min / median)"],
+                         [[s["dtype"], s["batch"], f"{s['plain_min']:.1f} / {s['plain_median']:.1f}",
+                           f"{s['dspark_min']:.1f} / {s['dspark_median']:.1f}",
+                           f"{s['speedup_min']:.2f}x / {s['speedup_median']:.2f}x"] for s in speed])
+    write_markdown(out / "acceptance.md", "DSpark acceptance and speed", header, acc + "\n\n" + spd)
+    write_json(out / "acceptance.json", {"machine": info, "commit": commit(), "command": argv, "sets": rows,
+                                         "speed": speed, "paper_table1": PAPER_TABLE1})
+    bar_chart(out / "acceptance.png", [r["set"] for r in rows],
+              {"greedy": [r["tau_greedy"] for r in rows], "T=1": [r["tau_t1"] for r in rows],
+               "paper (Qwen3-4B, T=1)": [PAPER_TABLE1.get(r["set"]) for r in rows]},
+              "DSpark acceptance length per verify round (incl. bonus)", "tokens per round")
+    print(acc + "\n\n" + spd)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="models/smollm2-135m-instruct")
+    p.add_argument("--drafter", default="models/smollm2-135m-instruct-dspark")
+    p.add_argument("--prompts", default="../shared/data/prompts")
+    p.add_argument("--sets", nargs="+", default=list(PROMPT_SETS))
+    p.add_argument("--limit", type=int, default=0, help="evaluation prompts per set (0: the whole split)")
+    p.add_argument("--max-new", type=int, default=256)
+    p.add_argument("--speed-prompts", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--kv-tokens", type=int, default=32768, help="KV cache tokens of each engine")
+    p.add_argument("--out-dir", default="benchmarks/results/acceptance")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    texts = {s: read_prompt_set(args.prompts, s, "eval") for s in args.sets}
+    texts = {s: t[: args.limit] if args.limit else t for s, t in texts.items()}
+    spec_llm, plain_llm = engine(args, "float32", True, 8), engine(args, "float32", False, 8)
+    prompts = {s: chat_prompts(spec_llm.tokenizer, t) for s, t in texts.items()}
+    rows = [acceptance_run(args, spec_llm, plain_llm, s, prompts[s]) for s in args.sets]
+    del spec_llm, plain_llm
+    mixed = [p for group in zip(*prompts.values()) for p in group][: args.speed_prompts]  # the sets interleaved
+    report(args, rows, speed_runs(args, mixed), argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""The drafter tool's chat path end to end on a small random Llama: answers JSONL in chat_data.py's format ->
+training steps (bfloat16 target, autocast) with learning-curve points -> an exported DeepSpec drafter without the
+target's embedding and head, which the engine loads by sharing the target's and decodes losslessly."""
+
+import json
+
+import torch
+
+from sparkrelay import LLM, SamplingParams
+from sparkrelay.tools.train import drafter
+from unit.test_families import make_random
+
+
+def write_answers(path, n: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with path.open("w") as f:
+        for i in range(n):
+            prompt = [1] + torch.randint(3, 4000, (int(torch.randint(8, 40, (1,), generator=g)),), generator=g).tolist()
+            answer = torch.randint(3, 4000, (48,), generator=g).tolist() + [2]
+            f.write(json.dumps({"set": ["gsm8k", "mbpp"][i % 2], "i": i, "prompt_ids": prompt, "answer_ids": answer,
+                                "finish": {"type": "stop"}}) + "\n")
+
+
+def test_chat_training_exports_a_drafter_the_engine_serves(tmp_path):
+    target = make_random(tmp_path / "target", "llama-tied")
+    write_answers(tmp_path / "train.jsonl", 6, 0)
+    write_answers(tmp_path / "eval.jsonl", 4, 1)
+    out = tmp_path / "drafter"
+    drafter.main(["--data", "chat", "--target", str(target), "--answers", str(tmp_path / "train.jsonl"),
+                  "--eval-answers", str(tmp_path / "eval.jsonl"), "--work-dir", str(tmp_path / "work"),
+                  "--out", str(out), "--layers", "1", "--taps", "0", "2", "--markov-rank", "16", "--anchors", "8",
+                  "--batch", "2", "--max-steps", "4", "--eval-every", "2", "--log-every", "1",
+                  "--mask-token", "<|endoftext|>", "--target-dtype", "bfloat16", "--autocast",
+                  "--no-frozen-copies", "--threads", "1"])
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert "fc.weight" in keys and not keys & {"embed_tokens.weight", "lm_head.weight"}
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["steps"] == 4 and report["data"]["rows"] == 6
+    assert [p["step"] for p in report["learning_curve"]] == [2, 4]
+    assert set(report["learning_curve"][0]) >= {"tau", "tau_gsm8k", "tau_mbpp", "cpu_hours"}
+    greedy = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    prompts = [list(range(5, 5 + n)) for n in (4, 19)]
+    spec = LLM(str(target), speculative_algorithm="DSPARK", speculative_draft_model_path=str(out),
+               max_total_tokens=1024, page_size=4)
+    plain = LLM(str(target), max_total_tokens=1024, page_size=4)
+    assert [o["output_ids"] for o in spec.generate(prompts, greedy)] == \
+        [o["output_ids"] for o in plain.generate(prompts, greedy)]
+    assert spec.engine.proposer.drafter.shared_with_target == ("embed_tokens", "lm_head")
