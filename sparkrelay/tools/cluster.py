@@ -236,10 +236,10 @@ def start_router(kind: str, prefill_url: str, boot: int, decode_url: str, log_di
     return start(f"router-{kind}", argv + list(extra or []), port, log_dir)
 
 
-def stream_generate(url: str, ids: list[int], max_new: int) -> dict:
+def stream_generate(url: str, ids: list[int], max_new: int, ignore_eos: bool = True) -> dict:
     """One streamed greedy /generate: TTFT (first chunk), total time, tokens, acceptance."""
     body = {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0,
-                                                                 "ignore_eos": True}}
+                                                                 "ignore_eos": ignore_eos}}
     req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
     start, ttft, last = time.perf_counter(), None, None
     t_send = time.monotonic()  # the clock of trace/timeline.py, for the TTFT breakdown

