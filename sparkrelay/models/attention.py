@@ -131,6 +131,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
     k_pool.index_copy_(0, meta.slot_mapping, k)  # index_copy_/index_select: far cheaper than advanced indexing
     v_pool.index_copy_(0, meta.slot_mapping, v)
     n_heads, dim = q.shape[1], q.shape[2]
+    if meta.max_q == 1 and n_heads > k_pool.shape[1] and not meta.prefix:
+        return grouped_decode(q, k_pool, v_pool, meta, scale)
     twice = meta.max_q == 1 and q.dtype != torch.float32 and q.device.type == "cpu"  # see the module docstring
     if meta.max_q == 1:
         qp = q.unsqueeze(1).expand(-1, 2 if twice else 1, -1, -1)  # [B, 1 | 2, H, D]: decode, one token per sequence
@@ -158,6 +160,26 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
         out = out[:, :, :1]
     out = out.transpose(1, 2).reshape(meta.batch * meta.max_q, n_heads, dim)
     return out if meta.max_q == 1 or meta.batch == 1 else out[meta.q_pad_index]
+
+
+def grouped_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMeta,
+                   scale: float) -> torch.Tensor:
+    """Decode (one query per sequence) under GQA: q [B, H, D] -> [B, H, D]. The H / n_kv query heads that share a KV
+    head are consecutive, so they attend as the g = H / n_kv queries of one head: q [B, n_kv, g, D] against
+    k [B, n_kv, Lk, D], plain multi-head SDPA with no K/V repeated for the groups (enable_gqa expands them)."""
+    b, h, d = q.shape
+    n_kv = k_pool.shape[1]
+    if meta.kv_range is not None:
+        lo, hi = meta.kv_range
+        kp, vp = k_pool[lo:hi].unsqueeze(0), v_pool[lo:hi].unsqueeze(0)  # [1, Lk, n_kv, D] views
+    else:
+        flat = meta.kv_index.view(-1)
+        kp = k_pool.index_select(0, flat).view(b, -1, n_kv, d)  # [B, Lk, n_kv, D]
+        vp = v_pool.index_select(0, flat).view(b, -1, n_kv, d)
+    qg = q.view(b, n_kv, h // n_kv, d)  # [B, n_kv, g, D]
+    out = F.scaled_dot_product_attention(qg, kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=meta.mask,
+                                         scale=scale)  # [B, n_kv, g, D]; mask [B, 1, 1, Lk] or None
+    return out.reshape(b, h, d)
 
 
 def split_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:

@@ -261,6 +261,15 @@ def stream_generate(url: str, ids: list[int], max_new: int, ignore_eos: bool = T
             "accept_length": meta.get("spec_accept_length"), "output_ids": last.get("output_ids")}
 
 
+def generate_ids(url: str, ids: list[int], max_new: int, timeout: float = 600.0) -> dict:
+    """One greedy /generate that stops at EOS: {"ids": output ids, "rounds": verify rounds (0 without DSpark)}."""
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0}}
+    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        out = json.loads(r.read())
+    return {"ids": out["output_ids"], "rounds": out["meta_info"].get("spec_verify_ct", 0)}
+
+
 def handoff_bytes(decode_url: str) -> tuple[int, int]:
     """(all bytes the decode received from prefills, of which DSpark context + metadata rows), since it started."""
     with urllib.request.urlopen(decode_url + "/server_info", timeout=10) as r:

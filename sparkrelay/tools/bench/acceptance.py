@@ -12,7 +12,11 @@ is accepted, and, greedy, whether every DSpark output equals plain greedy decodi
 Speed: decode tokens per second of DSpark against plain decoding, batch 1 (one request at a time) and batch 8 (8
 concurrent requests), in bfloat16 and float32, on `--speed-prompts` evaluation prompts, the variants interleaved
 over `--rounds` rounds (min and median reported). Decode time is from a request's first token to its last.
-Writes acceptance.md, acceptance.json and acceptance.png under --out-dir, headed by host, commit and command.
+PD (`--pd-modes hidden,draft-kv`): for each mode, router + prefill (`--pp-size 2`, no drafter) + DSpark decode as
+subprocesses; every greedy evaluation prompt goes through the router (`--pd-concurrency` at a time), and its tokens
+and verify rounds must equal the aggregated DSpark engine's for that prompt (equal tokens and rounds: equal
+acceptance). Writes acceptance.md, acceptance.json and acceptance.png under --out-dir, headed by host, commit and
+command.
 """
 
 from __future__ import annotations
@@ -96,9 +100,38 @@ def acceptance_run(args, spec_llm, plain_llm, name: str, prompts: list[list[int]
             plain = run_timed(plain_llm, prompts, params)
             row["greedy_equal"] = sum(a["ids"] == b["ids"] for a, b in zip(outs, plain))
             row["tokens"] = sum(len(o["ids"]) for o in outs)
+            row["greedy_runs"] = [{"ids": o["ids"], "rounds": o["rounds"]} for o in outs]
     print(f"{name}: {row['prompts']} prompts, tau greedy {row['tau_greedy']}, T=1 {row['tau_t1']}, "
           f"greedy equal to plain {row['greedy_equal']}/{row['prompts']}", flush=True)
     return row
+
+
+def pd_runs(args, rows: list[dict], prompts: dict[str, list[list[int]]]) -> list[dict]:
+    """Each PD mode against the aggregated greedy runs: per set, prompts whose tokens and verify rounds are equal."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sparkrelay.tools.cluster import PDSettings, generate_ids, start_pd
+
+    out = []
+    for mode in args.pd_modes:
+        with tempfile.TemporaryDirectory() as logs:
+            cluster = start_pd(PDSettings(model=args.target, drafter=args.drafter, pp_size=2, handoff=mode), logs)
+            try:
+                for row in rows:
+                    with ThreadPoolExecutor(args.pd_concurrency) as pool:
+                        got = list(pool.map(lambda ids: generate_ids(cluster.url, ids, args.max_new),
+                                            prompts[row["set"]]))
+                    ref = row["greedy_runs"]
+                    same_tokens = sum(g["ids"] == r["ids"] for g, r in zip(got, ref))
+                    same_accept = sum(g["ids"] == r["ids"] and g["rounds"] == r["rounds"] for g, r in zip(got, ref))
+                    out.append({"mode": mode, "set": row["set"], "prompts": len(ref), "same_tokens": same_tokens,
+                                "same_acceptance": same_accept})
+                    print(f"PD {mode} {row['set']}: tokens equal {same_tokens}/{len(ref)}, acceptance equal "
+                          f"{same_accept}/{len(ref)}", flush=True)
+            finally:
+                cluster.stop()
+    return out
 
 
 def decode_rate(outs: list[dict]) -> float:
@@ -152,7 +185,7 @@ def commit() -> str:
         return "unknown"
 
 
-def report(args, rows: list[dict], speed: list[dict], argv: list[str]) -> None:
+def report(args, rows: list[dict], speed: list[dict], pd: list[dict], argv: list[str]) -> None:
     out = Path(args.out_dir)
     info = machine_info()
     header = [f"`python -m sparkrelay.tools.bench.acceptance {' '.join(argv)}`",
@@ -173,14 +206,19 @@ def report(args, rows: list[dict], speed: list[dict], argv: list[str]) -> None:
                          [[s["dtype"], s["batch"], f"{s['plain_min']:.1f} / {s['plain_median']:.1f}",
                            f"{s['dspark_min']:.1f} / {s['dspark_median']:.1f}",
                            f"{s['speedup_min']:.2f}x / {s['speedup_median']:.2f}x"] for s in speed])
-    write_markdown(out / "acceptance.md", "DSpark acceptance and speed", header, acc + "\n\n" + spd)
-    write_json(out / "acceptance.json", {"machine": info, "commit": commit(), "command": argv, "sets": rows,
-                                         "speed": speed, "paper_table1": PAPER_TABLE1})
+    pdt = markdown_table(["PD mode (PP=2 prefill, no drafter)", "set", "prompts", "tokens = aggregated",
+                          "acceptance = aggregated"],
+                         [[r["mode"], r["set"], r["prompts"], r["same_tokens"], r["same_acceptance"]] for r in pd])
+    body = acc + "\n\n" + spd + ("\n\n" + pdt if pd else "")
+    write_markdown(out / "acceptance.md", "DSpark acceptance and speed", header, body)
+    slim = [{k: v for k, v in r.items() if k != "greedy_runs"} for r in rows]
+    write_json(out / "acceptance.json", {"machine": info, "commit": commit(), "command": argv, "sets": slim,
+                                         "speed": speed, "pd": pd, "paper_table1": PAPER_TABLE1})
     bar_chart(out / "acceptance.png", [r["set"] for r in rows],
               {"greedy": [r["tau_greedy"] for r in rows], "T=1": [r["tau_t1"] for r in rows],
                "paper (Qwen3-4B, T=1)": [PAPER_TABLE1.get(r["set"]) for r in rows]},
               "DSpark acceptance length per verify round (incl. bonus)", "tokens per round")
-    print(acc + "\n\n" + spd)
+    print(body)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speed-prompts", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--kv-tokens", type=int, default=32768, help="KV cache tokens of each engine")
+    p.add_argument("--pd-modes", type=lambda t: [m for m in t.split(",") if m], default=[],
+                   help="comma-separated handoff modes to check through a PD deployment (e.g. hidden,draft-kv)")
+    p.add_argument("--pd-concurrency", type=int, default=8)
+    p.add_argument("--no-speed", action="store_true", help="skip the speed runs")
     p.add_argument("--out-dir", default="benchmarks/results/acceptance")
     return p
 
@@ -207,8 +249,9 @@ def main(argv: list[str] | None = None) -> None:
     prompts = {s: chat_prompts(spec_llm.tokenizer, t) for s, t in texts.items()}
     rows = [acceptance_run(args, spec_llm, plain_llm, s, prompts[s]) for s in args.sets]
     del spec_llm, plain_llm
+    pd = pd_runs(args, rows, prompts) if args.pd_modes else []
     mixed = [p for group in zip(*prompts.values()) for p in group][: args.speed_prompts]  # the sets interleaved
-    report(args, rows, speed_runs(args, mixed), argv)
+    report(args, rows, [] if args.no_speed else speed_runs(args, mixed), pd, argv)
 
 
 if __name__ == "__main__":
