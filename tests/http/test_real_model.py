@@ -56,3 +56,17 @@ def test_openai_client_streams_the_same_answer(served_smollm2):
                                                 temperature=0, max_tokens=32, stream=True)
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == "The capital of France is Paris."
+
+
+def test_dspark_with_its_drafter_equals_plain_greedy(smollm2_dir, smollm2_drafter_dir):
+    """The trained drafter on chat questions: DSpark's greedy answers are plain greedy decoding's, token for token,
+    and it accepts drafts (more than one token per verify round on average)."""
+    settings = dict(max_total_tokens=4096)
+    plain = LLM(str(smollm2_dir), **settings)
+    spec = LLM(str(smollm2_dir), speculative_algorithm="DSPARK", speculative_draft_model_path=str(smollm2_drafter_dir),
+               **settings)
+    prompts = [chat(plain.tokenizer, q) for q in QUESTIONS]
+    greedy = SamplingParams(max_new_tokens=48, temperature=0)
+    a, b = spec.generate(prompts, greedy), plain.generate(prompts, greedy)
+    assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
+    assert spec.engine.spec_stats.summary()["spec_accept_length"] > 1.5

@@ -105,3 +105,27 @@ def test_unserved_architecture_and_window_are_refused(tmp_path):
     cfg_path.write_text(text.replace('"sliding_window": null', '"sliding_window": 128'))
     with pytest.raises(CheckpointError, match="sliding_window 128"):
         load_causal_lm(str(folder))
+
+
+@torch.inference_mode()
+def test_logprobs_prefix_cache_and_penalties_on_llama(tmp_path):
+    """What the engine adds on top of the forward is family-blind: output logprobs equal transformers'
+    log-softmax, a repeated prompt is served from the prefix cache with the same tokens, and greedy decoding with
+    a repetition penalty equals transformers' generate with the same penalty."""
+    folder = make_random(tmp_path / "llama", "llama-tied")
+    llm = LLM(str(folder), page_size=4, max_total_tokens=1024)
+    hf = load_hf(folder)
+    prompt = list(range(10, 42))
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, return_logprob=True, top_logprobs_num=2)
+    first = llm.generate(prompt, params)
+    ids = first["output_ids"]
+    ref = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1: -1].log_softmax(-1)  # [8, V]
+    got = torch.tensor([lp for lp, _, _ in first["meta_info"]["output_token_logprobs"]])
+    torch.testing.assert_close(got, ref.gather(1, torch.tensor(ids)[:, None])[:, 0], atol=1e-4, rtol=0)
+    again = llm.generate(prompt, params)
+    assert again["output_ids"] == ids and again["meta_info"]["cached_tokens"] >= 28
+    penalized = llm.generate(prompt, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True,
+                                                    repetition_penalty=1.5))["output_ids"]
+    expect = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=1.5,
+                         min_new_tokens=12)[0, len(prompt):].tolist()
+    assert penalized == expect

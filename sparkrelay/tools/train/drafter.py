@@ -154,10 +154,10 @@ def lr_at(progress: float, peak: float, warmup: float = 0.04) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / (1 - warmup))))
 
 
-def train(args, work: Path, target, draw, evaluate=None):
+def train(args, work: Path, target, draw, evaluate=None, snapshot=None):
     """The training loop; `draw(gen)` gives a batch of (ids [S], loss_mask [S]) pairs, `evaluate(model)` (every
-    `--eval-every` steps) a dict for the learning curve (work/curve.jsonl). Returns (drafter, its config, stats).
-    Resumes from `work/ckpt.pt`."""
+    `--eval-every` steps) a dict for the learning curve (work/curve.jsonl), after which `snapshot(model, cfg, st)`
+    may export the drafter as it is. Returns (drafter, its config, stats). Resumes from `work/ckpt.pt`."""
     model, cfg = new_drafter(args.target, args)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.0)
@@ -185,6 +185,8 @@ def train(args, work: Path, target, draw, evaluate=None):
             if evaluate is not None and args.eval_every and st["step"] % args.eval_every == 0:
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast):
                     curve_point(work, st, evaluate(model.eval()))
+                if snapshot is not None:
+                    snapshot(model, cfg, st)
                 model.train()
         if st["done"] or time.time() - last_save > args.ckpt_minutes * 60:
             save_state(ckpt, model, opt, gen, stats=st)
@@ -354,7 +356,14 @@ def run_chat(args: argparse.Namespace, work: Path):
     target = load_target(args.target, args.target_dtype)
     eval_sets = chat_eval_set(args.eval_answers, args.max_len)
     evaluate = lambda model: chat_acceptance(model, target, eval_sets)
-    model, cfg, st = train(args, work, target, lambda gen: sample_chat_batch(seqs, args, gen), evaluate)
+    what = "evaluation-split prompts, the target's greedy answers (the learning curve's last point)"
+
+    def snapshot(model, cfg, st):  # the drafter as it is, so an interrupted run leaves a usable one in --out
+        save_checkpoint(model, cfg, args.out, with_frozen_copies=not args.no_frozen_copies)
+        last = json.loads((work / "curve.jsonl").read_text().splitlines()[-1])
+        write_report(args, st, {"markov": last}, what, time.time())
+
+    model, cfg, st = train(args, work, target, lambda gen: sample_chat_batch(seqs, args, gen), evaluate, snapshot)
     drafter = export(model, cfg, args, target)
     evals = {"markov": chat_acceptance(drafter, target, eval_sets)}
     rows = sum(len(v[0]) for v in eval_sets.values())

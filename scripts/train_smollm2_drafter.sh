@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Train (or resume) the SmolLM2 DSpark drafter, models/smollm2-135m-instruct-dspark, in the background:
+#   1. the target's greedy answers to the training split of the prompt sets (resumable, appended per chunk),
+#   2. its answers to 8 evaluation prompts per set (the learning curve's offline acceptance; never trained on),
+#   3. the drafter (resumable from .cache/train_smollm2_dspark/ckpt.pt; exported to the model folder at every
+#      learning-curve point).
+# Progress lines go to .cache/train_smollm2_dspark/*.log. PROMPTS: the folder of the prompt sets (*.jsonl).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+WORK=.cache/train_smollm2_dspark
+PROMPTS=${PROMPTS:-../shared/data/prompts}
+STAGES=${STAGES:-answers,eval,train}
+mkdir -p "$WORK"
+if [[ $STAGES == *answers* ]]; then
+    python -m sparkrelay.tools.train.chat_data --prompts "$PROMPTS" --out "$WORK/answers" --max-new 256 \
+        --batch 48 --chunk 256 >> "$WORK/answers_greedy.log" 2>&1
+fi
+if [[ $STAGES == *eval* ]]; then
+    python -m sparkrelay.tools.train.chat_data --prompts "$PROMPTS" --out "$WORK/answers" --split eval \
+        --per-set 8 --max-new 256 --batch 48 --chunk 48 >> "$WORK/answers_eval.log" 2>&1
+fi
+if [[ $STAGES == *train* ]]; then
+    python -m sparkrelay.tools.train.drafter --data chat --target models/smollm2-135m-instruct \
+        --work-dir "$WORK" --out models/smollm2-135m-instruct-dspark --layers 5 --taps 1 8 14 20 27 \
+        --markov-rank 64 --anchors 64 --batch 4 --lr 1e-3 --max-steps 2000 --train-minutes 1000000 \
+        --eval-every 100 --ckpt-minutes 5 --log-every 10 --max-len 1024 --mask-token "<empty_output>" \
+        --target-dtype bfloat16 --autocast --no-frozen-copies --threads 2 >> "$WORK/train.log" 2>&1
+fi
