@@ -33,7 +33,7 @@ def prompts() -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(MODEL)
-    text = open("sparkrelay/scheduler/scheduler.py").read() + open("sparkrelay/models/qwen3.py").read()
+    text = open("sparkrelay/scheduler/scheduler.py").read() + open("sparkrelay/models/decoder.py").read()
     ids = tok.encode(text)
     out = [ids[40 * i : 40 * i + 9 + (i * 13) % 90] for i in range(18)]
     out.append(ids[500:505])          # shorter than the default tail (8)
