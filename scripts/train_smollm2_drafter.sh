@@ -23,7 +23,8 @@ fi
 if [[ $STAGES == *train* ]]; then
     python -m sparkrelay.tools.train.drafter --data chat --target models/smollm2-135m-instruct \
         --work-dir "$WORK" --out models/smollm2-135m-instruct-dspark --layers 5 --taps 1 8 14 20 27 \
-        --markov-rank 64 --anchors 64 --batch 4 --lr 1e-3 --max-steps 2000 --train-minutes 1000000 \
-        --eval-every 100 --ckpt-minutes 5 --log-every 10 --max-len 1024 --mask-token "<empty_output>" \
-        --target-dtype bfloat16 --autocast --no-frozen-copies --threads 2 >> "$WORK/train.log" 2>&1
+        --markov-rank 64 --anchors 64 --batch 4 --lr 1e-3 --max-steps 6000 --train-minutes 1000000 \
+        --eval-every 200 --ckpt-minutes 5 --log-every 10 --max-len 1024 --mask-token "<empty_output>" \
+        --target-dtype bfloat16 --autocast --no-frozen-copies --threads 2 \
+        --feature-cache "$WORK/feats" >> "$WORK/train.log" 2>&1
 fi

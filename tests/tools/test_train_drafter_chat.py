@@ -49,3 +49,20 @@ def test_chat_training_exports_a_drafter_the_engine_serves(tmp_path):
     assert [o["output_ids"] for o in spec.generate(prompts, greedy)] == \
         [o["output_ids"] for o in plain.generate(prompts, greedy)]
     assert spec.engine.proposer.drafter.shared_with_target == ("embed_tokens", "lm_head")
+
+
+def test_feature_cache_returns_the_target_pass_and_skips_the_target(tmp_path):
+    from sparkrelay.tools.train.drafter_data import load_target, target_features, target_pass
+
+    target = load_target(str(make_random(tmp_path / "target", "llama-tied")), "bfloat16")
+    ids = torch.arange(3, 40)
+    feats, final = target_pass(target, ids[None], [0, 2])
+    first = target_features(target, ids, [0, 2], tmp_path / "feats")
+    forward = target.model.forward
+    target.model.forward = lambda *a, **k: 1 / 0  # a second pass of the target would raise
+    again = target_features(target, ids, [0, 2], tmp_path / "feats")
+    target.model.forward = forward
+    for got in (first, again):
+        assert torch.equal(got[0], feats[0]) and torch.equal(got[1], final[0])
+    other = target_features(target, ids, [1], tmp_path / "feats")  # other taps are another entry
+    assert other[0].shape[-1] == feats.shape[-1] // 2 and len(list((tmp_path / "feats").glob("*.pt"))) == 2

@@ -214,7 +214,7 @@ def run_target(target: Target, full: bool, args: argparse.Namespace, settings: d
             print(f"{target.name} {dtype}: DSpark round cost", file=sys.stderr)
             guarded(result, target, dtype, "DSpark round cost",
                     lambda: measure_rounds(target, dtype, spark, args, settings, result, device))
-        del spark
+        spark = None  # the engine freed before the next dtype loads
         gc.collect()
         result["done"].append([target.name, dtype])
         checkpoint()

@@ -62,7 +62,7 @@ from sparkrelay.models.loader import read_config
 from sparkrelay.models.decoder import DecoderSpec
 from sparkrelay.tools.train.common import add_work_args, corpus_ids, load_state, parse_work_args, save_state
 from sparkrelay.tools.train.drafter_data import (
-    chat_sequences, generated_pool, load_target, sample_batch, sample_chat_batch, special_token, target_pass,
+    chat_sequences, generated_pool, load_target, sample_batch, sample_chat_batch, special_token, target_features,
     unused_byte_token)
 from sparkrelay.tools.train.drafter_eval import acceptance, chat_eval_set, eval_set
 
@@ -217,9 +217,9 @@ def train_step(model, opt, target, batch: list[tuple[torch.Tensor, torch.Tensor]
     sums: dict[str, torch.Tensor] = {}
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast)
     for ids, loss_mask in batch:
-        feats, final = target_pass(target, ids[None], args.taps)
+        feats, final = target_features(target, ids, args.taps, args.feature_cache)
         with autocast:
-            out = block_loss(model, feats[0], final[0], target.lm_head, ids, pick_anchors(loss_mask, args.anchors, gen),
+            out = block_loss(model, feats, final, target.lm_head, ids, pick_anchors(loss_mask, args.anchors, gen),
                              loss_mask)
         for k, v in out.items():
             sums[k] = sums[k] + v if k in sums else v
@@ -270,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--mask-token", default="<empty_output>", help="special token whose row is the mask")
     chat.add_argument("--target-dtype", choices=("float32", "bfloat16"), default="float32")
     chat.add_argument("--autocast", action="store_true", help="the drafter's forward and backward in bfloat16")
+    chat.add_argument("--feature-cache", default=None,
+                      help="folder keeping the target's features per training sequence ((taps + 1) x hidden "
+                           "values per token, in the target's dtype), so later epochs skip the target")
     chat.add_argument("--no-frozen-copies", action="store_true",
                       help="do not store the target's embedding and LM head in the drafter (the loader shares them)")
     return p

@@ -4,7 +4,9 @@ target's features and final hidden states."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -94,6 +96,26 @@ def target_pass(target, x: torch.Tensor, taps: list[int]) -> tuple[torch.Tensor,
     out = target.model(input_ids=x, output_hidden_states=True)
     hs = out.hidden_states  # [0] = embedding output, [i + 1] = output of layer i (the last entry is post-norm)
     return torch.cat([hs[i + 1] for i in taps], dim=-1), out.last_hidden_state
+
+
+def target_features(target, ids: torch.Tensor, taps: list[int],
+                    cache: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [S] -> target_pass's (features [S, n_taps*d], final hidden states [S, d]) for one sequence, kept in
+    `cache` (one file per sequence, named by a digest of its ids, the taps and the target's dtype) and read back
+    on later draws: the target is frozen, so every epoch after the first is drafter-only work."""
+    if cache is None:
+        feats, final = target_pass(target, ids[None], taps)
+        return feats[0], final[0]
+    key = hashlib.sha1(ids.numpy().astype("int64").tobytes() + repr((taps, str(target.dtype))).encode())
+    path = Path(cache) / f"{key.hexdigest()}.pt"
+    if path.exists():
+        saved = torch.load(path)
+        return saved["feats"], saved["final"]
+    feats, final = target_pass(target, ids[None], taps)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"feats": feats[0].clone(), "final": final[0].clone()}, path.with_suffix(".tmp"))
+    os.replace(path.with_suffix(".tmp"), path)  # whole or absent, if the run is stopped mid-write
+    return feats[0], final[0]
 
 
 def sample_chat_batch(seqs: list[tuple[torch.Tensor, torch.Tensor]], args, gen: torch.Generator) -> list:
