@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the demo on the bundled model. Exit status: the demo's (1 if a check failed).
+# Set up (if needed) and run the demo on SmolLM2-135M-Instruct (--model tiny: the bundled toy pair).
+# Exit status: the demo's (1 if a check failed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "[demo.sh] set-up first (quick when already done) ..."

@@ -1,17 +1,26 @@
 #!/usr/bin/env bash
 # Train (or resume) the SmolLM2 DSpark drafter, models/smollm2-135m-instruct-dspark, in the background:
-#   1. the target's greedy answers to the training split of the prompt sets (resumable, appended per chunk),
+#   1. the target's greedy answers to the training split of the prompt sets (resumable, appended per chunk; the
+#      committed data/smollm2-answers/*.jsonl.gz are unpacked first, so only what they lack is generated),
 #   2. its answers to 8 evaluation prompts per set (the learning curve's offline acceptance; never trained on),
-#   3. the drafter (resumable from .cache/train_smollm2_dspark/ckpt.pt; exported to the model folder at every
-#      learning-curve point).
+#   3. the drafter: resumed from .cache/train_smollm2_dspark/ckpt.pt when there is one, else continued from the
+#      committed drafter's weights (a fresh optimizer); one cosine lr cycle over TRAIN_MINUTES (default 120), the
+#      drafter exported to the model folder at every learning-curve point.
 # Progress lines go to .cache/train_smollm2_dspark/*.log. PROMPTS: the folder of the prompt sets (*.jsonl).
+# `STAGES=pack bash scripts/train_smollm2_drafter.sh` writes the answers back to data/smollm2-answers/ (to commit).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
 WORK=.cache/train_smollm2_dspark
 PROMPTS=${PROMPTS:-../shared/data/prompts}
 STAGES=${STAGES:-answers,eval,train}
-mkdir -p "$WORK"
+DATA=data/smollm2-answers
+mkdir -p "$WORK/answers"
+for name in greedy eval_greedy; do
+    if [[ -f $DATA/$name.jsonl.gz && ! -f $WORK/answers/$name.jsonl ]]; then
+        gzip -dc "$DATA/$name.jsonl.gz" > "$WORK/answers/$name.jsonl"
+    fi
+done
 if [[ $STAGES == *answers* ]]; then
     python -m sparkrelay.tools.train.chat_data --prompts "$PROMPTS" --out "$WORK/answers" --max-new 256 \
         --batch 48 --chunk 256 >> "$WORK/answers_greedy.log" 2>&1
@@ -23,8 +32,15 @@ fi
 if [[ $STAGES == *train* ]]; then
     python -m sparkrelay.tools.train.drafter --data chat --target models/smollm2-135m-instruct \
         --work-dir "$WORK" --out models/smollm2-135m-instruct-dspark --layers 5 --taps 1 8 14 20 27 \
-        --markov-rank 64 --anchors 64 --batch 4 --lr 1e-3 --max-steps 6000 --train-minutes 1000000 \
+        --markov-rank 64 --anchors 64 --batch 4 --lr 1e-3 --train-minutes "${TRAIN_MINUTES:-120}" \
+        --init-from models/smollm2-135m-instruct-dspark \
         --eval-every 200 --ckpt-minutes 5 --log-every 10 --max-len 1024 --mask-token "<empty_output>" \
         --target-dtype bfloat16 --autocast --no-frozen-copies --threads 2 \
         --feature-cache "$WORK/feats" >> "$WORK/train.log" 2>&1
+fi
+if [[ $STAGES == *pack* ]]; then
+    mkdir -p "$DATA"
+    for name in greedy eval_greedy; do
+        gzip -9nc "$WORK/answers/$name.jsonl" > "$DATA/$name.jsonl.gz"
+    done
 fi

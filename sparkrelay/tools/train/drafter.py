@@ -162,12 +162,17 @@ def train(args, work: Path, target, draw, evaluate=None, snapshot=None):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.0)
     gen = torch.Generator().manual_seed(1)
-    st = {"step": 0, "elapsed": 0.0, "cpu": 0.0, "slots": 0, "done": False, "recent": []}
+    st = {"step": 0, "elapsed": 0.0, "cpu": 0.0, "slots": 0, "done": False, "recent": [],
+          "before": {"step": 0, "seconds": 0.0, "cpu": 0.0}}
     ckpt = work / "ckpt.pt"
     saved = load_state(ckpt, model, opt, gen)
     if saved is not None:
         st = {"cpu": 0.0, **saved["stats"]}
         print(f"resumed at step {st['step']} ({st['elapsed']:.0f}s trained)", flush=True)
+    elif args.init_from:
+        st["before"] = warm_start(model, args.init_from, work)
+        print(f"warm start from {args.init_from} (after {st['before']['step']} steps, "
+              f"{st['before']['cpu'] / 3600:.2f} CPU hours): a fresh optimizer and lr schedule", flush=True)
     model.train()
     budget, t0, last_save = args.train_minutes * 60, time.time() - st["elapsed"], time.time()
     cpu0 = time.process_time() - st["cpu"]
@@ -194,17 +199,48 @@ def train(args, work: Path, target, draw, evaluate=None, snapshot=None):
     return model.eval(), cfg, st
 
 
+def warm_start(model: Qwen3DSparkModel, folder: str, work: Path) -> dict:
+    """Load an exported drafter's trained weights into `model` (every trainable tensor must be there; the frozen
+    embedding and head stay the target's) and carry its learning curve into work/curve.jsonl: a run continued from
+    a committed drafter (its optimizer state is not committed) keeps counting steps and hours from that one.
+    Returns the totals it continues from: {"step", "seconds", "cpu"} (seconds of wall and CPU time)."""
+    from safetensors.torch import load_file
+
+    stored = load_file(str(Path(folder) / "model.safetensors"))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(trainable - stored.keys())
+    if missing:
+        raise SystemExit(f"--init-from {folder}: the checkpoint lacks {missing[:4]} (another drafter shape?)")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in trainable:
+                p.copy_(stored[name].to(p.dtype))
+    report = json.loads((Path(folder) / "train_report.json").read_text())
+    if not (work / "curve.jsonl").exists():
+        curve = report.get("learning_curve", [])
+        (work / "curve.jsonl").write_text("".join(json.dumps(pt) + "\n" for pt in curve))
+    return {"step": report["steps"], "seconds": report["train_seconds"], "cpu": report["cpu_hours"] * 3600}
+
+
 def log_line(st: dict, keys, n: int) -> None:
     mean = {k: sum(r[k] for r in st["recent"][-n:]) / n for k in keys}
-    print(f"step {st['step']} {st['elapsed']:.0f}s cpu {st['cpu'] / 3600:.2f}h lr {mean['lr']:.2e} "
+    total = totals(st)
+    print(f"step {total['step']} {st['elapsed']:.0f}s cpu {total['cpu'] / 3600:.2f}h lr {mean['lr']:.2e} "
           f"loss {mean['loss']:.3f} ce {mean['ce']:.3f} l1 {mean['l1']:.3f} bce {mean['bce']:.3f} "
           f"slot0-match {mean['hit0']:.3f}", flush=True)
 
 
+def totals(st: dict) -> dict:
+    """Steps, wall seconds and CPU seconds over this run and the runs it continues (`--init-from`)."""
+    b = st.get("before", {"step": 0, "seconds": 0.0, "cpu": 0.0})
+    return {"step": b["step"] + st["step"], "seconds": b["seconds"] + st["elapsed"], "cpu": b["cpu"] + st["cpu"]}
+
+
 def curve_point(work: Path, st: dict, result: dict) -> None:
     """One learning-curve point: step, wall and CPU hours, and the evaluation's figures, appended to curve.jsonl."""
-    point = {"step": st["step"], "train_hours": round(st["elapsed"] / 3600, 3),
-             "cpu_hours": round(st["cpu"] / 3600, 3), **result}
+    total = totals(st)
+    point = {"step": total["step"], "train_hours": round(total["seconds"] / 3600, 3),
+             "cpu_hours": round(total["cpu"] / 3600, 3), **result}
     with (work / "curve.jsonl").open("a") as f:
         f.write(json.dumps(point) + "\n")
     print(f"eval at step {st['step']}: " + " ".join(f"{k} {v}" for k, v in result.items() if k != "per_set"),
@@ -273,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--feature-cache", default=None,
                       help="folder keeping the target's features per training sequence ((taps + 1) x hidden "
                            "values per token, in the target's dtype), so later epochs skip the target")
+    chat.add_argument("--init-from", default=None,
+                      help="start from this exported drafter's weights (a committed one: its optimizer state is "
+                           "not kept) with a fresh optimizer and lr schedule; ignored when WORK_DIR has a ckpt.pt")
     chat.add_argument("--no-frozen-copies", action="store_true",
                       help="do not store the target's embedding and LM head in the drafter (the loader shares them)")
     return p
@@ -286,9 +325,12 @@ def write_report(args: argparse.Namespace, st: dict, evals: dict, eval_what: str
     """train_report.json in the drafter folder: the run's data, size, time, final losses and offline acceptance."""
     last = st["recent"][-args.log_every:] or [{}]
     losses = {k: round(sum(r.get(k, 0.0) for r in last) / len(last), 4) for k in ("loss", "ce", "l1", "bce", "hit0")}
+    total = totals(st)
     report = {
-        "data": data_description(args), "steps": st["step"], "sequences": st["step"] * args.batch,
-        "block_slots": st["slots"], "train_seconds": round(st["elapsed"]), "cpu_hours": round(st["cpu"] / 3600, 3),
+        "data": data_description(args), "steps": total["step"], "sequences": total["step"] * args.batch,
+        "block_slots_this_run": st["slots"], "train_seconds": round(total["seconds"]),
+        "cpu_hours": round(total["cpu"] / 3600, 3), "this_run": {"from_step": totals(st)["step"] - st["step"],
+                                                                "init_from": args.init_from},
         "total_seconds_this_run": round(time.time() - t_start), "final_losses": losses,
         "offline_greedy_acceptance": {"eval": eval_what, **evals},
         "hyper_parameters": {k: v for k, v in vars(args).items() if k not in ("target", "out", "work_dir")},
