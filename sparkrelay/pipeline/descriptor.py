@@ -8,20 +8,24 @@ Wire format, rank k -> rank k+1, in this order (the sends and receives are in pi
   1. header  int64 [HEADER_LEN = 8]
        kind, step, mb_index, num_mbs, num_seqs B, num_tokens T, body_len L, num_released R
   2. body    int64 [L]                       (sent only when L > 0)
-       B rows of SEQ_FIELDS = 14 ints, one per sequence, in micro-batch order:
-         req_index, room, start, end, prompt_len, sample, greedy, top_k, seed, num_blocks, history_len, logprobs,
-         score_first, score_count
+       B rows of SEQ_FIELDS ints, one per sequence, in micro-batch order:
+         req_index, room, start, end, prompt_len, sample, num_blocks, history_len, logprobs, score_first,
+         score_count, then the integer sampler fields (INT_PARAMS: top_k, then seed as (set, value): an
+         optional field takes a flag column too)
        then the B block tables concatenated (num_blocks ids each, in sequence order),
        then the B token histories concatenated (history_len ids each, in sequence order),
        then the B scored prompt tokens concatenated (score_count ids each, in sequence order),
        then R pairs (req_index, room) of requests rank 0 released since the previous descriptor
-  3. floats  float64 [B, FLOAT_FIELDS = 6]  (sent only when B > 0)
-       temperature, top_p, min_p, repetition_penalty, frequency_penalty, presence_penalty per sequence
+  3. floats  float64 [B, FLOAT_FIELDS]  (sent only when B > 0)
+       the float sampler fields per sequence (FLOAT_PARAMS: temperature, top_p, min_p and the three penalties)
+
+The sampler's columns are derived by name and type from scheduler/request.py SAMPLER_FIELDS, so a new sampling
+field crosses the pipeline without a change here; the last stage rebuilds the request's SamplingParams from them.
 
 kind: STEP (run the micro-batch) or SHUTDOWN (B = 0: apply the releases, pass it on, exit).
 req_index: rank 0's small integer id of the request (stable until it is released; stages key per-request state,
 e.g. a seeded sampling generator, by it). room: the PD bootstrap room, 0 when none (room 0 is never a real room).
-seed: -1 when the request has none. top_k: -1 when off. The sequence feeds positions [start, end); it samples after
+An optional integer sampler field that is None (no seed) travels as (0, 0). The sequence feeds positions [start, end); it samples after
 its last fed row when sample is 1. logprobs: -1, or k >= 0 when the request asked for logprobs (the last stage
 then returns them with the token, `token_width`). history: the sequence's tokens [0, end) (prompt, then output),
 which the last stage needs to apply the penalties; sent only for a sampling sequence with a penalty (history_len 0
@@ -35,11 +39,20 @@ it posts receives of exactly the shapes the sender sends; nothing is ever guesse
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
 
 import torch
 
-HEADER_LEN, SEQ_FIELDS, FLOAT_FIELDS = 8, 14, 6
+from sparkrelay.scheduler.request import SAMPLER_FIELDS, SamplingParams
+
+_HINTS = typing.get_type_hints(SamplingParams)
+INT_PARAMS = tuple(n for n in SAMPLER_FIELDS if _HINTS[n] in (int, typing.Optional[int]))
+FLOAT_PARAMS = tuple(n for n in SAMPLER_FIELDS if _HINTS[n] is float)
+assert set(INT_PARAMS + FLOAT_PARAMS) == set(SAMPLER_FIELDS), "a sampler field of a type the descriptor cannot carry"
+_OPTIONAL = frozenset(n for n in INT_PARAMS if _HINTS[n] is not int)  # these take a (set, value) pair
+_FIXED = 11  # req_index .. score_count
+HEADER_LEN, SEQ_FIELDS, FLOAT_FIELDS = 8, _FIXED + len(INT_PARAMS) + len(_OPTIONAL), len(FLOAT_PARAMS)
 STEP, SHUTDOWN = 0, 1
 
 
@@ -53,24 +66,14 @@ class SeqDesc:
     end: int
     prompt_len: int
     sample: bool
-    greedy: bool
-    top_k: int
-    seed: int                 # -1: none
     block_ids: list[int]
-    temperature: float
-    top_p: float
-    min_p: float
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    # the request's sampling parameters; only SAMPLER_FIELDS cross the wire (a receiving stage has the rest at
+    # their defaults, which it never reads)
+    params: SamplingParams = SamplingParams()
     history: list[int] = field(default_factory=list)  # tokens [0, end) when the last stage must penalise, else []
     logprobs: int = -1  # -1: none; else the sampled token's logprob and this many top logprobs go back to rank 0
     score_first: int = -1  # prompt logprobs: the first prompt position this chunk scores (-1: none)
     score_ids: list[int] = field(default_factory=list)  # the prompt tokens at score_first, score_first + 1, ...
-
-    @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 @dataclass
@@ -93,17 +96,36 @@ def encode(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> header int64 [HEADER_LEN], body int64 [L], floats float64 [B, FLOAT_FIELDS] (CPU tensors)."""
     rows, tables, histories, scored = [], [], [], []
     for s in mb.seqs:
-        rows += [s.req_index, s.room, s.start, s.end, s.prompt_len, int(s.sample), int(s.greedy), s.top_k, s.seed,
-                 len(s.block_ids), len(s.history), s.logprobs, s.score_first, len(s.score_ids)]
+        rows += [s.req_index, s.room, s.start, s.end, s.prompt_len, int(s.sample), len(s.block_ids), len(s.history),
+                 s.logprobs, s.score_first, len(s.score_ids)]
+        rows += _int_columns(s.params)
         tables += s.block_ids
         histories += s.history
         scored += s.score_ids
     body = rows + tables + histories + scored + [x for pair in mb.released for x in pair]
     header = [mb.kind, mb.step, mb.index, mb.count, len(mb.seqs), mb.num_tokens, len(body), len(mb.released)]
-    floats = [[s.temperature, s.top_p, s.min_p, s.repetition_penalty, s.frequency_penalty, s.presence_penalty]
-              for s in mb.seqs]
+    floats = [[getattr(s.params, name) for name in FLOAT_PARAMS] for s in mb.seqs]
     return (torch.tensor(header, dtype=torch.int64), torch.tensor(body, dtype=torch.int64),
             torch.tensor(floats, dtype=torch.float64).reshape(len(mb.seqs), FLOAT_FIELDS))
+
+
+def _int_columns(params: SamplingParams) -> list[int]:
+    out = []
+    for name in INT_PARAMS:
+        value = getattr(params, name)
+        out += ([0, 0] if value is None else [1, value]) if name in _OPTIONAL else [value]
+    return out
+
+
+def _int_fields(columns: list[int]) -> dict:
+    """The inverse of `_int_columns`."""
+    out, it = {}, iter(columns)
+    for name in INT_PARAMS:
+        out[name] = next(it)
+        if name in _OPTIONAL:
+            value = next(it)
+            out[name] = value if out[name] else None
+    return out
 
 
 def sizes(header: torch.Tensor) -> tuple[int, int, int]:
@@ -119,11 +141,11 @@ def decode(header: torch.Tensor, body: torch.Tensor, floats: torch.Tensor) -> Mi
     assert len(ints) == length and len(fl) == b, f"descriptor body {len(ints)}/{length}, floats {len(fl)}/{b}"
     cursor, seqs, hist_lens, score_lens = b * SEQ_FIELDS, [], [], []
     for i in range(b):
-        req, room, start, end, plen, smp, greedy, top_k, seed, nb, nh, lp, sf, ns = \
-            ints[i * SEQ_FIELDS : (i + 1) * SEQ_FIELDS]
-        seqs.append(SeqDesc(req, room, start, end, plen, bool(smp), bool(greedy), top_k, seed,
-                            ints[cursor : cursor + nb], *fl[i]))
-        seqs[-1].logprobs, seqs[-1].score_first = lp, sf
+        row = ints[i * SEQ_FIELDS : (i + 1) * SEQ_FIELDS]
+        req, room, start, end, plen, smp, nb, nh, lp, sf, ns = row[:_FIXED]
+        params = SamplingParams(**_int_fields(row[_FIXED:]), **dict(zip(FLOAT_PARAMS, fl[i])))
+        seqs.append(SeqDesc(req, room, start, end, plen, bool(smp), ints[cursor : cursor + nb], params,
+                            logprobs=lp, score_first=sf))
         cursor += nb
         hist_lens.append(nh)
         score_lens.append(ns)

@@ -46,9 +46,9 @@ from sparkrelay.runner.model_runner import RunResult, prompt_rows
 
 # Chunk pipelining (PipelineRunner._plan): a cut prefill step's chunks hold at least CHUNK_TOKENS tokens, and there
 # are at most CHUNKS_PER_STAGE per stage. Each chunk pays a fixed cost on every stage (its layers' weights read
-# again, attention set-up: ~4 ms for 4 layers of the bundled model on one core), and the pipeline fills and drains
-# with one chunk: PD TTFT through the router, PP=2 on 2 cores, was 6-7% lower with 256 than with 128 at 512 and
-# 1,024 tokens (paired runs), and chunks of 341 or 512 tokens were slower than 256 at 2,048.
+# again, attention set-up), and the pipeline fills and drains with one chunk: too small a chunk pays the fixed cost
+# too often, too large a one fills and drains slowly; 256 gave the lowest PD TTFT measured (speed notes of
+# docs/architecture.md).
 CHUNK_TOKENS, CHUNKS_PER_STAGE = 256, 4
 
 
@@ -252,10 +252,8 @@ class PipelineRunner:
             self._ids[req.rid] = (next(self._req_counter), self.room_of(req))
         index, room = self._ids[req.rid]
         history = req.all_ids[: s.end] if s.sample and p.penalized else []  # the last stage penalises with it
-        return SeqDesc(index, room, s.start, s.end, len(req.prompt_ids), s.sample, p.greedy, p.top_k,
-                       -1 if p.seed is None else p.seed, list(req.block_ids), p.temperature, p.top_p, p.min_p,
-                       p.repetition_penalty, p.frequency_penalty, p.presence_penalty, history, p.logprobs_k,
-                       score_first, req.prompt_ids[score_first : score_first + score_count])
+        return SeqDesc(index, room, s.start, s.end, len(req.prompt_ids), s.sample, list(req.block_ids), p, history,
+                       p.logprobs_k, score_first, req.prompt_ids[score_first : score_first + score_count])
 
     @staticmethod
     def _result(seqs: list[ScheduledSeq], owners: list[int], mbs: list[MicroBatch],

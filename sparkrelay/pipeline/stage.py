@@ -28,7 +28,7 @@ from sparkrelay.pipeline.capture import CaptureSpec, StagePayload
 from sparkrelay.pipeline.descriptor import MicroBatch, SeqDesc, reply_shape, token_width
 from sparkrelay.pipeline.partition import stage_taps
 from sparkrelay.runner.logprobs import Entry, Scored, score_rows, to_rows, token_logprobs
-from sparkrelay.runner.sampler import PenaltyRows, SamplingBatch, apply_penalties, sample
+from sparkrelay.runner.sampler import SeededGenerators, draw
 from sparkrelay.trace import timeline
 
 PREFILL_SINK_FACTORY = "sparkrelay.disagg.prefill_sink:make_stage_sink"
@@ -139,7 +139,7 @@ class Stage:
         self.is_last = index == len(partition) - 1
         self.own_taps = stage_taps(capture.target_layer_ids, partition, index) if capture.mode != "none" else ()
         self.shared_gen = torch.Generator(device=device).manual_seed(seed)
-        self._generators: dict[int, torch.Generator] = {}
+        self.generators = SeededGenerators(device)
         self.test_delay = stage_delay(index)
         self.threads: Optional[tuple[int, int]] = None  # (alone, shared): see share_cores
 
@@ -166,7 +166,7 @@ class Stage:
 
     def release(self, released: list[tuple[int, int]]) -> None:
         for req_index, _ in released:
-            self._generators.pop(req_index, None)
+            self.generators.drop(req_index)
         rooms = [room for _, room in released if room]
         if self.sink is not None and rooms:
             self.sink.release(rooms)
@@ -294,28 +294,5 @@ class Stage:
 
     def _draw(self, rows: list[SeqDesc], logits: torch.Tensor) -> list[int]:
         """logits [R, V] (raw, left untouched) -> one token per row, from the penalised logits (as ModelRunner)."""
-        scores = logits
-        if any(s.penalized for s in rows):
-            scores = apply_penalties(logits, PenaltyRows(
-                [s.repetition_penalty for s in rows], [s.frequency_penalty for s in rows],
-                [s.presence_penalty for s in rows], [s.history[: s.prompt_len] for s in rows],
-                [s.history[s.prompt_len :] for s in rows]))
-        if all(s.greedy for s in rows):
-            return scores.argmax(-1).tolist()
-        dev = self.device
-        sb = SamplingBatch(
-            temperature=torch.tensor([s.temperature for s in rows], device=dev),
-            top_k=torch.tensor([max(s.top_k, 0) for s in rows], device=dev),
-            top_p=torch.tensor([s.top_p for s in rows], device=dev),
-            min_p=torch.tensor([s.min_p for s in rows], device=dev),
-            greedy=torch.tensor([s.greedy for s in rows], device=dev),
-            generators=[self._generator(s) for s in rows],
-        )
-        return sample(scores, sb, self.shared_gen).tolist()
-
-    def _generator(self, s: SeqDesc) -> Optional[torch.Generator]:
-        if s.seed == -1:
-            return None
-        if s.req_index not in self._generators:
-            self._generators[s.req_index] = torch.Generator(device=self.device).manual_seed(s.seed)
-        return self._generators[s.req_index]
+        return draw(logits, [s.params for s in rows], [s.req_index for s in rows], self.generators, self.shared_gen,
+                    [s.history[: s.prompt_len] for s in rows], [s.history[s.prompt_len :] for s in rows])

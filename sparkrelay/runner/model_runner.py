@@ -13,7 +13,7 @@ from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.decoder import CausalLM, StageOutput
 from sparkrelay.runner.logprobs import Entry, Scored, score_rows, token_logprobs
-from sparkrelay.runner.sampler import PenaltyRows, SamplingBatch, apply_penalties, sample
+from sparkrelay.runner.sampler import SamplingBatch, SeededGenerators, draw
 
 
 @dataclass
@@ -34,11 +34,11 @@ class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, device: torch.device, seed: int) -> None:
         self.model, self.pool, self.device = model, pool, device
         self.shared_gen = torch.Generator(device=device).manual_seed(seed)
-        self._generators: dict[str, torch.Generator] = {}
+        self.generators = SeededGenerators(device)
         self.taps: tuple[int, ...] = ()
 
     def release(self, rid: str) -> None:
-        self._generators.pop(rid, None)
+        self.generators.drop(rid)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> RunResult:
@@ -77,43 +77,12 @@ class ModelRunner:
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
         """logits [R, V] (raw, left untouched) -> one token per request, drawn from the penalised logits."""
-        scores = self.penalised(reqs, logits)
-        if all(r.params.greedy for r in reqs):
-            return scores.argmax(-1).tolist()
-        return sample(scores, self.sampling_batch(reqs), self.shared_gen).tolist()
-
-    @staticmethod
-    def penalised(reqs: list[Request], logits: torch.Tensor, drafts: Optional[list[list[int]]] = None) -> torch.Tensor:
-        """logits [R, V] -> the same tensor when no request has a penalty, else penalised float32 logits [R, V].
-        Row i's history is reqs[i]'s prompt and output, then drafts[i] (drafts assumed accepted, DSpark verify)."""
-        if not any(r.params.penalized for r in reqs):
-            return logits
-        extra = drafts or [[] for _ in reqs]
-        rows = PenaltyRows([r.params.repetition_penalty for r in reqs], [r.params.frequency_penalty for r in reqs],
-                           [r.params.presence_penalty for r in reqs], [r.prompt_ids for r in reqs],
-                           [r.output_ids + d for r, d in zip(reqs, extra)])
-        return apply_penalties(logits, rows)
+        return draw(logits, [r.params for r in reqs], [r.rid for r in reqs], self.generators, self.shared_gen,
+                    [r.prompt_ids for r in reqs], [r.output_ids for r in reqs])
 
     def sampling_batch(self, reqs: list[Request], repeats: Optional[list[int]] = None) -> SamplingBatch:
         """Per-row sampling parameters; with `repeats`, request i fills repeats[i] consecutive rows."""
-        reps = repeats or [1] * len(reqs)
-        ps = [r.params for r, n in zip(reqs, reps) for _ in range(n)]
-        dev = self.device
-        return SamplingBatch(
-            temperature=torch.tensor([p.temperature for p in ps], device=dev),
-            top_k=torch.tensor([max(p.top_k, 0) for p in ps], device=dev),
-            top_p=torch.tensor([p.top_p for p in ps], device=dev),
-            min_p=torch.tensor([p.min_p for p in ps], device=dev),
-            greedy=torch.tensor([p.greedy for p in ps], device=dev),
-            generators=[self.generator(r) for r, n in zip(reqs, reps) for _ in range(n)],
-        )
-
-    def generator(self, req: Request) -> Optional[torch.Generator]:
-        if req.params.seed is None:
-            return None
-        if req.rid not in self._generators:
-            self._generators[req.rid] = torch.Generator(device=self.device).manual_seed(req.params.seed)
-        return self._generators[req.rid]
+        return SamplingBatch.build([r.params for r in reqs], [r.rid for r in reqs], self.generators, repeats)
 
 
 def output_logprobs(reqs: list[Request], rows: list[int], logits: torch.Tensor, next_ids: list[int],

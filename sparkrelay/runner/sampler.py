@@ -1,5 +1,6 @@
 """Batched sampling: repetition / frequency / presence penalties, greedy, temperature, top-k, top-p, min-p,
-per-request seeds.
+per-request seeds. The one path from a batch's SamplingParams to its tokens, for the plain and speculative runners
+and the last pipeline stage alike: `penalize`, `SamplingBatch.build` and `draw`.
 
 Penalties act on the raw logits before anything else (vLLM's rule, Hugging Face's for repetition); a batch whose
 requests all leave them at their defaults never calls `apply_penalties`.
@@ -11,9 +12,31 @@ seed gets its noise from its own generator and draws the same tokens whatever ba
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Hashable, Optional
 
 import torch
+
+from sparkrelay.scheduler.request import SamplingParams
+
+
+class SeededGenerators:
+    """Each seeded request's own generator: made from its seed at its first sampled row, kept until the request is
+    released, so its draws do not depend on the batch it shares. Keyed by the request's handle in the process that
+    samples (the rid in a runner, rank 0's req_index in a pipeline stage)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._gens: dict[Hashable, torch.Generator] = {}
+
+    def get(self, key: Hashable, seed: Optional[int]) -> Optional[torch.Generator]:
+        if seed is None:
+            return None
+        if key not in self._gens:
+            self._gens[key] = torch.Generator(device=self.device).manual_seed(seed)
+        return self._gens[key]
+
+    def drop(self, key: Hashable) -> None:
+        self._gens.pop(key, None)
 
 
 @dataclass
@@ -30,6 +53,23 @@ class SamplingBatch:
     @property
     def all_greedy(self) -> bool:
         return bool(self.greedy.all())
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], keys: list[Hashable], gens: SeededGenerators,
+              repeats: Optional[list[int]] = None) -> "SamplingBatch":
+        """Per-row tensors [R] for requests with `params` and `keys`; with `repeats`, request i fills repeats[i]
+        consecutive rows (a DSpark verify's rows), all drawing from the request's one generator."""
+        reps = repeats or [1] * len(params)
+        ps = [p for p, n in zip(params, reps) for _ in range(n)]
+        dev = gens.device
+        return cls(
+            temperature=torch.tensor([p.temperature for p in ps], device=dev),
+            top_k=torch.tensor([max(p.top_k, 0) for p in ps], device=dev),
+            top_p=torch.tensor([p.top_p for p in ps], device=dev),
+            min_p=torch.tensor([p.min_p for p in ps], device=dev),
+            greedy=torch.tensor([p.greedy for p in ps], device=dev),
+            generators=[gens.get(k, p.seed) for p, k, n in zip(params, keys, reps) for _ in range(n)],
+        )
 
 
 @dataclass
@@ -74,6 +114,17 @@ def apply_penalties(logits: torch.Tensor, pr: PenaltyRows) -> torch.Tensor:
     return x - freq * out_counts - pres * (out_counts > 0).float()
 
 
+def penalize(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
+             outputs: list[list[int]]) -> torch.Tensor:
+    """logits [R, V] -> the same tensor when no row has a penalty, else penalised float32 logits [R, V]; row i's
+    history is prompts[i] then outputs[i] (for a DSpark verify row, the drafts before it count as output)."""
+    if not any(p.penalized for p in params):
+        return logits
+    rows = PenaltyRows([p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                       [p.presence_penalty for p in params], prompts, outputs)
+    return apply_penalties(logits, rows)
+
+
 def filter_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """logits [R, V] -> probabilities [R, V] after temperature, top-k, top-p and min-p (float32)."""
     logits = logits.float() / sb.temperature.clamp(min=1e-5).unsqueeze(1)
@@ -113,3 +164,12 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, shared: torch.Generator) -> 
     noise = exponential_noise(tuple(probs.shape), sb.generators, shared, probs.device)
     drawn = (probs / noise).argmax(-1)
     return torch.where(sb.greedy, greedy_ids, drawn)
+
+
+def draw(logits: torch.Tensor, params: list[SamplingParams], keys: list[Hashable], gens: SeededGenerators,
+         shared: torch.Generator, prompts: list[list[int]], outputs: list[list[int]]) -> list[int]:
+    """logits [R, V] (raw, left untouched) -> one token per row, drawn from the penalised logits."""
+    scores = penalize(logits, params, prompts, outputs)
+    if all(p.greedy for p in params):
+        return scores.argmax(-1).tolist()
+    return sample(scores, SamplingBatch.build(params, keys, gens), shared).tolist()

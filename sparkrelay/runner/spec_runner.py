@@ -17,7 +17,7 @@ from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.decoder import StageOutput
 from sparkrelay.runner.logprobs import token_logprobs
 from sparkrelay.runner.model_runner import ModelRunner, RunResult
-from sparkrelay.runner.sampler import filter_probs
+from sparkrelay.runner.sampler import filter_probs, penalize
 from sparkrelay.spec.proposer import DSparkProposer
 from sparkrelay.spec.verify import verify
 
@@ -93,7 +93,8 @@ class SpecRunner(ModelRunner):
         reps = [k + 1 for k in n]
         if any(r.params.penalized for r in reqs):  # else the raw logits, as before penalties existed
             rows = [r for r, k in zip(reqs, reps) for _ in range(k)]
-            logits = self.penalised(rows, logits, [d[:j] for d, k in zip(drafts, reps) for j in range(k)])  # [T, V]
+            outputs = [r.output_ids + d[:j] for r, d, k in zip(reqs, drafts, reps) for j in range(k)]
+            logits = penalize(logits, [r.params for r in rows], [r.prompt_ids for r in rows], outputs)  # [T, V]
         if all(r.params.greedy for r in reqs):
             probs = logits  # greedy verification only compares argmaxes
         else:

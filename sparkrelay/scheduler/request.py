@@ -13,6 +13,9 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit; a PD metadata row carries this many for
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 
 
+_INT64 = range(-2**63, 2**63)
+
+
 class RequestError(ValueError):
     """A request that cannot be served as asked; the message says why (maps to HTTP 400)."""
 
@@ -50,27 +53,32 @@ class SamplingParams:
         self.verify()
 
     def verify(self) -> None:
+        """The one check of every value (HTTP routes, the offline API and the pipeline all build through here);
+        raises RequestError naming the SGLang field, which the HTTP layer answers with a 400."""
         if self.max_new_tokens < 0:
-            raise RequestError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+            raise RequestError(f"`max_new_tokens` must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+            raise RequestError(f"`temperature` must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestError(f"`top_p` must be in (0, 1], got {self.top_p}")
+        for name in ("top_k", "seed"):  # both end up in int64 tensors or torch.Generator.manual_seed
+            if getattr(self, name) is not None and getattr(self, name) not in _INT64:
+                raise RequestError(f"`{name}` must fit in a signed 64-bit integer, got {getattr(self, name)}")
         if self.top_k == 0 or self.top_k < -1:
-            raise RequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+            raise RequestError(f"`top_k` must be -1 (off) or >= 1, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
-            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise RequestError(f"`min_p` must be in [0, 1], got {self.min_p}")
         if any(not s for s in self.stop):
-            raise RequestError("stop strings must be non-empty")
+            raise RequestError("`stop` strings must be non-empty")
         if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise RequestError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
+            raise RequestError(f"`top_logprobs_num` must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
         if self.logprob_start_len < -1:
-            raise RequestError(f"logprob_start_len must be -1 (output only) or >= 0, got {self.logprob_start_len}")
+            raise RequestError(f"`logprob_start_len` must be -1 (output only) or >= 0, got {self.logprob_start_len}")
         if not self.repetition_penalty > 0:
-            raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise RequestError(f"`repetition_penalty` must be > 0, got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise RequestError(f"`{name}` must be in [-2, 2], got {getattr(self, name)}")
 
     @property
     def logprobs_k(self) -> int:
@@ -85,6 +93,16 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Any penalty away from its default (requests without one never build a token history)."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def sampler_fields(self) -> dict:
+        """The fields the sampler reads (SAMPLER_FIELDS), by name: what a pipeline stage needs to sample."""
+        return {name: getattr(self, name) for name in SAMPLER_FIELDS}
+
+
+# What runner/sampler.py reads of SamplingParams (penalties, filters, seed); the pipeline descriptor carries exactly
+# these columns, so a new sampling rule is a field here and its use in the sampler, nothing in between.
+SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "frequency_penalty",
+                  "presence_penalty")
 
 
 @dataclass(frozen=True)

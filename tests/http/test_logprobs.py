@@ -160,8 +160,8 @@ def test_descriptor_carries_scored_prompt_tokens_only_when_asked():
     and the reply shape grows by one row per scored position."""
     from sparkrelay.pipeline.descriptor import STEP, MicroBatch, SeqDesc, decode, encode, reply_shape
 
-    plain = SeqDesc(0, 0, 0, 8, 20, False, True, -1, -1, [0, 1], 0.0, 1.0, 0.0)
-    asked = SeqDesc(1, 7, 8, 16, 20, True, True, -1, -1, [2, 3, 4], 0.0, 1.0, 0.0, logprobs=3, score_first=9,
+    plain = SeqDesc(0, 0, 0, 8, 20, False, [0, 1], SamplingParams(temperature=0.0))
+    asked = SeqDesc(1, 7, 8, 16, 20, True, [2, 3, 4], SamplingParams(temperature=0.0), logprobs=3, score_first=9,
                     score_ids=[11, 12, 13, 14, 15, 16, 17, 18])
     header, body, floats = encode(MicroBatch(STEP, 4, 0, 1, [plain], []))
     assert body.numel() == 14 + 2 and reply_shape([plain]) == (1, 1)  # zero-cost without logprobs

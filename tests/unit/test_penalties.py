@@ -29,8 +29,8 @@ from testkit.stats import chi2_critical
 from sparkrelay import LLM, SamplingParams
 from sparkrelay.scheduler.request import Request, RequestError
 from sparkrelay.pipeline.descriptor import STEP, MicroBatch, SeqDesc, decode, encode
-from sparkrelay.runner import model_runner, spec_runner
-from sparkrelay.runner.sampler import PenaltyRows, SamplingBatch, apply_penalties, filter_probs
+from sparkrelay.runner import model_runner, sampler, spec_runner
+from sparkrelay.runner.sampler import PenaltyRows, SamplingBatch, SeededGenerators, apply_penalties, filter_probs
 from sparkrelay.spec.verify import verify
 
 NEW_TOKENS = 24
@@ -96,8 +96,11 @@ def test_verify_rejects_bad_values():
 
 
 def test_descriptor_carries_penalties_and_history():
-    seqs = [SeqDesc(3, 0, 0, 5, 4, True, True, -1, -1, [1, 2], 0.0, 1.0, 0.0, 1.3, 0.5, -0.25, [9, 8, 7, 6, 5]),
-            SeqDesc(4, 11, 2, 4, 4, False, False, 40, 7, [3], 0.8, 0.9, 0.1)]
+    seqs = [SeqDesc(3, 0, 0, 5, 4, True, [1, 2], SamplingParams(temperature=0.0, repetition_penalty=1.3,
+                                                                frequency_penalty=0.5, presence_penalty=-0.25),
+                    [9, 8, 7, 6, 5]),
+            SeqDesc(4, 11, 2, 4, 4, False, [3], SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=7,
+                                                               min_p=0.1))]
     mb = MicroBatch(STEP, 1, 0, 1, seqs, [(1, 0)])
     assert decode(*encode(mb)) == mb
 
@@ -191,7 +194,7 @@ def test_defaults_never_build_a_penalty(plain, spec, prompts, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("apply_penalties called for a request without penalties")
 
-    monkeypatch.setattr(model_runner, "apply_penalties", boom)
+    monkeypatch.setattr(sampler, "apply_penalties", boom)  # the one place the runners penalise through
     explicit = SamplingParams(max_new_tokens=8, temperature=0.8, seed=5, ignore_eos=True, repetition_penalty=1.0,
                               frequency_penalty=0.0, presence_penalty=0.0)
     implicit = SamplingParams(max_new_tokens=8, temperature=0.8, seed=5, ignore_eos=True)
@@ -212,9 +215,8 @@ def test_verify_rows_are_penalised_with_the_drafts_before_them():
     n, drafts = [2, 1], [[8, 9, 0], [10, 0, 0]]
     logits = torch.randn(sum(k + 1 for k in n), vocab)
     runner = SimpleNamespace(proposer=SimpleNamespace(block_size=block), device=torch.device("cpu"),
-                             penalised=model_runner.ModelRunner.penalised, _generators={}, shared_gen=None)
+                             generators=SeededGenerators(torch.device("cpu")), shared_gen=None)
     runner.sampling_batch = lambda rs, reps=None: model_runner.ModelRunner.sampling_batch(runner, rs, reps)
-    runner.generator = lambda r: None
     got = spec_runner.SpecRunner._target_probs(runner, reqs, n, drafts, logits)  # [R, B + 1, V]
     row = 0
     for r, req in enumerate(reqs):
@@ -283,9 +285,8 @@ def test_verify_with_penalised_targets_is_lossless():
     q = torch.softmax(torch.randn(vocab), -1)  # the drafter's proposal distribution for d_1
     d1 = torch.multinomial(q, copies, replacement=True, generator=torch.Generator().manual_seed(3))  # [C]
     runner = SimpleNamespace(proposer=SimpleNamespace(block_size=1), device=torch.device("cpu"),
-                             penalised=model_runner.ModelRunner.penalised, _generators={}, shared_gen=None)
+                             generators=SeededGenerators(torch.device("cpu")), shared_gen=None)
     runner.sampling_batch = lambda rs, reps=None: model_runner.ModelRunner.sampling_batch(runner, rs, reps)
-    runner.generator = lambda r: None
     # each draft value gets its own penalised row 1 (its history ends with d_1); compute once per value
     p = torch.stack([spec_runner.SpecRunner._target_probs(runner, [req], [1], [[v]], raw)[0] for v in range(vocab)])
     target = p[d1]  # [C, 2, V]
@@ -370,7 +371,7 @@ def test_http_explicit_defaults_are_served_exactly_as_without(http, prompts, mon
     def boom(*a, **k):
         raise AssertionError("apply_penalties called for a request without penalties")
 
-    monkeypatch.setattr(model_runner, "apply_penalties", boom)  # also: no penalty is ever built for them
+    monkeypatch.setattr(sampler, "apply_penalties", boom)  # the one place the runners penalise through  # also: no penalty is ever built for them
     ids, sampled = prompts[4], {"temperature": 0.8, "seed": 11, "ignore_eos": True}
     native = {"input_ids": ids, "sampling_params": {"max_new_tokens": 10, **sampled}}
     with_defaults = {**native, "sampling_params": {**native["sampling_params"], **EXPLICIT_DEFAULTS}}

@@ -3,6 +3,7 @@ checks every route applies (token budgets, n, the sglang-router extras, sampling
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -67,17 +68,12 @@ def check_prompt(ids: list[int], where: str) -> list[int]:
     return ids
 
 
-_INT64 = range(-2**63, 2**63)  # top_k and seed end up in int64 tensors and torch.Generator.manual_seed
-
-
-def sampling(**kw: Any) -> SamplingParams:
-    if kw.get("temperature", 0) < 0:
-        raise RequestError(f"`temperature` must be >= 0, got {kw['temperature']}")
-    for name in ("top_k", "seed"):
-        if kw.get(name) is not None and kw[name] not in _INT64:
-            raise RequestError(f"`{name}` must fit in a signed 64-bit integer, got {kw[name]}"
-                               + (" (sample j of n uses seed + j)" if name == "seed" else ""))
-    return SamplingParams(**kw)  # verify() raises RequestError with the SGLang field name
+def build_params(model: BaseModel, **given: Any) -> SamplingParams:
+    """SamplingParams from the request model's fields of the same names (None: the field's default) and `given`
+    (what a route maps from its own names); SamplingParams.verify is the one value check (RequestError: a 400)."""
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    fields = {n: v for n, v in model.model_dump(include=names & set(type(model).model_fields)).items() if v is not None}
+    return SamplingParams(**(fields | given))
 
 
 def tokenize(tokenizer, text: str) -> list[int]:

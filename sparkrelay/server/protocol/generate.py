@@ -3,31 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Optional, Union
 
-from sparkrelay.scheduler.request import MAX_TOP_LOGPROBS, RequestError, SamplingParams
+import pydantic
+
+from sparkrelay.scheduler.request import RequestError, SamplingParams
 from sparkrelay.server.engine_messages import GenerationItem
-from sparkrelay.server.protocol.common import Limits, Routed, Strict, check_extras, check_max_tokens, check_prompt, \
-    sampling, tokenize
+from sparkrelay.server.protocol.common import (Limits, Routed, Strict, build_params, check_extras, check_max_tokens,
+                                              check_prompt, tokenize)
 
 
-class GenerateSamplingParams(Strict):
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    sampling_seed: Optional[int] = None
-    seed: Optional[int] = None
-    n: int = 1
+# SGLang's `sampling_params` object: SamplingParams' own fields (the logprob ones sit beside it in SGLang's body),
+# with the JSON shapes SGLang accepts for `stop` and `stop_token_ids`, plus the HTTP-only `sampling_seed` and `n`
+_BESIDE = {"return_logprob", "top_logprobs_num", "logprob_start_len"}
+_JSON_SHAPES = {"stop": (Union[str, list[str], None], None), "stop_token_ids": (Optional[list[int]], None)}
+_HINTS = typing.get_type_hints(SamplingParams)
+GenerateSamplingParams = pydantic.create_model(
+    "GenerateSamplingParams", __base__=Strict,
+    **{f.name: _JSON_SHAPES.get(f.name, (_HINTS[f.name], f.default)) for f in dataclasses.fields(SamplingParams)
+       if f.name not in _BESIDE},
+    sampling_seed=(Optional[int], None), n=(int, 1))
 
 
 class GenerateRequest(Routed):
@@ -62,14 +58,14 @@ def _generate_prompts(req: GenerateRequest, tokenizer) -> tuple[list[list[int]],
     return [check_prompt(list(p), f"input_ids[{i}]") for i, p in enumerate(prompts)], batch
 
 
-def _generate_params(sp: GenerateSamplingParams, limits: Limits) -> SamplingParams:
+def _generate_params(sp: GenerateSamplingParams, limits: Limits, logprobs: dict[str, Any]) -> SamplingParams:
     if sp.n != 1:
         raise RequestError("`sampling_params.n` > 1 is not supported on /generate; use /v1/completions")
     if sp.seed is not None and sp.sampling_seed is not None and sp.seed != sp.sampling_seed:
         raise RequestError("`seed` and `sampling_seed` disagree")
     check_max_tokens("max_new_tokens", sp.max_new_tokens, limits)
-    fields = sp.model_dump(exclude={"sampling_seed", "seed", "n"})
-    return sampling(**fields, seed=sp.seed if sp.seed is not None else sp.sampling_seed)
+    return build_params(sp, seed=sp.seed if sp.seed is not None else sp.sampling_seed,
+                        stop=sp.stop or (), stop_token_ids=sp.stop_token_ids or (), **logprobs)
 
 
 def generate_items(req: GenerateRequest, tokenizer, limits: Limits, new_id) -> tuple[list[GenerationItem], bool]:
@@ -83,21 +79,16 @@ def generate_items(req: GenerateRequest, tokenizer, limits: Limits, new_id) -> t
     if len(sps) != len(prompts) or len(rids) != len(prompts):
         raise RequestError(f"batch of {len(prompts)} prompts needs as many `sampling_params` and `rid` entries")
     logprobs = _generate_logprobs(req, len(prompts))
-    items = [GenerationItem(r, p, dataclasses.replace(_generate_params(s, limits), **lp))
+    items = [GenerationItem(r, p, _generate_params(s, limits, lp))
              for r, p, s, lp in zip(rids, prompts, sps, logprobs)]
     return items, batch
 
 
 def _generate_logprobs(req: GenerateRequest, n: int) -> list[dict[str, Any]]:
-    """SGLang's per-request logprob fields (a value, or a list with one per prompt) -> SamplingParams fields."""
+    """SGLang's per-request logprob fields (a value, or a list with one per prompt) -> SamplingParams fields (their
+    values are checked by SamplingParams.verify when the item's parameters are built)."""
     fields = (("return_logprob", False), ("top_logprobs_num", 0), ("logprob_start_len", -1))
     per = {name: _per_prompt(getattr(req, name), default, n, name) for name, default in fields}
-    for k in per["top_logprobs_num"]:
-        if not 0 <= k <= MAX_TOP_LOGPROBS:
-            raise RequestError(f"`top_logprobs_num` must be in 0..{MAX_TOP_LOGPROBS}, got {k}")
-    for k in per["logprob_start_len"]:
-        if k < -1:
-            raise RequestError(f"`logprob_start_len` must be -1 (output logprobs only) or >= 0, got {k}")
     return [dict(zip(per, values)) for values in zip(*per.values())]
 
 

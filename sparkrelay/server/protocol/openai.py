@@ -9,8 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sparkrelay.scheduler.request import MAX_TOP_LOGPROBS, RequestError
 from sparkrelay.server.engine_messages import GenerationItem
-from sparkrelay.server.protocol.common import Limits, Routed, Strict, check_extras, check_max_tokens, check_n, \
-    check_prompt, sampling, tokenize, unsupported
+from sparkrelay.server.protocol.common import (Limits, Routed, Strict, build_params, check_extras, check_max_tokens,
+                                              check_n, check_prompt, tokenize, unsupported)
 
 
 class StreamOptions(Strict):
@@ -76,29 +76,21 @@ class ChatCompletionRequest(OpenAIRequest):
     stream_reasoning: bool = True
 
 
-def _or(value: Optional[float], default: float) -> float:
-    return default if value is None else value
-
-
 def _openai_common(req: OpenAIRequest, limits: Limits) -> dict[str, Any]:
     check_extras(req)
     if req.logit_bias:
         raise unsupported("logit_bias")
     check_n(req.n, limits)
-    return dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                stop=req.stop or (), stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
-                skip_special_tokens=req.skip_special_tokens, no_stop_trim=req.no_stop_trim,
-                repetition_penalty=_or(req.repetition_penalty, 1.0), frequency_penalty=_or(req.frequency_penalty, 0.0),
-                presence_penalty=_or(req.presence_penalty, 0.0))
+    return dict(stop=req.stop or (), stop_token_ids=req.stop_token_ids or ())
 
 
-def _expand(prompts: list[list[int]], max_tokens: list[int], common: dict, n: int, seed: Optional[int],
+def _expand(req: OpenAIRequest, prompts: list[list[int]], max_tokens: list[int], common: dict,
             base_id: str) -> list[GenerationItem]:
     """n items per prompt, prompt-major (choice index = prompt * n + sample); seed + sample if seeded."""
-    items = []
+    items, n, seed = [], req.n, req.seed
     for p, (ids, mt) in enumerate(zip(prompts, max_tokens)):
         for j in range(n):
-            params = sampling(**common, max_new_tokens=mt, seed=None if seed is None else seed + j)
+            params = build_params(req, **common, max_new_tokens=mt, seed=None if seed is None else seed + j)
             items.append(GenerationItem(f"{base_id}-{p * n + j}", ids, params))
     return items
 
@@ -127,7 +119,7 @@ def completion_items(req: CompletionRequest, tokenizer, limits: Limits, base_id:
     prompts = [check_prompt(x, f"prompt[{i}]" if len(prompts) > 1 else "prompt") for i, x in enumerate(prompts)]
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
     check_max_tokens("max_tokens", max_tokens, limits)
-    return _expand(prompts, [max_tokens] * len(prompts), common, req.n, req.seed, base_id)
+    return _expand(req, prompts, [max_tokens] * len(prompts), common, base_id)
 
 
 def _message_dict(m: ChatMessage) -> dict[str, str]:
@@ -169,4 +161,4 @@ def chat_items(req: ChatCompletionRequest, tokenizer, limits: Limits, base_id: s
                          given, limits)
     # Without a limit, generate up to the context; a prompt that fills it is rejected by the engine.
     max_tokens = given if given is not None else max(limits.context_length - len(ids), 1)
-    return _expand([ids], [max_tokens], common, req.n, req.seed, base_id)
+    return _expand(req, [ids], [max_tokens], common, base_id)
