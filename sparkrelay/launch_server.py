@@ -84,7 +84,7 @@ def bind(flag: str, host_flag: str, host: str, port: int) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT does not count
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted connections inherit it (asyncio sets it
-    # only when the socket's proto is IPPROTO_TCP; the bootstrap server's replies waited 44 ms without it)
+    # only when the socket's proto is IPPROTO_TCP; without it a reply's body waits for the delayed ACK of its headers)
     try:
         sock.bind(addr)
     except OSError as e:
@@ -157,10 +157,10 @@ SHARED_CORES_SPIN = "1000"  # libgomp's own figure for a process with more OpenM
 def openmp_policy(config: Config) -> Optional[str]:
     """How long an idle OpenMP thread spins before it sleeps, set before torch loads libgomp (which reads it once).
     A PD server or a pipeline's stages share a host's cores with other engine processes by design; libgomp's default
-    (300,000 spins) then keeps each idle process's threads on cores the busy ones need: measured on 2 cores, a
-    prefill restarting beside a serving prefill + decode pair raised the other pair's p95 latency from 85 ms to
-    1.47 s (97 ms with 1,000 spins). An aggregated server keeps the default: alone, spinning is ~10-20 % faster
-    decode. A user's GOMP_SPINCOUNT or OMP_WAIT_POLICY always wins. Returns the value set, if any."""
+    (300,000 spins) then keeps each idle process's threads on cores the busy ones need: a prefill restarting beside
+    a serving prefill + decode pair multiplied the other pair's p95 latency (speed notes of docs/architecture.md).
+    An aggregated server keeps the default: alone, it decodes faster spinning. A user's GOMP_SPINCOUNT or
+    OMP_WAIT_POLICY always wins. Returns the value set, if any."""
     shared = config.disagg.disaggregation_mode != "null" or config.parallel.pp_size > 1
     if not shared or "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
         return None

@@ -5,8 +5,9 @@ One Engine serves every --disaggregation-mode; the PD handoff is composed in (di
 no-op; a prefill hands each request off once its first token is sampled; a decode receives each request's prompt
 KV before the request joins the batch. The handoff reports back as typed events, applied here.
 
-Synchronous and single-threaded; the HTTP server runs it in its own thread (server/async_engine.py) and the
-offline API (llm.py) calls it directly.
+Synchronous and single-threaded. A server runs it in its own process, the scheduler process, whose main thread
+builds and steps it (server/engine_process.py, server/engine_loop.py); AsyncEngine runs the same loop on a thread
+of the caller's process (tests, embedding the app), and the offline API (llm.py) calls it directly.
 """
 
 from __future__ import annotations

@@ -6,20 +6,18 @@ A batch feeds T tokens in total, `q_len[b]` of them for sequence b, whose keys o
 (the cached context followed by the fed tokens). Queries are scattered into a padded [B, Lq] layout,
 keys gathered into a padded [B, Lk] layout, and one SDPA call with a boolean mask does the whole batch.
 
-Three shapes get a faster call (torch's CPU SDPA, measured on a 2-core avx512_bf16 CPU, 16 q / 8 kv heads of 128 unless said):
+Three shapes get a faster call from torch's CPU SDPA (figures: speed notes of docs/architecture.md):
 - a prefill of whole prompts (every sequence from position 0, all of one length: no padding, no cached prefix)
-  runs `is_causal` without a mask: 124 ms instead of 210 ms per layer at 2,048 tokens;
+  runs `is_causal` without a mask, which skips the masked-out half of the work;
 - a bfloat16 decode on CPU (one query per sequence) feeds the query twice and keeps the first row: torch's kernel
-  is ~3x slower for a single bfloat16 query than for two (batch 1: 315 -> 117 us at 100 keys, 3.3 -> 1.1 ms at
-  1,000; batch 8: 2.5 -> 0.8 ms at 100), with identical results; float32 has no such slow path.
+  has a slow path for a single bfloat16 query that two queries avoid, with identical results; float32 has no such
+  slow path.
 - a chunk of one sequence after a long cached prefix (a pipelined prefill's later chunks, a prompt whose prefix was
   cached) on CPU runs as two calls of torch's CPU flash kernel, which also returns each row's log-sum-exp: the
   chunk's queries against the prefix's keys with no mask, and against its own keys with `is_causal` (square, so
   the kernel's top-left causal mask is the right one), merged by their log-sum-exps (`split_prefix`). The kernel
-  reads a boolean mask as an additive float one over every key and skips nothing; measured on one core (8 query /
-  4 KV heads of 32, float32): 256 queries after 1,792 cached keys 13.0 -> 10.0 ms, 512 after 1,536 25.3 -> 18.1,
-  64 after 2,000 3.7 -> 3.0; bfloat16 7.8 -> 5.6 ms. Below SPLIT_MIN_PREFIX keys or SPLIT_MIN_QUERIES queries the
-  second call costs more than the mask (32 queries after 96 keys: 0.10 -> 0.13 ms; a DSpark block stays masked).
+  reads a boolean mask as an additive float one over every key and skips nothing. Below SPLIT_MIN_PREFIX keys or
+  SPLIT_MIN_QUERIES queries the second call costs more than the mask saves (a DSpark block stays masked).
 """
 
 from __future__ import annotations

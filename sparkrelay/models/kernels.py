@@ -1,33 +1,26 @@
 """Frozen linear layers for a loaded model: each keeps its weight in the layout its fastest product reads.
 
 Decoding multiplies a few activation rows by every weight matrix once per step, so a step costs about the bytes
-of the weights divided by the read bandwidth, if the kernel streams the weight at that bandwidth. Measured on a
-2-core avx512_bf16 CPU without AMX (AMD EPYC), one input row, over 28 layers' distinct q/k/v, o, gate/up and down
-weights of Qwen3-0.6B's shape (best of 5; a one-pass bfloat16 `sum` read ~48 GB/s on the same machine):
-
-    dtype     x @ weight_t (MKL)   F.linear   MKL packed   oneDNN packed (_reorder_linear_weight)
-    float32   18 GB/s              15 GB/s    19 GB/s      33 GB/s   (8 rows: 7 / 8 / 8 / 17 GB/s)
-    bfloat16  -                    ~14 GB/s   -            27 GB/s   (inductor max-autotune's CPP GEMM: ~22 GB/s)
+of the weights divided by the read bandwidth, if the kernel streams the weight at that bandwidth. Of the CPU
+layouts measured (MKL's `x @ weight_t`, F.linear, MKL packed, oneDNN packed, inductor's CPP GEMM), oneDNN's packed
+one streams weights the fastest, in float32 and bfloat16, at one row and at several (figures: speed notes of
+docs/architecture.md).
 
 So on CPU every large weight is reordered once into oneDNN's blocked layout (PackedLinear, an opaque mkldnn
 tensor that `_linear_pointwise` reads as it is, for any row count). A small float32 weight (< PACK_MIN_FP32
 elements: the bundled tiny model's) keeps both layouts (SmallLinear, a few MB at most): one row goes to MKL,
-whose `x @ weight_t` dispatches faster (~6 us against ~17 us for a 256x256 weight, 29 us against 29 us for
-1536x256), several rows (a DSpark verify or draft block) to oneDNN (1536x256 at 8 rows: 50 us against 100 us;
-256x768: 34 against 43). `frozen_linear` picks one. Nothing here converts or copies a weight per call.
+whose `x @ weight_t` dispatches faster for a small weight, several rows (a DSpark verify or draft block) to oneDNN.
+`frozen_linear` picks one. Nothing here converts or copies a weight per call.
 An LM head is kept besides its nn.Linear (tied, that is the embedding the lookup reads): `fast_head` gives it a
-second, packed copy on CPU (a bfloat16 [151936, 1024] head: ~25 ms instead of ~45 ms per one-row product, for
-311 MB more memory; a float32 head of that shape costs 622 MB more).
+second, packed copy on CPU, a faster one-row product for the memory of a second head (311 MB for a bfloat16
+[151936, 1024] head; a float32 head of that shape costs 622 MB more).
 
 oneDNN keeps what it built for each input shape in two caches, ideep's (LRU_CACHE_CAPACITY) and its own primitive
 cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY), 1,024 entries each by default. A server sees a new row count with every
-new prompt length and batch, so its memory grew with them: the bundled model over 127 prompt lengths and a few
-batches, +509 MiB; a prefill server under the soak, +250 MiB in two minutes and still climbing. Importing this
-module caps both at ONEDNN_CACHE_ENTRIES unless the user set them: +78 MiB for the same sweep, which took 3.3 s
-against 3.5-3.9 s; DSpark batches of 1 to 8 in turn took 5.16 and 5.34 s against 5.22 and 4.48 s uncapped (a cost
-of up to ~10% when batch sizes keep changing is not ruled out), and the soak served no fewer requests. Both are
-read when oneDNN first builds something, so this must run before the first product (it does: every layer comes
-from here).
+new prompt length and batch, so its memory grew with them without bound in sight. Importing this module caps both
+at ONEDNN_CACHE_ENTRIES unless the user set them, which bounds the memory at a small cost in speed when batch
+sizes keep changing (figures: speed notes of docs/architecture.md). Both are read when oneDNN first builds
+something, so this must run before the first product (it does: every layer comes from here).
 """
 
 from __future__ import annotations
@@ -45,8 +38,8 @@ for _var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
 
 
 class TLinear(nn.Module):
-    """A loaded, frozen Linear that keeps its weight transposed, [in, out]: `x @ weight_t` is about a third faster
-    than `F.linear(x, weight)` for the one-row products of decoding on CPU (measured with MKL, fp32)."""
+    """A loaded, frozen Linear that keeps its weight transposed, [in, out]: `x @ weight_t` is faster than
+    `F.linear(x, weight)` for the one-row products of decoding (measured with MKL: docs/architecture.md)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -108,7 +101,7 @@ class PackedLinear(nn.Module):
 
 @torch.library.custom_op("sparkrelay::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """PackedLinear's product as one opaque op for torch.compile (eager calls skip its ~50 us dispatch)."""
+    """PackedLinear's product as one opaque op for torch.compile (eager calls skip its dispatch cost)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

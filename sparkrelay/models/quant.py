@@ -4,12 +4,10 @@ per output channel, and multiplies activations in their own dtype by them withou
     w [out, in] ≈ q [out, in] int8 * s [out],  s = max |w[o, :]| / 127 (symmetric, round to nearest)
     y = x @ wᵀ ≈ (x @ qᵀ) * s                  torch.ops.aten._weight_int8pack_mm(x [T, in], q, s) -> [T, out]
 
-torchao's own int8 weight-only (0.18.0, installed --no-deps on this torch) ran a [4096, 1024] one-row product in
-~12.5 ms against ~5.4 ms for bfloat16 F.linear (it dequantizes per call), so torch's kernel is used: it reads half
-the bytes of bfloat16, and over the 0.6B shape's layers it beats packed bfloat16 at 1 row and ties at 2-4 rows,
-but its cost grows with the rows (compute-bound: ~2x packed bfloat16 at 8 rows, ~3.5x at 16). From DEQUANT_ROWS
-rows on (prefill, wide verifies), dequantizing the weight for the call (a temporary) and F.linear is faster
-(measured ~1.7x at 64 rows, ~1.9x at 256).
+torchao's own int8 weight-only (0.18.0) dequantizes per call and was slower than bfloat16 F.linear, so torch's
+kernel is used: it reads half the bytes of bfloat16 and wins at one row, but it is compute-bound and its cost grows
+with the rows. From DEQUANT_ROWS rows on (prefill, wide verifies), dequantizing the weight for the call (a
+temporary) and F.linear is faster. Figures: speed notes of docs/architecture.md.
 The LM head and the embeddings stay in the model dtype (packed bf16 head: kernels.fast_head).
 """
 
@@ -23,7 +21,7 @@ from sparkrelay.config import ConfigError
 from sparkrelay.models.kernels import PackedLinear, TLinear
 
 TORCHAO_CONFIGS = ("", "int8wo")
-DEQUANT_ROWS = 64  # rows from which dequantize + F.linear beats the int8 kernel (measured, module docstring)
+DEQUANT_ROWS = 64  # rows from which dequantize + F.linear beats the int8 kernel (measured: docs/architecture.md)
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

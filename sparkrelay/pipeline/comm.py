@@ -8,18 +8,17 @@ Per micro-batch, two messages (shapes: pipeline/descriptor.py and pipeline/captu
     header int64 [8]
     frame  uint8 [N] (N > 0): body int64 [L] (L > 0), floats float64 [B, 6] (B > 0), and for a STEP with rows
            hidden [T, d], taps [T, k_prev*d], partial [T, d] (those the capture mode sends), each padded to 8 bytes
-One frame, not a message per tensor: each message costs the receiving thread a wake-up (measured ~2 ms a hop with
-six). Each rank does all its sends and receives on one thread, each message posted exactly once; the receiver
-learns every size from the header first (and the widths from its PayloadShape), so the sizes on both ends always
-agree, and messages between a pair of ranks arrive in posting order.
+One frame, not a message per tensor: each message costs the receiving thread a wake-up, which adds up over a hop
+(speed notes of docs/architecture.md). Each rank does all its sends and receives on one thread, each message
+posted exactly once; the receiver learns every size from the header first (and the widths from its PayloadShape),
+so the sizes on both ends always agree, and messages between a pair of ranks arrive in posting order.
 
 Two wires carry them (`connect`):
 - `SocketWire`, on CPU and whenever the stages share memory (CUDA stages on one GPU stage through the host): ZMQ
   PUSH/PULL on ipc:// files in a private folder; each rank binds one PULL socket, its only sender being the rank
-  before it (rank 0's: the last rank). A send is copied into ZMQ's queue and flows at once, eagerly. gloo, used
-  before, moves a message only after a rendezvous between both processes' network threads: on this 2-core VM a
-  512 KiB message took 5.8 ms (median round trip, 1.5 ms at best) against 0.68 ms over ZMQ ipc, and a 1,024-token
-  prefill's stage 1 sat 8-10 ms between chunks whose payload had long been sent.
+  before it (rank 0's: the last rank). A send is copied into ZMQ's queue and flows at once, eagerly. Not gloo: it
+  moves a message only after a rendezvous between both processes' network threads, so a stage sat idle between
+  chunks whose payload had long been sent (speed notes of docs/architecture.md).
 - `GroupWire`: NCCL's point-to-point ops when every stage has its own GPU (cuda:rank), on a process group built
   directly on the TCPStore (not torch.distributed's global default group), so an engine process can hold several
   pipelines over its life (tests do).

@@ -2,20 +2,19 @@
 
 glibc's malloc keeps freed memory in its arenas and returns to the OS only the free top of each; the pages of free
 chunks below a live one stay resident. A prefill stage allocates prompt-sized buffers of every size (activations,
-the handoff's rows, their wire copies), and its resident memory grew by ~54 MiB a minute in the 11-minute soak
-(+58%) although nothing leaked: `malloc_trim(0)`, called in the running stage from a debugger, brought its heap from
-339 to 177 MiB. `malloc_trim(0)` also releases the free pages inside the heap (madvise), so calling it now and then
-keeps the resident size flat. It runs on the thread that allocates, between micro-batches or engine steps, so it
-waits on no lock held by a forward. Not glibc (no `malloc_trim`): a no-op.
+the handoff's rows, their wire copies), and its resident memory grew steadily under the soak although nothing
+leaked: `malloc_trim(0)`, called in the running stage from a debugger, gave much of its heap back (speed notes of
+docs/architecture.md). `malloc_trim(0)` also releases the free pages inside the heap (madvise), so calling it now
+and then keeps the resident size flat. It runs on the thread that allocates, between micro-batches or engine
+steps, so it waits on no lock held by a forward. Not glibc (no `malloc_trim`): a no-op.
 
 `reuse_freed_memory` is the other half: by default glibc serves a block of 128 KiB and up (its threshold grows, at
 most to 32 MiB, with the blocks freed) by mmap and gives it back at free(), and gives back the free top of the
 heap past 128 KiB, so each forward's activations, freed and allocated again by the next layer and the next forward,
-come back as fresh pages that fault in one by one: 36,000-50,000 minor faults per 2,048-token prefill of the
-bundled model (8 layers). With blocks up to 32 MiB from the heap and 256 MiB of free top kept (the trimmer above
-still hands it all back every TRIM_EVERY_S), none; the forward took 343-450 ms against 433-580 ms with glibc's
-defaults, faster in 8 of 10 alternating pairs of runs (by 9-36%; the other two 2-4% slower, within this host's
-noise). A user's MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ wins.
+come back as fresh pages that fault in one by one. With blocks up to 32 MiB
+from the heap and 256 MiB of free top kept (the trimmer above still hands it all back every TRIM_EVERY_S), the
+pages are reused and the forward is faster (speed notes of docs/architecture.md). A user's MALLOC_MMAP_THRESHOLD_
+or MALLOC_TRIM_THRESHOLD_ wins.
 """
 
 from __future__ import annotations

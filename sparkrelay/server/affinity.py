@@ -7,14 +7,13 @@ token; placed by the kernel, it often lands on the loop thread's core (the waker
     engine loop thread  -> the first core this server may use     (pinned once its OpenMP team exists)
     HTTP process        -> the last one                           (every thread, pinned after the fork)
 
-the engine's other OpenMP threads stay free to run anywhere. Measured on this 2-core host, streamed 256-token
-decodes alternating between servers: 243.5 tok/s pinned against 225.7 unpinned (1.060x); pinning the HTTP process
-alone, 1.002x. A PD server, a pipeline's stages and a GPU engine are left to the kernel, as is a host with a
-single core: PD servers share a host's cores with other engine processes by design (launch_server.openmp_policy),
-and a pinned loop thread cannot move off a core a co-located prefill stage is using (a PD decode pinned so,
-1,024-token prompts through the router, alternating: TTFT median 239.9 ms against 230.4 unpinned; 28.9 / 28.5 at
-32 tokens). The cores are those the process may use (`taskset`, cgroups): aggregated servers sharing a host
-should each be started on their own cores, or with --cpu-affinity none, since each would take the same two."""
+the engine's other OpenMP threads stay free to run anywhere; pinned, a served stream decodes faster (speed notes
+of docs/architecture.md). A PD server, a pipeline's stages and a GPU engine are left to the kernel, as is a host
+with a single core: PD servers share a host's cores with other engine processes by design
+(launch_server.openmp_policy), and a pinned loop thread cannot move off a core a co-located prefill stage is using
+(a PD decode pinned so answered later, not sooner). The cores are those the process may use (`taskset`,
+cgroups): aggregated servers sharing a host should each be started on their own cores, or with --cpu-affinity
+none, since each would take the same two."""
 
 from __future__ import annotations
 

@@ -26,8 +26,8 @@ logger = logging.getLogger(__name__)
 
 IDLE_TICK_S = 1.0  # an idle loop wakes this often to notice a dead pipeline stage
 # The idle invariant check runs once the loop has had nothing to do for this long, not the moment it goes idle: run
-# at once it took ~2 ms of a core exactly while the request that had just left the engine was still on its way
-# (a PD prefill goes idle while its decode commits the first token).
+# at once it took a core exactly while the request that had just left the engine was still on its way (a PD
+# prefill goes idle while its decode commits the first token).
 IDLE_CHECK_AFTER_S = 0.1
 STATS_EVERY_S = 0.05
 

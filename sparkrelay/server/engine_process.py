@@ -7,12 +7,12 @@
          (read on the event loop)                                          thread writes each message as it comes
 
 Why a process: the thread that builds the engine is the one that steps it, so PyTorch runs one OpenMP team; an engine
-built on one thread and stepped on another ran two, and libgomp then cut its spin-waiting (served decode was
-0.67-0.79x the offline engine's). The HTTP process does no tensor work at all.
+built on one thread and stepped on another ran two, and libgomp then cut its spin-waiting, which slowed served
+decode well below the offline engine's (speed notes of docs/architecture.md). The HTTP process does no tensor work.
 
 Why fork: the HTTP process needs transformers for its tokenizer, which imports torch; a spawned scheduler process
-imported them all again, ~2.5 s of CPU at every start on top of the model (a 2-core host restarting a server
-beside busy ones felt it). It is forked once torch, transformers and the model code are imported and the tokenizer
+imported them all again at every start, on top of the model (a small host restarting a server beside busy ones
+felt it). It is forked once torch, transformers and the model code are imported and the tokenizer
 is loaded, before this process has any thread, ZMQ context or OpenMP team (torch starts its threads at the first
 parallel op), and it closes the HTTP socket it inherits. The command socket is an ipc:// file in a private
 folder (0700); frames are msgpack (engine_messages.py), never pickles. The scheduler process ends when told to, or
@@ -20,8 +20,8 @@ when the HTTP process is gone (its sentinel); the HTTP process shuts down when t
 
 Why the outputs take a socketpair, not ZMQ: they cross once per decode step, and the engine's two OpenMP threads
 fill both cores of a small host. Through ZMQ each message woke four threads (the sender's ZMQ I/O thread, the
-receiver's, then the event loop); the engine's send alone was ~5% of its step loop (py-spy), being preempted by its
-own I/O thread. Written to a Unix socket it wakes the HTTP process's event loop and nothing else.
+receiver's, then the event loop), and the engine's send was preempted by its own I/O thread. Written to a Unix
+socket it wakes the HTTP process's event loop and nothing else.
 """
 
 from __future__ import annotations

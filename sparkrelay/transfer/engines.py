@@ -142,9 +142,9 @@ def _nixl_api():
 
 def _paced_agent(name: str):
     """A NIXL agent with the UCX backend whose progress thread sleeps NIXL_PROGRESS_DELAY_US between rounds. The
-    Python API hard-codes a delay of 0: that thread then spins a whole core (measured 1.0 CPU s per s, idle), which
-    on a small host starves the engines (PD decode fell from ~210 to ~70 tok/s); without the thread a target never
-    completes a write. Paced, it costs 0.02 CPU s per s. Callers hold NixlEngine._env_lock."""
+    Python API hard-codes a delay of 0: that thread then spins a whole core even when idle, which on a small host
+    starves the engines; without the thread a target never completes a write. Paced, it costs next to nothing
+    (figures: speed notes of docs/architecture.md). Callers hold NixlEngine._env_lock."""
     nixl_agent, nixl_agent_config = _nixl_api()
     bind = sys.modules[nixl_agent.__module__].nixlBind
     base = bind.nixlAgentConfig

@@ -32,7 +32,8 @@ MAX_CONTROL_BYTES = 64 << 10  # a control map or data header (schema included, <
 MAX_REASON_CHARS = 4096
 MAX_LIST_LEN = 4096  # layer_ids / shape entries, and any msgpack array
 # msgpack limits: every object costs at least one byte of the frame, so a 64 KiB frame makes at most ~64K objects
-# (a few MB); a 4 MiB frame of empty arrays made 268 MB in 6 s. Nesting is capped by msgpack's stack (StackError).
+# (a few MB); without them a small frame of empty arrays unpacks into far more memory and time than its size.
+# Nesting is capped by msgpack's stack (StackError).
 UNPACK_LIMITS = dict(max_str_len=MAX_CONTROL_BYTES, max_bin_len=MAX_CONTROL_BYTES, max_array_len=MAX_LIST_LEN,
                      max_map_len=256, max_ext_len=0)
 

@@ -149,7 +149,7 @@ def test_pd_one_sided_backend_through_router(tmp_path, prompts, reference, backe
 @pytest.mark.parametrize("backend", ["zmq", "mooncake", "nixl"])
 @pytest.mark.parametrize("mode", ["hidden", "draft-kv", "tail"])
 def test_pd_backend_matrix(tmp_path, prompts, reference, backend, mode):
-    """Every backend x handoff mode, PP=2 through the router (the full matrix of issue #12)."""
+    """Every backend x handoff mode, PP=2 through the router: the full matrix."""
     flag = ["--disaggregation-transfer-backend", backend]
     landed: list[int] = []
     results = run_pd(tmp_path, prompts, pp_size=2, handoff=mode, router="sparkrelay", prefill_args=flag,

@@ -1,5 +1,5 @@
-"""Imports flow one way (STYLE.md): a module may import only modules of a lower rank, or of its own rank
-inside its own package. The table is the architecture diagram of docs/architecture.md."""
+"""Imports flow one way: a module may import only modules of a lower rank, or of its own rank inside its own
+package. The rule and the table are docs/architecture.md's opening paragraph and diagram."""
 
 import ast
 from pathlib import Path

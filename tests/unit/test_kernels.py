@@ -143,7 +143,8 @@ def held_out_loss(model, ids: torch.Tensor, dtype: torch.dtype, seq: int = 48) -
 
 
 def test_int8wo_bundled_model_quality(bundled_model_dir):
-    """Loose sanity bounds only; the measured figures (all held-out windows, greedy agreement) are in README."""
+    """Loose sanity bounds only; the measured figures (all held-out windows, greedy agreement) are in
+    benchmarks/results/quality/quality.md (python -m sparkrelay.tools.bench.quality)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(bundled_model_dir)

@@ -83,7 +83,7 @@ class BootstrapServer:
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         # asyncio sets TCP_NODELAY only on sockets made with proto IPPROTO_TCP, which this one was not: with Nagle on,
-        # a reply's body waited for the delayed ACK of its headers, 44 ms on every keep-alive request (measured).
+        # a reply's body waited for the delayed ACK of its headers on every keep-alive request.
         # Accepted connections inherit it from the listening socket.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
