@@ -133,7 +133,7 @@ class ServerConfig:
                                       "default fits dozens of 128k-token prompts in one batch.")
     cpu_affinity: str = _f("auto", "auto: on an aggregated CPU server without pipeline stages, the engine loop's thread "
                                    "keeps the first core this server may use and the HTTP process runs on the last one "
-                                   "(server/affinity.py); none: the kernel places both.", ("auto", "none"))
+                                   "(host.py); none: the kernel places both.", ("auto", "none"))
     enable_metrics: bool = _f(True, "SGLang's switch, accepted and always in force: /metrics (Prometheus) is always "
                                     "served (default: true).")
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -22,22 +20,6 @@ def _raw(name: str) -> tuple[str, Optional[str]]:
         if value is not None and value.strip() != "":
             return var, value.strip()
     return name, None
-
-
-SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path is 108 with its terminating NUL)
-
-
-def socket_folder(prefix: str, longest_name: str) -> str:
-    """A new private (0700) folder under TMPDIR for Unix sockets (ZMQ ipc://) named at most like `longest_name`;
-    a ConfigError naming TMPDIR when such a socket's path would be too long to bind."""
-    folder = tempfile.mkdtemp(prefix=prefix)
-    path = os.path.join(folder, longest_name)
-    if len(path.encode()) > SOCKET_PATH_MAX:
-        shutil.rmtree(folder, ignore_errors=True)
-        raise ConfigError(f"TMPDIR={tempfile.gettempdir()!r} is too long for this server's Unix sockets: {path!r} "
-                          f"has {len(path.encode())} bytes, the limit is {SOCKET_PATH_MAX}; set TMPDIR to a "
-                          "shorter folder (e.g. /tmp)")
-    return folder
 
 
 def env_float(name: str, default: float, minimum: float = 0.0) -> float:

@@ -126,9 +126,9 @@ def _uvicorn_server(app, config: Config):
 
 
 def serve(config: Config) -> None:
-    """The engine in its scheduler process (server/engine_process.py), uvicorn in this one."""
-    from sparkrelay.server import affinity
-    from sparkrelay.server.engine_process import EngineProcess
+    """The engine in its scheduler process (manager/process.py), uvicorn in this one."""
+    from sparkrelay import host
+    from sparkrelay.manager.process import EngineProcess
     from sparkrelay.server.http_server import build_app
 
     sock = bind("--port", "--host", config.server.host, config.server.port)  # held while the model loads
@@ -137,9 +137,9 @@ def serve(config: Config) -> None:
     except BaseException:
         sock.close()
         raise
-    cores = affinity.plan(config)
+    cores = host.plan(config)
     if cores is not None:  # after the fork: the scheduler process keeps every core
-        affinity.pin_process(cores[1])
+        host.pin_process(cores[1])
     try:
         app = build_app(engine, config)
         server = _uvicorn_server(app, config)
@@ -176,7 +176,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=config.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     openmp_policy(config)
-    from sparkrelay.server.engine_process import EngineStartError
+    from sparkrelay.manager.process import EngineStartError
 
     try:
         serve(config)

@@ -6,7 +6,7 @@ no-op; a prefill hands each request off once its first token is sampled; a decod
 KV before the request joins the batch. The handoff reports back as typed events, applied here.
 
 Synchronous and single-threaded. A server runs it in its own process, the scheduler process, whose main thread
-builds and steps it (server/engine_process.py, server/engine_loop.py); AsyncEngine runs the same loop on a thread
+builds and steps it (manager/process.py, manager/loop.py); AsyncEngine runs the same loop on a thread
 of the caller's process (tests, embedding the app), and the offline API (llm.py) calls it directly.
 """
 
@@ -24,7 +24,7 @@ from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.loader import SHAPE_FIELDS, read_config
 from sparkrelay.models.quant import apply_torchao_config
 from sparkrelay.models.decoder import load_causal_lm
-from sparkrelay.pipeline.heap import reuse_freed_memory
+from sparkrelay.host import reuse_freed_memory
 from sparkrelay.runner.model_runner import RunResult
 from sparkrelay.scheduler.block_manager import BlockManager
 from sparkrelay.scheduler.radix_cache import RadixCache
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 class Engine:
     def __init__(self, config: Config) -> None:
         self.config = config
-        reuse_freed_memory()  # activations reuse the heap instead of faulting in fresh pages (pipeline/heap.py)
+        reuse_freed_memory()  # activations reuse the heap instead of faulting in fresh pages (host.py)
         self.device = setup.check_device(config.model.device)
         self.dtype = setup.resolve_dtype(config.model.dtype, config.model.device)
         self.handoff = build_handoff(config, self.dtype)  # a prefill's bootstrap server is up before stages load
@@ -330,14 +330,12 @@ class Engine:
 
     def fatal_error(self) -> Optional[str]:
         """Why this engine can no longer step (a pipeline stage died), or None. The server then shuts down."""
-        return getattr(self.runner, "failure", None)
+        return self.runner.failure
 
     def close(self) -> None:
         """Shut the pipeline stages down (their processes exit), then the handoff's servers and agents.
         Idempotent."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
         self.handoff.close()
 
 

@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from sparkrelay.config import Config, ConfigError
-from sparkrelay.envs import socket_folder
+from sparkrelay.host import socket_folder
 from sparkrelay.scheduler.request import Request
 from sparkrelay.scheduler.scheduler import Batch, ScheduledSeq
 from sparkrelay.kvcache.pool import KVPool
@@ -168,6 +168,10 @@ class PipelineRunner:
         if ident is not None:
             self._released.append(ident)
             self.stage.release([ident])
+
+    @property
+    def rendezvous_port(self) -> Optional[int]:
+        return None if self.workers is None else self.workers.port
 
     @property
     def failure(self) -> Optional[str]:

@@ -33,7 +33,7 @@ from sparkrelay.models.decoder import load_causal_lm
 from sparkrelay.pipeline.capture import CaptureSpec, PayloadShape
 from sparkrelay.pipeline.comm import Channel, PeerLost, connect
 from sparkrelay.pipeline.descriptor import SHUTDOWN
-from sparkrelay.pipeline.heap import HeapTrimmer, reuse_freed_memory
+from sparkrelay.host import HeapTrimmer, reuse_freed_memory
 from sparkrelay.pipeline.launch import LAUNCH_ENV, LOAD_TIMEOUT_S, PEER_LOST_EXIT, RENDEZVOUS_HOST
 from sparkrelay.pipeline.stage import Stage, build_stage
 
@@ -70,7 +70,7 @@ def load(rank: int, launch: dict) -> tuple[Stage, PayloadShape, torch.device]:
 @torch.inference_mode()
 def serve(stage: Stage, channel: Channel) -> None:
     """Receive, run, pass on, in micro-batch order, until SHUTDOWN; the freed heap goes back to the OS between
-    micro-batches (pipeline/heap.py)."""
+    micro-batches (host.py)."""
     heap = HeapTrimmer()
     while True:
         mb, inp = channel.recv_step()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
@@ -30,7 +30,29 @@ class RunResult:
     prompt_logprobs: list[Optional[tuple[int, list[Entry]]]] = field(default_factory=list)
 
 
+class Runner(Protocol):
+    """What the engine asks of its runner (this ModelRunner, SpecRunner, pipeline/runner.py's PipelineRunner)."""
+
+    def run(self, batch: Batch) -> RunResult: ...
+
+    def release(self, rid: str) -> None: ...
+
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the runner can no longer run (a pipeline stage died), or None."""
+
+    @property
+    def rendezvous_port(self) -> Optional[int]:
+        """The pipeline stages' rendezvous port (--pp-size > 1), or None."""
+
+    def close(self) -> None: ...
+
+
 class ModelRunner:
+    """One forward per batch in this process (no pipeline stages): it cannot fail apart and has nothing to close."""
+
+    failure: Optional[str] = None
+    rendezvous_port: Optional[int] = None
     def __init__(self, model: CausalLM, pool: KVPool, device: torch.device, seed: int) -> None:
         self.model, self.pool, self.device = model, pool, device
         self.shared_gen = torch.Generator(device=device).manual_seed(seed)
@@ -39,6 +61,9 @@ class ModelRunner:
 
     def release(self, rid: str) -> None:
         self.generators.drop(rid)
+
+    def close(self) -> None:
+        pass
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> RunResult:

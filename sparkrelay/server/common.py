@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sparkrelay.config import Config
 from sparkrelay.scheduler.request import RequestOutput
 from sparkrelay.server import protocol as P
-from sparkrelay.server.async_engine import EngineClient, OutputStream
+from sparkrelay.manager.client import EngineClient, OutputStream
 from sparkrelay.server.metrics import Metrics
 
 T = TypeVar("T")

@@ -29,8 +29,8 @@ import sparkrelay
 from sparkrelay.config import Config
 from sparkrelay.scheduler.request import RequestError, RequestOutput
 from sparkrelay.server import protocol as P
-from sparkrelay.server.async_engine import EngineClient, EngineFailed, EngineStopped
-from sparkrelay.server.engine_messages import GenerationItem
+from sparkrelay.manager.client import EngineClient, EngineFailed, EngineStopped
+from sparkrelay.manager.messages import GenerationItem
 from sparkrelay.server.common import (ServerError, ServerState, error_response, stream_error_response,
                                       wants_stream_error)
 from sparkrelay.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware

@@ -13,8 +13,8 @@ from fastapi.responses import StreamingResponse
 
 from sparkrelay.scheduler.request import Logprobs, RequestOutput
 from sparkrelay.server import protocol as P
-from sparkrelay.server.async_engine import OutputStream
-from sparkrelay.server.engine_messages import GenerationItem
+from sparkrelay.manager.client import OutputStream
+from sparkrelay.manager.messages import GenerationItem
 from sparkrelay.server.common import ServerState
 
 

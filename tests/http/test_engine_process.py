@@ -1,4 +1,4 @@
-"""launch_server runs its engine in a scheduler process (server/engine_process.py): either process going away takes
+"""launch_server runs its engine in a scheduler process (manager/process.py): either process going away takes
 the other one with it, a request in flight then ends with an error instead of hanging, and nothing is orphaned."""
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def test_cpu_affinity_keeps_the_engine_loop_and_the_http_process_on_their_own_co
 
 def test_cpu_affinity_plan_pins_only_an_aggregated_cpu_server_with_two_cores_or_more(monkeypatch):
     from sparkrelay.config import Config
-    from sparkrelay.server.affinity import plan
+    from sparkrelay.host import plan
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 1, 2})
     assert plan(Config()) == (1, 3)

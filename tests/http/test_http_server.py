@@ -227,7 +227,7 @@ def test_client_disconnect_aborts(tiny_model_dir):
 def test_async_engine_generate_cancel_aborts(tiny_model_dir):
     from testkit.http import make_config, make_engine
     from sparkrelay.scheduler.request import SamplingParams
-    from sparkrelay.server.async_engine import AsyncEngine
+    from sparkrelay.manager.client import AsyncEngine
 
     ae = AsyncEngine(make_engine(make_config(tiny_model_dir)))
 

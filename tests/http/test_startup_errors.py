@@ -167,7 +167,7 @@ def server_info(**leaves) -> dict:
     from fastapi.testclient import TestClient
 
     from sparkrelay.engine.engine import Engine
-    from sparkrelay.server.async_engine import AsyncEngine
+    from sparkrelay.manager.client import AsyncEngine
     from sparkrelay.server.http_server import build_app
 
     config = Config().replace(model_path=MODEL, **leaves).validate()

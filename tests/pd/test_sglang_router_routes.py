@@ -232,7 +232,7 @@ def test_rooms_for_n_samples():
     """One room for n samples of one prompt, or one per prompt: sample j takes room + j (SGLang's rule), kept in
     1..2^63-1; both servers derive the same rooms from the same body."""
     from sparkrelay.server import protocol as P
-    from sparkrelay.server.engine_messages import GenerationItem
+    from sparkrelay.manager.messages import GenerationItem
 
     def rooms(req, n_items):
         items = [GenerationItem(f"r{i}", [1], P.SamplingParams()) for i in range(n_items)]

@@ -177,7 +177,7 @@ def make_config(model_dir: Path, **leaves) -> Config:
 
 
 def make_app(model_dir: Path, **leaves):
-    from sparkrelay.server.async_engine import AsyncEngine
+    from sparkrelay.manager.client import AsyncEngine
     from sparkrelay.server.http_server import build_app
 
     config = make_config(model_dir, **leaves)

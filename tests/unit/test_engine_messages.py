@@ -5,7 +5,7 @@ import msgpack
 import pytest
 
 from sparkrelay.scheduler.request import Bootstrap, Logprobs, RequestOutput, SamplingParams
-from sparkrelay.server.engine_messages import (AbortRequest, AddItems, Added, EngineInfo, Fatal, FrameReader,
+from sparkrelay.manager.messages import (AbortRequest, AddItems, Added, EngineInfo, Fatal, FrameReader,
                                                GenerationItem, MessageError, Progress, Ready, Shutdown, StartFailed,
                                                decode, encode, framed)
 

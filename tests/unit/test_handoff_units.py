@@ -259,7 +259,7 @@ def test_bootstrap_fields_per_item():
     """Batch requests carry arrays with one room per element (docs/pd_protocol.md, failure mode 7); OpenAI routes too."""
     from sparkrelay.scheduler.request import RequestError
     from sparkrelay.server import protocol as P
-    from sparkrelay.server.engine_messages import GenerationItem
+    from sparkrelay.manager.messages import GenerationItem
 
     items = [GenerationItem(f"r{i}", [1, 2], P.SamplingParams()) for i in range(2)]
     req = P.GenerateRequest(input_ids=[[1, 2], [3]], bootstrap_host=["h", "h"], bootstrap_port=[None, 9],

@@ -1,11 +1,11 @@
-"""pipeline/heap.py: freed heap memory goes back to the OS, rate-limited."""
+"""host.py: freed heap memory goes back to the OS, rate-limited."""
 
 import sys
 
 import pytest
 import torch
 
-from sparkrelay.pipeline.heap import HeapTrimmer, reuse_freed_memory
+from sparkrelay.host import HeapTrimmer, reuse_freed_memory
 
 
 def resident_mib() -> float:
@@ -45,7 +45,7 @@ def test_freed_memory_below_a_live_block_goes_back():
 CHURN = """
 import resource, sys, torch
 import torch.nn.functional as F
-from sparkrelay.pipeline.heap import reuse_freed_memory
+from sparkrelay.host import reuse_freed_memory
 if sys.argv[1] == "reuse":
     assert reuse_freed_memory()
 x, w = torch.randn(2048, 1024), torch.randn(1024, 1024)

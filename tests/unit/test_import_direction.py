@@ -12,6 +12,7 @@ RANKS = {
     "sparkrelay.config": 0,
     "sparkrelay.trace": 0,
     "sparkrelay.envs": 1,
+    "sparkrelay.host": 1,
     "sparkrelay.scheduler": 1,
     "sparkrelay.models": 1,
     "sparkrelay.kvcache": 1,
@@ -23,12 +24,13 @@ RANKS = {
     "sparkrelay.pipeline": 4,
     "sparkrelay.disagg": 5,
     "sparkrelay.engine": 6,
-    "sparkrelay.server": 7,
+    "sparkrelay.manager": 7,
     "sparkrelay.llm": 7,
-    "sparkrelay.launch_server": 8,
-    "sparkrelay.tools": 9,
+    "sparkrelay.server": 8,
+    "sparkrelay.launch_server": 9,
+    "sparkrelay.tools": 10,
 }
-TORCH_FREE = ("sparkrelay.trace", "sparkrelay.scheduler", "sparkrelay.config", "sparkrelay.envs",
+TORCH_FREE = ("sparkrelay.trace", "sparkrelay.scheduler", "sparkrelay.config", "sparkrelay.envs", "sparkrelay.host",
               "sparkrelay.spec.stats", "sparkrelay.pipeline.partition", "sparkrelay.transfer", "sparkrelay.router",
               "sparkrelay.launch_router")
 

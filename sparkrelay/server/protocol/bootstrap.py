@@ -7,7 +7,7 @@ import dataclasses
 from typing import Optional
 
 from sparkrelay.scheduler.request import Bootstrap, RequestError
-from sparkrelay.server.engine_messages import GenerationItem
+from sparkrelay.manager.messages import GenerationItem
 from sparkrelay.server.protocol.common import Routed
 
 _MAX_ROOM = 2**63 - 1

@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 import pydantic
 
 from sparkrelay.scheduler.request import RequestError, SamplingParams
-from sparkrelay.server.engine_messages import GenerationItem
+from sparkrelay.manager.messages import GenerationItem
 from sparkrelay.server.protocol.common import (Limits, Routed, Strict, build_params, check_extras, check_max_tokens,
                                               check_prompt, tokenize)
 

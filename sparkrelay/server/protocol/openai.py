@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from sparkrelay.scheduler.request import MAX_TOP_LOGPROBS, RequestError
-from sparkrelay.server.engine_messages import GenerationItem
+from sparkrelay.manager.messages import GenerationItem
 from sparkrelay.server.protocol.common import (Limits, Routed, Strict, build_params, check_extras, check_max_tokens,
                                               check_n, check_prompt, tokenize, unsupported)
 

@@ -1,12 +1,12 @@
 """The loop that owns an Engine: the only caller of its methods, on one thread (the scheduler process's main thread,
-or the in-process engine thread), fed by typed commands and reporting typed events (engine_messages.py).
+or the in-process engine thread), fed by typed commands and reporting typed events (messages.py).
 
     put(AddItems | AbortRequest | FlushCache | Shutdown)  (any thread) -> inbox, Engine.wake()
     run():  drain the inbox -> add_request / abort / flush_cache -> step() while there is work
             -> emit(Added | Flushed | Progress | Fatal)
 
 It blocks on the inbox when idle (running `engine.check()` once it has been idle for IDLE_CHECK_AFTER_S); between
-steps it hands the freed heap back to the OS now and then (pipeline/heap.py). An exception from `step()` is logged;
+steps it hands the freed heap back to the OS now and then (host.py). An exception from `step()` is logged;
 every in-flight request then gets an abort output with status 500 and the loop keeps serving.
 """
 
@@ -17,9 +17,9 @@ import queue
 import time
 from typing import Callable, Optional
 
-from sparkrelay.pipeline.heap import HeapTrimmer
+from sparkrelay.host import HeapTrimmer
 from sparkrelay.scheduler.request import RequestError, RequestOutput
-from sparkrelay.server.engine_messages import (AbortRequest, AddItems, Added, Fatal, FlushCache, Flushed, Progress,
+from sparkrelay.manager.messages import (AbortRequest, AddItems, Added, Fatal, FlushCache, Flushed, Progress,
                                                Shutdown)
 
 logger = logging.getLogger(__name__)

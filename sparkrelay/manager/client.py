@@ -1,5 +1,5 @@
 """The asyncio side of the engine: HTTP handlers submit engine requests and read their outputs here, whichever
-thread or process owns the Engine (engine_loop.py runs it; engine_messages.py are the messages).
+thread or process owns the Engine (loop.py runs it; messages.py are the messages).
 
     asyncio side (HTTP handlers)                        the engine's owner (EngineLoop, one thread)
     ----------------------------                        -------------------------------------------
@@ -10,7 +10,7 @@ thread or process owns the Engine (engine_loop.py runs it; engine_messages.py ar
                                                         a dead pipeline stage --Fatal(error)
 
 `AsyncEngine` runs the loop in a thread of this process (tests, embedding the app); `EngineProcess`
-(engine_process.py, what `launch_server` uses) runs it as the scheduler process, as SGLang does.
+(process.py, what `launch_server` uses) runs it as the scheduler process, as SGLang does.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import threading
 from typing import AsyncIterator, Optional
 
 from sparkrelay.scheduler.request import RequestError, RequestOutput, SamplingParams
-from sparkrelay.server.engine_loop import EngineLoop, abort_output
-from sparkrelay.server.engine_messages import (AbortRequest, AddItems, Added, EngineInfo, Fatal, FlushCache, Flushed,
+from sparkrelay.manager.loop import EngineLoop, abort_output
+from sparkrelay.manager.messages import (AbortRequest, AddItems, Added, EngineInfo, Fatal, FlushCache, Flushed,
                                                GenerationItem, Progress, Shutdown)
 
 logger = logging.getLogger(__name__)

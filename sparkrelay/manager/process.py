@@ -15,7 +15,7 @@ imported them all again at every start, on top of the model (a small host restar
 felt it). It is forked once torch, transformers and the model code are imported and the tokenizer
 is loaded, before this process has any thread, ZMQ context or OpenMP team (torch starts its threads at the first
 parallel op), and it closes the HTTP socket it inherits. The command socket is an ipc:// file in a private
-folder (0700); frames are msgpack (engine_messages.py), never pickles. The scheduler process ends when told to, or
+folder (0700); frames are msgpack (messages.py), never pickles. The scheduler process ends when told to, or
 when the HTTP process is gone (its sentinel); the HTTP process shuts down when the scheduler process dies.
 
 Why the outputs take a socketpair, not ZMQ: they cross once per decode step, and the engine's two OpenMP threads
@@ -40,11 +40,11 @@ import time
 import zmq
 
 from sparkrelay.config import Config
-from sparkrelay.envs import socket_folder
-from sparkrelay.server import affinity
-from sparkrelay.server.async_engine import EngineClient, EngineStopped
-from sparkrelay.server.engine_loop import EngineLoop
-from sparkrelay.server.engine_messages import (AddItems, EngineInfo, Fatal, FrameReader, MessageError, Ready,
+from sparkrelay.host import socket_folder
+from sparkrelay import host
+from sparkrelay.manager.client import EngineClient, EngineStopped
+from sparkrelay.manager.loop import EngineLoop
+from sparkrelay.manager.messages import (AddItems, EngineInfo, Fatal, FrameReader, MessageError, Ready,
                                                Shutdown, StartFailed, decode, encode, framed)
 
 logger = logging.getLogger(__name__)
@@ -239,9 +239,9 @@ def engine_main(config: Config, cmd_addr: str, out: socket.socket, inherited: tu
     try:
         emit(Ready(EngineInfo.of(engine)))
         inbox.start()
-        cores = affinity.plan(config)
+        cores = host.plan(config)
         if cores is not None:  # after the inbox thread starts: it stays free
-            affinity.pin_engine_thread(cores[0])
+            host.pin_engine_thread(cores[0])
         loop.run()
     finally:
         done.set()

@@ -63,11 +63,10 @@ class EngineInfo:
 
     @classmethod
     def of(cls, engine) -> "EngineInfo":
-        proposer, workers = getattr(engine, "proposer", None), getattr(getattr(engine, "runner", None), "workers", None)
-        dtype = getattr(engine, "dtype", None)
+        proposer = engine.proposer
         return cls(engine.context_length, engine.max_total_tokens, dict(engine.model_info),
-                   None if dtype is None else str(dtype).removeprefix("torch."),
-                   None if proposer is None else proposer.max_drafts, None if workers is None else workers.port)
+                   str(engine.dtype).removeprefix("torch."), None if proposer is None else proposer.max_drafts,
+                   engine.runner.rendezvous_port)
 
 
 # ---- server -> engine
