@@ -16,9 +16,14 @@ import torch
 from sparkrelay.config import Config
 from sparkrelay.disagg.roles import NEWS_WAIT_S, Event, HandedOff, HandoffFailed, PDRole
 from sparkrelay.disagg.stage_report import StageReport, StageReportInbox
+from sparkrelay.pipeline.capture import CaptureSpec
+from sparkrelay.pipeline.needs import RunnerNeeds
 from sparkrelay.scheduler.request import Bootstrap, Request
 from sparkrelay.transfer.base import SCHEMA_MISMATCH, KVPoll
 from sparkrelay.transfer.bootstrap import BootstrapServer
+
+
+SINK_FACTORY = "sparkrelay.disagg.prefill_sink:make_stage_sink"
 
 
 class PrefillRole(PDRole):
@@ -27,9 +32,15 @@ class PrefillRole(PDRole):
 
     def __init__(self, config: Config, dtype: torch.dtype) -> None:
         super().__init__(config, dtype)
+        capture = CaptureSpec.from_config(config)  # a bad knob is a ConfigError before any socket is bound
         self.pp_size = config.parallel.pp_size
         self.inbox = StageReportInbox()
-        self.status_address = self.inbox.address  # every stage's sink reports here
+        # stages at any --pp-size, each with the sink that sends its part and reports to the inbox; in `tail` mode
+        # the rows of the last tail positions come from the request's own compute, never the cache (the stages
+        # keep no tail rows beside cached pages; hidden and draft-kv context is kept beside them)
+        tail = max(1, self.schema.tail_tokens) if self.schema.handoff == "tail" else 1
+        self.needs = RunnerNeeds(pipeline=True, sink_factory=SINK_FACTORY, capture=capture,
+                                 status_address=self.inbox.address, computed_tail=tail)
         dc = config.disagg
         self.bootstrap = BootstrapServer(dc.disaggregation_bootstrap_host, dc.disaggregation_bootstrap_port,
                                          self.pp_size, self.schema.to_dict(), config.server.port,
@@ -38,12 +49,6 @@ class PrefillRole(PDRole):
         self.bootstrap.start()  # before the stages load: they register with it
         self.inflight: dict[int, set[int]] = {}  # room -> stages that reported Success
         self.local: list[Request] = []  # fake-bootstrap requests whose first token is sampled: nothing to send
-
-    @property
-    def computed_tail(self) -> int:
-        """`tail` mode: the rows of the last tail positions come from this request's own compute, never the cache
-        (the stages keep no tail rows beside cached pages; hidden and draft-kv context is kept beside them)."""
-        return max(1, self.schema.tail_tokens) if self.schema.handoff == "tail" else 1
 
     def take(self, req: Request, bootstrap: Bootstrap) -> bool:
         self._register(req, bootstrap)

@@ -31,6 +31,7 @@ from sparkrelay.envs import DisaggEnv
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.loader import read_config
 from sparkrelay.models.decoder import DecoderSpec
+from sparkrelay.pipeline.needs import RunnerNeeds
 from sparkrelay.scheduler.request import Bootstrap, Request, RequestError, TopLogprobs
 from sparkrelay.scheduler.scheduler import Scheduler
 from sparkrelay.spec.proposer import DSparkProposer
@@ -93,9 +94,13 @@ class Handoff:
     """No handoff (aggregated serving): every hook is a no-op. The PD roles override what they need."""
 
     role = "aggregated"        # what the engine serves as: aggregated, prefill or decode
-    status_address = ""        # where pipeline stages report their part of a transfer ("": nowhere)
     sends_first_token = False  # True (prefill): a sampled first token ends the request's compute on this server
-    computed_tail = 1          # prompt positions at the end that are always computed, whatever the prefix cache holds
+    needs = RunnerNeeds()      # what the role asks of the runner and the scheduler (pipeline/needs.py)
+
+    @property
+    def status_address(self) -> str:
+        """Where pipeline stages report their part of a transfer ("": nowhere)."""
+        return self.needs.status_address
 
     def attach(self, parts: EngineParts) -> None:
         """Called once, after the engine built its scheduler, pools and drafter."""

@@ -75,9 +75,9 @@ class Engine:
         lookahead = 1 if self.proposer is None else self.proposer.max_drafts + 1
         sc = config.scheduler
         self.scheduler = Scheduler(self.blocks, sc.max_running_requests, sc.chunked_prefill_size, lookahead,
-                                   self._prefix_cache(config), self.handoff.computed_tail)
+                                   self._prefix_cache(config), self.handoff.needs.computed_tail)
         self.runner, self.spec_stats = setup.build_runner(config, self.model, self.pool, self.device, self.proposer,
-                                                          self.context_length, self.handoff.status_address)
+                                                          self.context_length, self.handoff.needs)
         if mc.enable_torch_compile:
             setup.compile_model(self.model, self.proposer)
         self.stop = StopChecker(self.tokenizer)

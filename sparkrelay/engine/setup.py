@@ -17,6 +17,7 @@ from sparkrelay.models.dspark import load_dspark
 from sparkrelay.models.gguf_file import GGUFError, gguf_tokenizer, is_gguf
 from sparkrelay.models.quant import apply_torchao_config
 from sparkrelay.models.decoder import CausalLM
+from sparkrelay.pipeline.needs import RunnerNeeds
 from sparkrelay.pipeline.partition import pp_partition
 from sparkrelay.runner.model_runner import ModelRunner
 from sparkrelay.runner.spec_runner import SpecRunner
@@ -108,14 +109,14 @@ def build_proposer(config: Config, model: CausalLM, dtype: torch.dtype, device: 
 
 
 def build_runner(config: Config, model: CausalLM, pool: KVPool, device: torch.device,
-                 proposer: Optional[DSparkProposer], context: int, status_address: str):
-    """(runner, spec stats or None): a pipeline of stage processes (--pp-size > 1, or a prefill server, whose
-    stages send the handoff and report to `status_address`), a drafting runner (DSpark) or the plain one."""
+                 proposer: Optional[DSparkProposer], context: int, needs: RunnerNeeds):
+    """(runner, spec stats or None): a pipeline of stage processes (--pp-size > 1, or a role that needs stages: a
+    prefill's send the handoff), a drafting runner (DSpark) or the plain one."""
     seed = config.model.seed
-    if proposer is None and (config.parallel.pp_size > 1 or config.disagg.disaggregation_mode == "prefill"):
+    if proposer is None and (config.parallel.pp_size > 1 or needs.pipeline):
         from sparkrelay.pipeline.runner import PipelineRunner  # stage processes only when a pipeline is asked for
 
-        return PipelineRunner(config, model, pool, status_address=status_address), None
+        return PipelineRunner(config, model, pool, needs), None
     if proposer is None:
         return ModelRunner(model, pool, device, seed), None
     runner = SpecRunner(model, pool, device, seed, proposer=proposer, context_length=context)

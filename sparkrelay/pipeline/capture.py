@@ -67,9 +67,8 @@ class CaptureSpec:
 
     @classmethod
     def from_config(cls, config: Config) -> "CaptureSpec":
-        """`resolve_capture` with the environment's knobs and the target's layer count (none when not a prefill)."""
-        if config.disagg.disaggregation_mode != "prefill":
-            return cls()
+        """`resolve_capture` with the environment's knobs and the target's layer count (what a prefill's stages
+        capture; the prefill role asks for it, disagg/prefill_role.py)."""
         num_layers = int(read_config(config.model.model_path)["num_hidden_layers"])
         return resolve_capture(config, DisaggEnv.read(), num_layers)
 

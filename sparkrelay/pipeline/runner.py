@@ -34,12 +34,12 @@ from sparkrelay.scheduler.request import Request
 from sparkrelay.scheduler.scheduler import Batch, ScheduledSeq
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.decoder import CausalLM
-from sparkrelay.pipeline.capture import CaptureSpec
 from sparkrelay.pipeline.comm import Channel, PeerLost, connect
 from sparkrelay.pipeline.descriptor import SHUTDOWN, STEP, MicroBatch, SeqDesc, reply_shape
 from sparkrelay.pipeline.launch import Workers, rendezvous_store
 from sparkrelay.pipeline.partition import pp_partition
-from sparkrelay.pipeline.stage import PREFILL_SINK_FACTORY, STATUS_ADDRESS, build_stage, model_view, pool_view
+from sparkrelay.pipeline.needs import RunnerNeeds
+from sparkrelay.pipeline.stage import build_stage, model_view, pool_view
 from sparkrelay.runner.logprobs import from_rows
 from sparkrelay.runner.model_runner import RunResult, prompt_rows
 
@@ -96,22 +96,18 @@ def cut_tokens(sizes: list[int], parts: int) -> list[list[tuple[int, int, int]]]
 
 
 class PipelineRunner:
-    """capture: what the stages capture for DSpark (default `CaptureSpec.from_config`: none when aggregated).
-    sink_factory: "module:function" building each stage's StageSink (default in prefill mode:
-    sparkrelay.disagg.prefill_sink:make_stage_sink). status_address: handed to every stage's sink factory
-    (default ""; see pipeline/stage.py). room_of: a request's bootstrap room (0: none)."""
+    """needs: what the engine's role asks of the stages (capture, sink factory, status address; pipeline/needs.py),
+    none for an aggregated pipeline. room_of: a request's bootstrap room (0: none)."""
 
-    def __init__(self, config: Config, model: CausalLM, pool: KVPool, *, capture: Optional[CaptureSpec] = None,
-                 sink_factory: Optional[str] = None, status_address: str = STATUS_ADDRESS,
+    def __init__(self, config: Config, model: CausalLM, pool: KVPool, needs: RunnerNeeds = RunnerNeeds(),
                  room_of: Callable[[Request], int] = default_room) -> None:
         pp, num_layers = config.parallel.pp_size, model.spec.num_layers
         try:
             self.partition = pp_partition(num_layers, pp)
-            self.capture = (capture or CaptureSpec.from_config(config)).validate(num_layers)
+            self.capture = needs.capture.validate(num_layers)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if sink_factory is None and config.disagg.disaggregation_mode == "prefill":
-            sink_factory = PREFILL_SINK_FACTORY
+        sink_factory, status_address = needs.sink_factory, needs.status_address
         self.pp, self.room_of = pp, room_of
         self.device = next(iter(pool.layers.values()))[0].device
         first = self.partition[0]

@@ -31,11 +31,9 @@ from sparkrelay.runner.logprobs import Entry, Scored, score_rows, to_rows, token
 from sparkrelay.runner.sampler import SeededGenerators, draw
 from sparkrelay.trace import timeline
 
-PREFILL_SINK_FACTORY = "sparkrelay.disagg.prefill_sink:make_stage_sink"
-# Where a stage's sink reports per-room status to rank 0: PipelineRunner(status_address=...), handed unchanged to
-# every stage (rank 0 included) through the launch record. The pipeline runs no status endpoint of its own; the
-# default is "" (no endpoint) until the prefill role passes the address of the one it binds on rank 0.
-STATUS_ADDRESS = ""
+# A stage's sink reports per-room status to rank 0 at RunnerNeeds.status_address (pipeline/needs.py), handed
+# unchanged to every stage (rank 0 included) through the launch record; the pipeline runs no status endpoint of its
+# own ("": none) and the prefill role passes the address of the one it binds on rank 0.
 
 
 class StageSink(Protocol):
@@ -63,7 +61,7 @@ class StageSink(Protocol):
 
 
 def make_sink(factory: Optional[str], config: Config, stage: int, partition: list[tuple[int, int]],
-              pool: KVPool, status_address: str = STATUS_ADDRESS) -> Optional[StageSink]:
+              pool: KVPool, status_address: str = "") -> Optional[StageSink]:
     """`factory` = "module:function" with make_stage_sink's signature, imported here (lazily), or None."""
     if factory is None:
         return None
@@ -93,7 +91,7 @@ def model_view(full: CausalLM, start: int, end: int) -> CausalLM:
 
 def build_stage(index: int, partition: list[tuple[int, int]], model: CausalLM, pool: KVPool,
                 capture: CaptureSpec, config: Config, sink_factory: Optional[str], device: torch.device,
-                status_address: str = STATUS_ADDRESS) -> Stage:
+                status_address: str = "") -> Stage:
     """A stage around a loaded model range: the drafter's context weights when it owns taps or finishes the
     partial projection (mode partial), and its sink."""
     projector = None

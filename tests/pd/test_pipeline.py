@@ -20,6 +20,7 @@ from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.dspark import load_dspark
 from sparkrelay.pipeline.capture import CaptureSpec
+from sparkrelay.pipeline.needs import RunnerNeeds
 from sparkrelay.pipeline.runner import PipelineRunner
 from sparkrelay.trace import timeline
 
@@ -145,8 +146,9 @@ def run_capture(folder, pp, capture, prompts, sink_dir, monkeypatch) -> dict[int
     monkeypatch.setenv(SINK_DIR, str(sink_dir))
     config = Config().replace(model_path=str(folder), **SETTINGS).validate()
     engine = Engine(config)  # pp_size 1 aggregated: ModelRunner, replaced by a capturing pipeline
-    engine.runner = PipelineRunner(config.replace(pp_size=pp), engine.model, engine.pool, capture=capture,
-                                   sink_factory="test_pipeline:recording_sink", room_of=lambda r: 1000 + int(r.rid))
+    needs = RunnerNeeds(capture=capture, sink_factory="test_pipeline:recording_sink")
+    engine.runner = PipelineRunner(config.replace(pp_size=pp), engine.model, engine.pool, needs,
+                                   room_of=lambda r: 1000 + int(r.rid))
     try:
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, SamplingParams(max_new_tokens=1, temperature=0))
