@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from sparkrelay.tools.bench import common as bc
+
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -58,6 +60,8 @@ def test_bench_offline_writes_table_plot_and_json(tiny_model, tmp_path, capsys):
     raw = json.loads((out_dir / "bench_offline.json").read_text())
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
     assert "float32" in md and "8 tokens" in md and "4 new tokens" in md and "torch threads" in md
+    assert raw["command"].startswith("python -m sparkrelay.tools.bench.offline --model-path ") and raw["commit"]
+    assert md.splitlines()[2:4] == bc.header_lines(raw)  # after the title: command, host, commit
     main_table = md.split("Per-position")[0]
     rows = [line for line in main_table.splitlines() if line.startswith("| ") and not line.startswith("| engine")]
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in rows]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from sparkrelay.tools.bench import quality
+from sparkrelay.tools.bench import common as bc, quality
 
 
 def test_quality_tool_writes_its_table(tmp_path, bundled_model_dir):
@@ -18,8 +18,12 @@ def test_quality_tool_writes_its_table(tmp_path, bundled_model_dir):
         assert 0 < r["loss"] < 10, r  # nats/token of a trained model on held-out code
         assert 0 <= r["top1_vs_float32"] <= 1 and 0 <= r["greedy_vs_bfloat16"]["positions_equal"] <= 1
     assert rows["int8wo"]["top1_vs_bfloat16"] > 0.8  # int8 weights with per-channel scales stay close to bf16
-    assert json.loads((tmp_path / "quality.json").read_text())["rows"][2]["torchao_config"] == "int8wo"
-    assert "| int8wo" in (tmp_path / "quality.md").read_text()
+    saved = json.loads((tmp_path / "quality.json").read_text())
+    assert saved["rows"][2]["torchao_config"] == "int8wo"
+    md = (tmp_path / "quality.md").read_text()
+    assert "| int8wo" in md
+    assert saved["command"].startswith("python -m sparkrelay.tools.bench.quality --model ") and saved["commit"]
+    assert md.splitlines()[2:4] == bc.header_lines(saved)  # after the title: command, host, commit
 
 
 def test_quality_tool_refuses_bad_sizes(capsys):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from sparkrelay.tools.bench import bandwidth as bw
+from sparkrelay.tools.bench import common as bc
 from sparkrelay.tools.bench import roofline_report as report
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,7 +125,10 @@ def test_roofline_run_writes_consistent_files(tiny_pair, tmp_path):
     raw = json.loads((out / "roofline.json").read_text())
     md = (out / "roofline.md").read_text()
     assert (out / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert {"settings", "machine", "load", "bandwidth", "shapes", "decode", "prefill", "spec", "skipped"} <= set(raw)
+    assert {"settings", "machine", "load", "bandwidth", "shapes", "decode", "prefill", "spec", "skipped", "command",
+            "commit"} <= set(raw)
+    assert raw["command"].startswith("python -m sparkrelay.tools.bench.roofline --config ")
+    assert md.splitlines()[2:4] == bc.header_lines(raw)  # after the title: command, host, commit
     assert raw["settings"]["engine"]["page_size"] == 8  # an engine flag passed through
     assert raw["load"]["start"] and raw["load"]["end"] and raw["bandwidth"]["gb_s"] > 0
     assert [s["weights"] for s in raw["shapes"]] == ["checkpoint"]

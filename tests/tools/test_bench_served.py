@@ -8,6 +8,8 @@ import statistics
 
 import pytest
 
+from sparkrelay.tools.bench import common as bc
+
 
 @pytest.mark.slow  # ~17 s: a server and the offline engine, two engines' rounds
 def test_bench_served_pairs_its_rounds(bundled_model_dir, bundled_drafter_dir, tmp_path, capsys):
@@ -21,8 +23,11 @@ def test_bench_served_pairs_its_rounds(bundled_model_dir, bundled_drafter_dir, t
         assert all(x > 0 for x in r["offline_tok_s"] + r["served_tok_s"])
         ratios = [s / o for s, o in zip(r["served_tok_s"], r["offline_tok_s"])]
         assert r["round_ratios"] == ratios and r["ratio"] == statistics.median(ratios)
-    saved = json.loads((tmp_path / "bench_served.json").read_text())["rows"]
+    raw = json.loads((tmp_path / "bench_served.json").read_text())
+    saved = raw["rows"]
     assert [r["ratio"] for r in saved] == [r["ratio"] for r in rows]
     table = (tmp_path / "bench_served.md").read_text()
+    assert raw["command"].startswith("python -m sparkrelay.tools.bench.served --model-path ") and raw["commit"]
+    assert table.splitlines()[2:4] == bc.header_lines(raw)  # after the title: command, host, commit
     assert all(f"| {e} |" in table for e in served.ENGINES)
     assert "round 2" in capsys.readouterr().err

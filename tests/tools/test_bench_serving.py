@@ -9,7 +9,7 @@ import pytest
 
 from testkit.http import UvicornThread, free_port, make_app
 
-from sparkrelay.tools.bench import serving as bs, serving_report as sr, serving_requests as sq
+from sparkrelay.tools.bench import common as bc, serving as bs, serving_report as sr, serving_requests as sq
 
 N, OUT, IN = 4, 4, 12
 HEADER = "============ Serving Benchmark Result ============"
@@ -41,7 +41,10 @@ def check(result: dict, out: str, path, n: int = N) -> dict:
     for rec in saved["records"]:
         assert rec["success"] and rec["output_tokens"] == OUT and len(rec["itl"]) == len(rec["chunk_tokens"]) - 1
         assert rec["ttft"] <= rec["e2e"]
-    assert path.with_suffix(".md").read_text().startswith("# Serving benchmark")
+    md = path.with_suffix(".md").read_text()
+    assert md.startswith("# Serving benchmark")
+    assert saved["command"].startswith("python -m sparkrelay.tools.bench.serving ") and saved["commit"]
+    assert md.splitlines()[2:4] == bc.header_lines(saved)  # after the title: command, host, commit
     assert path.with_suffix(".png").stat().st_size > 0
     return saved
 

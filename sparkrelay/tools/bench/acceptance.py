@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from sparkrelay.tools.bench.common import bar_chart, machine_info, markdown_table, write_json, write_markdown
+from sparkrelay.tools.bench.common import (
+    bar_chart, header_lines, markdown_table, provenance, write_json, write_markdown)
 from sparkrelay.tools.corpus import PROMPT_SETS, read_prompt_set
 
 PAPER_TABLE1 = {"gsm8k": 6.11, "math500": 5.70, "humaneval": 5.38, "mbpp": 5.13, "mt-bench": 3.64,
@@ -94,7 +94,8 @@ def acceptance_run(args, spec_llm, plain_llm, name: str, prompts: list[list[int]
         outs = run_timed(spec_llm, prompts, params or sampled)
         d = stats_delta(spec_llm, before)
         row[f"tau_{label}"] = round(d["committed"] / max(d["rounds"], 1), 3)
-        row[f"accept_rate_{label}"] = [round(a / p, 3) if p else 0.0 for a, p in zip(d["accepted_at"], d["proposed_at"])]
+        row[f"accept_rate_{label}"] = [round(a / p, 3) if p else 0.0
+                                       for a, p in zip(d["accepted_at"], d["proposed_at"])]
         row[f"rounds_{label}"] = d["rounds"]
         if params is not None:
             plain = run_timed(plain_llm, prompts, params)
@@ -177,21 +178,12 @@ def speed_runs(args, prompts: list[list[int]]) -> list[dict]:
     return rows
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def report(args, rows: list[dict], speed: list[dict], pd: list[dict], argv: list[str]) -> None:
     out = Path(args.out_dir)
-    info = machine_info()
-    header = [f"`python -m sparkrelay.tools.bench.acceptance {' '.join(argv)}`",
-              f"host {info['host']}, {info['cpu_cores']} cores, torch {info['torch']}, commit {commit()}, "
-              f"{info['date']}", f"target {args.target}, drafter {args.drafter}, block 7, at most {args.max_new} new "
-              "tokens, evaluation split, chat template, no system message; acceptance in float32"]
+    record = provenance("sparkrelay.tools.bench.acceptance", argv)
+    header = [*header_lines(record),
+              f"target {args.target}, drafter {args.drafter}, block 7, at most {args.max_new} new tokens, "
+              "evaluation split, chat template, no system message; acceptance in float32"]
     acc = markdown_table(
         ["set", "prompts", "tau greedy", "tau T=1", "paper DSpark (Qwen3-4B, T=1)", "greedy = plain",
          "accept rate by position, greedy"],
@@ -212,8 +204,8 @@ def report(args, rows: list[dict], speed: list[dict], pd: list[dict], argv: list
     body = acc + "\n\n" + spd + ("\n\n" + pdt if pd else "")
     write_markdown(out / "acceptance.md", "DSpark acceptance and speed", header, body)
     slim = [{k: v for k, v in r.items() if k != "greedy_runs"} for r in rows]
-    write_json(out / "acceptance.json", {"machine": info, "commit": commit(), "command": argv, "sets": slim,
-                                         "speed": speed, "pd": pd, "paper_table1": PAPER_TABLE1})
+    write_json(out / "acceptance.json", {**record, "sets": slim, "speed": speed, "pd": pd,
+                                         "paper_table1": PAPER_TABLE1})
     bar_chart(out / "acceptance.png", [r["set"] for r in rows],
               {"greedy": [r["tau_greedy"] for r in rows], "T=1": [r["tau_t1"] for r in rows],
                "paper (Qwen3-4B, T=1)": [PAPER_TABLE1.get(r["set"]) for r in rows]},

@@ -6,7 +6,8 @@ Files are taken in sorted order with a fixed stride; when the prompts outnumber 
 next window of each file. Everything is deterministic for one Python install and tokenizer.
 
 Reporting: `markdown_table` / `write_markdown` for the table, `bar_chart` for the PNG, `write_json` for the raw
-figures, `machine_info` for the header line every result carries.
+figures, `provenance` for what every result records (command, commit, machine) and `header_lines` for the header
+every results .md starts with.
 """
 
 from __future__ import annotations
@@ -17,18 +18,22 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
+import subprocess
+import sys
 import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from sparkrelay.tools.corpus import stdlib_files
 
 DEFAULT_MODEL = "models/tiny-qwen3"
 DEFAULT_OUT_DIR = "benchmarks/results"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+SECRET_FLAGS = ("--api-key",)  # their values never go into a result
 
 
 # -- workload ----------------------------------------------------------------------------------------------------
@@ -133,6 +138,7 @@ def mean(values: Sequence[float]) -> float:
 # -- machine and arguments -----------------------------------------------------------------------------------------
 
 def machine_info() -> dict:
+    """The host, its CPU and GPU, Python and torch, and the date: the machine part of `provenance`."""
     import torch
 
     return {
@@ -146,6 +152,45 @@ def machine_info() -> dict:
         "cpu": platform.processor() or platform.machine(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+def commit() -> str:
+    """`git rev-parse --short HEAD` of the checkout this package runs from; "unknown" outside a git checkout.
+    Asked from the package's folder, not the current one, so a tool started elsewhere still names its code."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def command(module: str, argv: Optional[Sequence[str]] = None) -> str:
+    """The command line that reruns a tool: `python -m <module> <argv>`, shell-quoted (argv None: this process's),
+    with the values of SECRET_FLAGS masked: results are shared, keys are not."""
+    args = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    for i, a in enumerate(args):
+        flag = a.split("=", 1)[0]
+        if flag in SECRET_FLAGS and "=" in a:
+            args[i] = f"{flag}=REDACTED"
+        elif i and args[i - 1] in SECRET_FLAGS:
+            args[i] = "REDACTED"
+    return shlex.join(["python", "-m", module, *args])
+
+
+def provenance(module: str, argv: Optional[Sequence[str]] = None) -> dict:
+    """What every result records beside its figures: the command that reruns it, the commit and the machine.
+    A figure without them cannot be reproduced, nor compared with another host's or commit's."""
+    return {"command": command(module, argv), "commit": commit(), "machine": machine_info()}
+
+
+def header_lines(record: Mapping) -> list[str]:
+    """The header of every results .md (after its title): the command, then host, cores, torch, commit and date.
+    Read from `record` (provenance's keys, as saved in the JSON) so the .md and the JSON name the same run."""
+    m = record["machine"]
+    gpu = f", GPU {m['cuda']}" if m.get("cuda") else ""
+    return [f"`{record['command']}`",
+            f"Host {m['host']} ({m['cpu']}, {m['cpu_cores']} cores{gpu}), torch {m['torch']}, "
+            f"commit {record['commit']}, {m['date']}."]
 
 
 def int_list(text: str) -> list[int]:

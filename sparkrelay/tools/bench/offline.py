@@ -140,17 +140,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    machine = bc.machine_info()
+    record = bc.provenance("sparkrelay.tools.bench.offline", argv)
     prompts = bc.load_prompts(AutoTokenizer.from_pretrained(args.model_path), args.num_prompts, args.prompt_len)
     rows = run_engines(args, [p.ids for p in prompts])
     add_comparisons(rows)
     out_dir = Path(args.out_dir)
-    head, text = header_lines(args, machine, prompts), tables(rows, len(prompts))
+    head, text = header_lines(args, record, prompts), tables(rows, len(prompts))
     md = bc.write_markdown(out_dir / f"{NAME}.md", "Offline throughput (sparkrelay vs transformers)", head, text,
                            NOTES)
     png = plot(out_dir / f"{NAME}.png", args, rows)
     failures = verdict(rows, len(prompts))
-    result = {"settings": {k: v for k, v in vars(args).items()}, "machine": machine,
+    result = {"settings": {k: v for k, v in vars(args).items()}, **record,
               "prompts": [{"source": p.source, "window": p.window, "ids": p.ids} for p in prompts], "rows": rows,
               "failures": failures}
     js = bc.write_json(out_dir / f"{NAME}.json", result)

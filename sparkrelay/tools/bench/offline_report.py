@@ -60,15 +60,16 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 # -- report --------------------------------------------------------------------------------------------------------
 
-def header_lines(args: argparse.Namespace, machine: dict, prompts: list[bc.Prompt]) -> list[str]:
+def header_lines(args: argparse.Namespace, record: dict, prompts: list[bc.Prompt]) -> list[str]:
+    """The common header of `record` (common.provenance), then the workload and the torch threads."""
     files = sorted({p.source for p in prompts})
-    gpu = f", GPU {machine['cuda']}" if machine.get("cuda") else ""
+    machine = record["machine"]
     return [
+        *bc.header_lines(record),
         f"Model `{args.model_path}`, dtype {args.dtype}, device {args.device}; {len(prompts)} prompts x "
         f"{args.prompt_len} tokens of held-out stdlib code ({len(files)} files), {args.output_len} new tokens each, "
         f"greedy, EOS ignored; median of {args.repeats} runs after {args.warmup} warm-up.",
-        f"torch {machine['torch']}, torch threads: {machine['torch_threads']}, {machine['cpu_cores']} cores "
-        f"({machine['cpu']}{gpu}), Python {machine['python']}, {machine['date']}.",
+        f"torch threads: {machine['torch_threads']}, Python {machine['python']}.",
     ]
 
 

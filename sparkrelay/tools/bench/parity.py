@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from sparkrelay.tools.bench.acceptance import commit
-from sparkrelay.tools.bench.common import machine_info, markdown_table, write_json, write_markdown
+from sparkrelay.tools.bench.common import header_lines, markdown_table, provenance, write_json, write_markdown
 
 QUESTIONS = (
     "What is the capital of France?", "Explain photosynthesis in two sentences.",
@@ -95,11 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     equal = sum(r["equal"] for r in rows)
     others_near_tie = all(r["near_tie"] for r in rows if not r["equal"])
     verdict = "PASS" if equal >= 15 and others_near_tie else "FAIL"
-    info = machine_info()
-    header = [f"`python -m sparkrelay.tools.bench.parity {' '.join(argv)}`",
-              f"host {info['host']}, torch {info['torch']}, commit {commit()}, {info['date']}",
-              f"model {model}; float32, greedy, {args.new} new tokens, chat template; sparkrelay reads the GGUF file "
-              "itself, transformers loads the same file (gguf_file=)"]
+    record = provenance("sparkrelay.tools.bench.parity", argv)
+    header = [*header_lines(record),
+              f"model {model}; float32, greedy, {args.new} new tokens, chat template; sparkrelay reads the GGUF "
+              "file itself, transformers loads the same file (gguf_file=)"]
     table = markdown_table(["question", "equal", "first diff", "transformers' top-2 logit gap there"],
                            [[r["question"], "yes" if r["equal"] else "no", r.get("first_diff", "-"),
                              f"{r['logit_gap']:.2e}" if "logit_gap" in r else "-"] for r in rows])
@@ -107,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{'yes' if others_near_tie else 'no'}. Verdict: {verdict}"]
     out = Path(args.out_dir)
     write_markdown(out / "parity.md", "Greedy parity with transformers", header, table, notes)
-    write_json(out / "parity.json", {"machine": info, "commit": commit(), "model": model, "new": args.new,
-                                     "rows": rows, "equal": equal, "verdict": verdict})
+    write_json(out / "parity.json", {**record, "model": model, "new": args.new, "rows": rows, "equal": equal,
+                                     "verdict": verdict})
     print(table + "\n" + notes[0])
     return 0 if verdict == "PASS" else 1
 

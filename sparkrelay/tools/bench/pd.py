@@ -35,6 +35,7 @@ from typing import Iterator, Optional
 from sparkrelay.tools.cluster import (PDCluster, PDSettings, free_port, handoff_bytes, server_argv, start, start_pd,
                                      stream_generate)
 from sparkrelay.tools.bench import breakdown
+from sparkrelay.tools.bench import common as bc
 from sparkrelay.tools.bench.breakdown import mean_breakdown, request_breakdown
 from sparkrelay.tools.corpus import read_texts, stdlib_files
 from sparkrelay.trace import timeline
@@ -244,10 +245,13 @@ def verdict_line(why: list[str]) -> str:
             "acceptance; every tail length the same tokens)")
 
 
-def write_report(modes: list[dict], tails: list[dict], out: Path, args) -> None:
+def write_report(modes: list[dict], tails: list[dict], out: Path, args, record: dict) -> None:
+    """<name>.json, .md (headed by `record`, common.provenance), .png and _ttft.png under `out`; prints the .md."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "modes": modes, "tails": tails}, indent=1))
-    lines = [f"PP={args.pp_size} prefill, {args.per_length} prompts per length, {args.max_new_tokens} new tokens, "
+    (out / f"{args.name}.json").write_text(json.dumps({"args": vars(args), **record, "modes": modes, "tails": tails},
+                                                      indent=1))
+    lines = [*bc.header_lines(record), "",
+             f"PP={args.pp_size} prefill, {args.per_length} prompts per length, {args.max_new_tokens} new tokens, "
              "greedy, one request at a time, bundled tiny pair on CPU. Each PD request goes back to back with the "
              "aggregated server's answer to the same prompt (which goes first alternates); `aggregated` rows pool "
              "all of those.", "",
@@ -312,13 +316,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="bench_pd", help="file name of the report (.json, .md, .png)")
     args = ap.parse_args(argv)
+    record = bc.provenance("sparkrelay.tools.bench.pd", argv)
     args.backends = args.backends.split(",")
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.tails = [int(x) for x in args.tails.split(",")]
     with tempfile.TemporaryDirectory() as logs:
         modes = bench_modes(args, prompts_by_length(args.lengths, args.per_length), logs)
         tails = [] if args.skip_tails else bench_tails(args, logs)
-    write_report(modes, tails, Path(args.out), args)
+    write_report(modes, tails, Path(args.out), args, record)
     return 1 if verdict(modes, tails) else 0  # the verdict line ends the printed report
 
 

@@ -129,7 +129,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     bc.require_positive(ap, args, ("conversations", "turns", "shared_prefix_len", "user_len", "output_len"))
-    machine, rows, problems, records = bc.machine_info(), [], [], {}
+    record, rows, problems, records = bc.provenance("sparkrelay.tools.bench.prefix_cache", argv), [], [], {}
     with tempfile.TemporaryDirectory(prefix="bench-prefix-") as tmp:
         for deployment, mode in DEPLOYMENTS.items():
             records[deployment] = {}
@@ -143,10 +143,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     verdict = "Verdict: PASS (every run gave the aggregated uncached tokens, aggregated, hidden and draft-kv its " \
               "per-request acceptance, with the cache and without; every later turn found its history cached)" \
         if not problems else "Verdict: FAIL: " + "; ".join(problems[:8])
-    head = [f"Bundled pair (`{MODEL}` + `{DRAFTER}`), float32, cpu; {args.conversations} conversations x "
+    head = [*bc.header_lines(record),
+            f"Bundled pair (`{MODEL}` + `{DRAFTER}`), float32, cpu; {args.conversations} conversations x "
             f"{args.turns} turns, a shared system part of {args.shared_prefix_len} tokens, {args.user_len}-token user "
             f"messages, {args.output_len} new tokens per turn, greedy, one request at a time.",
-            f"torch {machine['torch']}, {machine['cpu_cores']} cores ({machine['cpu']}), {machine['date']}.",
             "TTFT without the cache / with it, per turn: " + "; ".join(
                 f"{d}: " + ", ".join(f"turn {t} {x:.2f}x" for t, x in v.items()) for d, v in speedup.items()),
             "Handoff bytes per request without the cache / with it, per turn: " + "; ".join(
@@ -154,7 +154,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     text = table(rows)
     out = Path(args.out)
     md = bc.write_markdown(out / f"{NAME}.md", "Prefix (radix) cache, multi-turn", head, text, [verdict])
-    js = bc.write_json(out / f"{NAME}.json", {"settings": vars(args), "machine": machine, "rows": rows,
+    js = bc.write_json(out / f"{NAME}.json", {"settings": vars(args), **record, "rows": rows,
                                               "ttft_speedup": speedup, "handoff_bytes_down": bytes_down,
                                               "problems": problems, "records": records})
     png = bc.bar_chart(out / f"{NAME}.png", [f"turn {t + 1}" for t in range(args.turns)],

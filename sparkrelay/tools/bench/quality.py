@@ -85,7 +85,7 @@ def compare(outs: list[list[int]], ref: list[list[int]]) -> dict:
             "outputs_equal": sum(a == b for a, b in zip(outs, ref)), "outputs": len(outs)}
 
 
-def measure(args: argparse.Namespace) -> dict:
+def measure(args: argparse.Namespace, record: dict) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -103,7 +103,7 @@ def measure(args: argparse.Namespace) -> dict:
         row["top1_vs_bfloat16"] = (tops[name] == tops["bfloat16"]).float().mean().item()
         row["greedy_vs_float32"] = compare(outs[name], outs["float32"])
         row["greedy_vs_bfloat16"] = compare(outs[name], outs["bfloat16"])
-    return {"settings": vars(args), "machine": bc.machine_info(), "rows": rows}
+    return {"settings": vars(args), **record, "rows": rows}
 
 
 def table(result: dict) -> str:
@@ -121,12 +121,12 @@ def table(result: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
-    result = measure(args)
-    s, m = result["settings"], result["machine"]
-    head = [f"Model `{s['model']}`; loss over {s['windows']} held-out windows of {s['window_len']} tokens "
+    result = measure(args, bc.provenance("sparkrelay.tools.bench.quality", argv))
+    s = result["settings"]
+    head = [*bc.header_lines(result),
+            f"Model `{s['model']}`; loss over {s['windows']} held-out windows of {s['window_len']} tokens "
             f"(teacher-forced); greedy: {s['prompts']} held-out prompts of {s['prompt_len']} tokens, "
-            f"{s['new_tokens']} new tokens each, EOS ignored.",
-            f"torch {m['torch']}, {m['cpu_cores']} cores ({m['cpu']}), {m['date']}."]
+            f"{s['new_tokens']} new tokens each, EOS ignored."]
     notes = ["int8wo: `--torchao-config int8wo` on bfloat16 activations (int8 weights, one scale per output channel; "
              "LM head and embedding bfloat16). top-1: teacher-forced argmax agreement over the loss windows. "
              "Greedy: free-running, so one early difference changes the rest of an output."]

@@ -252,7 +252,9 @@ def resumed(fresh: dict, path: Path) -> dict:
         raise SystemExit(f"--resume: {path} was started with other settings ({', '.join(differ)}); use the same "
                          "flags, or drop --resume to start over")
     prior.setdefault("done", [])
-    prior["load"].setdefault("resumed", []).append({"at": fresh["load"]["start"]})
+    for key in ("command", "commit"):  # a run saved before results recorded them
+        prior.setdefault(key, "unknown")
+    prior["load"].setdefault("resumed", []).append({"at": fresh["load"]["start"], "commit": fresh["commit"]})
     prior["load"].pop("end", None)
     return prior
 
@@ -271,7 +273,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     targets = load_targets(args)
-    result = {"settings": {**vars(args), "engine": settings}, "machine": bc.machine_info(),
+    result = {"settings": {**vars(args), "engine": settings}, **bc.provenance("sparkrelay.tools.bench.roofline", argv),
               "load": {"start": load_now()}, "shapes": [shape_info(t) for t, _ in targets],
               "decode": [], "prefill": [], "spec": [], "skipped": [], "done": []}
     if args.resume:

@@ -121,16 +121,17 @@ def skipped_lines(result: dict) -> list[str]:
 
 
 def header_lines(result: dict) -> list[str]:
+    """The common header (common.header_lines), then torch's threads, the load, the bandwidth and the shapes."""
     s, m, b = result["settings"], result["machine"], result["bandwidth"]
     shapes = ", ".join(f"{x['name']} ({x['weights']}, {x['weight_bytes']['bfloat16'] / 1e9:.2f} GB in bf16)"
                        for x in result["shapes"])
-    return [f"Machine: {m['cpu']}, {m['cpu_cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
-            f"{m['date']}.",
+    return [*bc.header_lines(result), f"Torch threads: {m['torch_threads']}.",
             f"Load (uptime) at start: {result['load']['start']}; at end: {result['load'].get('end', '(running)')}.",
             f"Read bandwidth: {b['gb_s']:.1f} GB/s ({b['method']}; each read: "
             + ", ".join(f"{k} {v:.1f}" for k, v in b.get("reads_gb_s", {}).items()) + " GB/s).",
-            *[f"Resumed (--resume) at {r['at']}; read bandwidth then {r.get('bandwidth_gb_s', 0):.1f} GB/s (every "
-              "fraction uses the first part's)." for r in result["load"].get("resumed", [])],
+            *[f"Resumed (--resume) at {r['at']}, commit {r.get('commit', 'unknown')}; read bandwidth then "
+              f"{r.get('bandwidth_gb_s', 0):.1f} GB/s (every fraction uses the first part's)."
+              for r in result["load"].get("resumed", [])],
             f"Shapes: {shapes}. Prompts of {s['prompt_len']} tokens, {s['new_tokens']} new tokens, batches "
             f"{s['batches']}, prefill of {s['prefill_len']} tokens, {s['repeats']} repeats (median)."]
 

@@ -111,16 +111,16 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     parser.set_defaults(num_prompts=4, prompt_len=128, output_len=256, repeats=9)
     args = parser.parse_args(argv)
     bc.require_positive(parser, args, ("num_prompts", "prompt_len", "output_len", "repeats"))
-    machine = bc.machine_info()
+    record = bc.provenance("sparkrelay.tools.bench.served", argv)
     rows = run(args)
-    head = [f"Model `{args.model_path}` (DSpark: `{DRAFTER}`), float32, cpu; {args.num_prompts} prompts x "
+    head = [*bc.header_lines(record),
+            f"Model `{args.model_path}` (DSpark: `{DRAFTER}`), float32, cpu; {args.num_prompts} prompts x "
             f"{args.prompt_len} tokens, {args.output_len} new tokens, greedy, one request at a time; "
-            f"{args.repeats} rounds, each timing offline and served back to back; medians.",
-            f"torch {machine['torch']}, {machine['cpu_cores']} cores ({machine['cpu']}), {machine['date']}."]
+            f"{args.repeats} rounds, each timing offline and served back to back; medians."]
     text = table(rows)
     out = Path(args.out_dir)
     md = bc.write_markdown(out / f"{NAME}.md", "Served vs offline decode (one stream)", head, text, [__doc__])
-    js = bc.write_json(out / f"{NAME}.json", {"settings": vars(args), "machine": machine, "rows": rows})
+    js = bc.write_json(out / f"{NAME}.json", {"settings": vars(args), **record, "rows": rows})
     print("\n".join(head) + "\n\n" + text + f"\n\nwrote {md}, {js}")
     return rows
 

@@ -1,9 +1,9 @@
 """Online serving benchmark against a running server, like `python -m sglang.bench_serving`.
 
 Every request is streamed (SSE) with asyncio + aiohttp (as SGLang's bench_serving; httpx cost the client 2-3x the
-CPU per streamed token, taken from the cores the server under test runs on), so each one yields its time to first token (TTFT), its
-inter-token latencies (ITL) and its end-to-end latency. Requests arrive as a Poisson process of `--request-rate`
-per second (inf: all at once), at most `--max-concurrency` in flight.
+CPU per streamed token, taken from the cores the server under test runs on), so each one yields its time to first
+token (TTFT), its inter-token latencies (ITL) and its end-to-end latency. Requests arrive as a Poisson process of
+`--request-rate` per second (inf: all at once), at most `--max-concurrency` in flight.
 
 Backends: `sglang` (POST /generate, `sampling_params`), `openai` (/v1/completions), `openai-chat`
 (/v1/chat/completions); any server speaking one of them, sparkrelay or not.
@@ -235,7 +235,8 @@ def clean(obj: Any) -> Any:
     return obj
 
 
-def benchmark(args: argparse.Namespace) -> dict:
+def benchmark(args: argparse.Namespace, record: dict) -> dict:
+    """The summary and per-request records of one run, with `record` (common.provenance) beside them."""
     url = base_url(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     rng = random.Random(args.seed)
@@ -249,7 +250,7 @@ def benchmark(args: argparse.Namespace) -> dict:
         after = spec_counters(client, url) if args.backend != "sglang" else None
     summary = summarize(records, duration, accept_length(records, before, after))
     settings = {k: v for k, v in vars(args).items() if k != "api_key"}
-    return {"summary": summary, "settings": settings, "url": url, "model": args.model, "machine": bc.machine_info(),
+    return {"summary": summary, "settings": settings, "url": url, "model": args.model, **record,
             "records": [asdict(r) for r in records]}
 
 
@@ -258,7 +259,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     failed (the figures are then printed and written all the same)."""
     args = parse_args(argv)
     try:
-        result = benchmark(args)
+        result = benchmark(args, bc.provenance("sparkrelay.tools.bench.serving", argv))
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1)
@@ -266,9 +267,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     lines = report_lines(result["summary"], args)
     print("\n".join(lines))
     if args.output_file:
-        m = result["machine"]
-        header = [f"`python -m sparkrelay.tools.bench.serving {' '.join(sys.argv[1:] if argv is None else argv)}`",
-                  f"Server {result['url']}, model {result['model']}; client {m['host']}, {m['date']}."]
+        header = [*bc.header_lines(result), f"Server {result['url']}, model {result['model']} (the host above is the "
+                  "client's)."]
         paths = write_outputs(Path(args.output_file), result, header)
         print("wrote " + ", ".join(map(str, paths)))
     print(verdict_line(result["summary"]), flush=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from sparkrelay.tools.bench import common as bc
 from sparkrelay.transfer.base import KVPoll, Part, PartSpec, get_backend
 from sparkrelay.transfer.bootstrap import BootstrapServer
 from sparkrelay.transfer.landing import Landing
@@ -110,11 +111,13 @@ def bench(backend: str, mib: int, repeats: int) -> dict:
             "median_gb_s": len(payload) / median / 1e9, "best_gb_s": len(payload) / best / 1e9}
 
 
-def report(rows: list[dict], out: Path, args) -> None:
+def report(rows: list[dict], out: Path, args, record: dict) -> None:
+    """transfer.json, .md (headed by `record`, common.provenance) and .png under `out`; prints the .md."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "transfer.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    lines = [f"One room, prefill send() to decode Success, {args.repeats} rooms after a warm-up, 127.0.0.1, "
-             "this machine (2 CPU cores, no RDMA device: Mooncake and NIXL/UCX over TCP / shared memory).", "",
+    (out / "transfer.json").write_text(json.dumps({"args": vars(args), **record, "rows": rows}, indent=1))
+    lines = [*bc.header_lines(record), "",
+             f"One room, prefill send() to decode Success, {args.repeats} rooms after a warm-up, 127.0.0.1, this "
+             "machine (no RDMA device: Mooncake and NIXL/UCX over TCP / shared memory).", "",
              "| backend | room MiB | median ms | median GB/s | best GB/s |", "|---|---|---|---|---|"]
     lines += [f"| {r['backend']} | {r['mib']} | {1000 * r['median_s']:.1f} | {r['median_gb_s']:.2f} | "
               f"{r['best_gb_s']:.2f} |" for r in rows]
@@ -149,12 +152,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/transfer")
     args = ap.parse_args(argv)
+    record = bc.provenance("sparkrelay.tools.bench.transfer", argv)
     rows = []
     for backend in args.backends.split(","):
         for mib in (int(x) for x in args.sizes_mib.split(",")):
             rows.append(bench(backend, mib, args.repeats))
             print(json.dumps(rows[-1]), flush=True)
-    report(rows, Path(args.out), args)
+    report(rows, Path(args.out), args, record)
     return 0
 
 

@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from sparkrelay.tools.bench.common import header_lines
+
 
 @dataclass
 class Result:
@@ -129,14 +131,16 @@ def _f(x, scale=1.0, fmt="{:.0f}") -> str:
 
 
 def markdown(report: dict) -> str:
+    """The .md: the common header (command, host, commit: common.header_lines), the deployment, then the tables."""
     a, t, lat, mem = report["args"], report["load"], report["latency"], report["memory"]
-    lines = [f"`python -m sparkrelay.tools.soak {' '.join(report['argv'])}`: router ({a['router']}) + PP={a['pp_size']} "
-             f"prefill + DSpark decode ({a['handoff']}), concurrency {a['concurrency']}, "
-             f"{report['duration_s']:.0f} s of load, pool of {len(report['pool'])} prompts.", "",
+    lines = [*header_lines(report), "",
+             f"Router ({a['router']}) + PP={a['pp_size']} prefill + DSpark decode ({a['handoff']}), concurrency "
+             f"{a['concurrency']}, {report['duration_s']:.0f} s of load, pool of {len(report['pool'])} prompts.", "",
              "| requests | sent | completed | of which = aggregated | aborted | errors | corrupted | lost | req/s "
              "| output tok/s |", "|---|---|---|---|---|---|---|---|---|---|",
              f"| load | {t['sent']} | {t['completed']} | {t['ok']} | {t['aborted']} | {t['error']} | {t['corrupted']} "
-             f"| {t['lost']} | {report['throughput_rps']:.2f} | {report['output_tokens_per_s']:.0f} |", "", "| latency | n | p50 ms | p99 ms |", "|---|---|---|---|"]
+             f"| {t['lost']} | {report['throughput_rps']:.2f} | {report['output_tokens_per_s']:.0f} |", "",
+             "| latency | n | p50 ms | p99 ms |", "|---|---|---|---|"]
     for name, v in lat.items():
         p50, p99 = v.get("e2e_p50_s", v.get("p50_s")), v.get("e2e_p99_s", v.get("p99_s"))
         lines.append(f"| {name} | {v['n']} | {_f(p50, 1000)} | {_f(p99, 1000)} |")

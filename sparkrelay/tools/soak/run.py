@@ -41,6 +41,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
+from sparkrelay.tools.bench.common import provenance
 from sparkrelay.tools.cluster import PDCluster, PDSettings, start_pd
 from sparkrelay.tools.soak.load import run_load, sample_memory, warm_up
 from sparkrelay.tools.soak.probe import drain, log_findings, print_log_tails, snapshot
@@ -155,6 +156,7 @@ def write_report(report: dict, out: Path) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    record = provenance("sparkrelay.tools.soak", argv)
     pool = build_pool(args.pool_size, args.long_fraction, args.seed)
     log_dir = tempfile.mkdtemp(prefix="sparkrelay-soak-")
     cluster = start_with_references(args, pool, log_dir)
@@ -165,7 +167,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print_log_tails(cluster)
         raise
     cluster.stop()
-    report |= {"args": vars(args), "argv": sys.argv[1:] if argv is None else list(argv), "logs": log_findings(cluster),
+    report |= {"args": vars(args), **record, "logs": log_findings(cluster),
                "pool": [{"prompt_tokens": len(p.ids), "max_new_tokens": p.max_new} for p in pool]}
     report["failures"] = verdict(report, args.max_growth_pct)
     write_report(report, Path(args.out))
