@@ -22,13 +22,14 @@ command.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 from sparkrelay.tools.bench.common import (
-    bar_chart, header_lines, markdown_table, provenance, write_json, write_markdown)
+    bar_chart, header_lines, line_chart, markdown_table, provenance, write_json, write_markdown)
 from sparkrelay.tools.corpus import PROMPT_SETS, read_prompt_set
 
 PAPER_TABLE1 = {"gsm8k": 6.11, "math500": 5.70, "humaneval": 5.38, "mbpp": 5.13, "mt-bench": 3.64,
@@ -201,7 +202,8 @@ def report(args, rows: list[dict], speed: list[dict], pd: list[dict], argv: list
     pdt = markdown_table(["PD mode (PP=2 prefill, no drafter)", "set", "prompts", "tokens = aggregated",
                           "acceptance = aggregated"],
                          [[r["mode"], r["set"], r["prompts"], r["same_tokens"], r["same_acceptance"]] for r in pd])
-    body = acc + "\n\n" + spd + ("\n\n" + pdt if pd else "")
+    curve = learning_curve(args.drafter, out)
+    body = acc + "\n\n" + spd + ("\n\n" + pdt if pd else "") + ("\n\n" + curve if curve else "")
     write_markdown(out / "acceptance.md", "DSpark acceptance and speed", header, body)
     slim = [{k: v for k, v in r.items() if k != "greedy_runs"} for r in rows]
     write_json(out / "acceptance.json", {**record, "sets": slim, "speed": speed, "pd": pd,
@@ -211,6 +213,28 @@ def report(args, rows: list[dict], speed: list[dict], pd: list[dict], argv: list
                "paper (Qwen3-4B, T=1)": [PAPER_TABLE1.get(r["set"]) for r in rows]},
               "DSpark acceptance length per verify round (incl. bonus)", "tokens per round")
     print(body)
+
+
+def learning_curve(drafter: str, out: Path) -> str:
+    """The drafter's learning curve from its train_report.json (offline greedy acceptance on the evaluation
+    prompts against training steps and CPU hours): a markdown table, and acceptance_curve.png; "" without one."""
+    path = Path(drafter) / "train_report.json"
+    points = json.loads(path.read_text()).get("learning_curve", []) if path.is_file() else []
+    if not points:
+        return ""
+    sets = [k.removeprefix("tau_") for k in points[0] if k.startswith("tau_")]
+    hours = [p["cpu_hours"] for p in points]
+    series = {"mean of sets": (hours, [p["tau"] for p in points])}
+    series |= {s: (hours, [p[f"tau_{s}"] for p in points]) for s in sets}
+    line_chart(out / "acceptance_curve.png", series, f"Learning curve of {drafter} (offline greedy acceptance)",
+               "training CPU hours (2 cores)", "tokens per round")
+    step = max(1, len(points) // 12)  # about a dozen rows; the last point always shown
+    shown = points[::step] + ([points[-1]] if (len(points) - 1) % step else [])
+    table = markdown_table(["step", "CPU hours", "tau, mean of sets", *(f"tau {s}" for s in sets)],
+                           [[p["step"], f"{p['cpu_hours']:.2f}", *(f"{v:.2f}" for v in (p["tau"], *(p[f"tau_{s}"] for s in sets)))]
+                            for p in shown])
+    return (f"Learning curve (`{path}`; offline greedy acceptance on {drafter}'s evaluation prompts, the drafter "
+            "tool's own measure; acceptance_curve.png):\n\n" + table)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -310,3 +310,27 @@ def bar_chart(path: Path | str, groups: Sequence[str], series: dict[str, Sequenc
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def line_chart(path: Path | str, series: dict[str, tuple[Sequence[float], Sequence[float]]], title: str,
+               xlabel: str, ylabel: str) -> Path:
+    """One line with markers per series (name -> (xs, ys))."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7.0, 4.0))
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", markersize=3, label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
