@@ -2,7 +2,8 @@
 
 Every stage's sink (disagg/prefill_sink.py) owns a `StageReportOutbox`; the prefill role on rank 0 owns the one
 `StageReportInbox` and learns from it when every stage has sent its part (or one failed). The messages cross a
-process boundary, so they are msgpack maps checked field by field on receipt, never pickles.
+process boundary, so they are codec messages (sparkrelay/codec.py): msgpack maps checked field by field on receipt,
+never pickles.
 """
 
 from __future__ import annotations
@@ -10,42 +11,40 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
 
-import msgpack
 import zmq
 
+from sparkrelay.codec import FrameError, Message, int_in, str_max
 from sparkrelay.transfer.base import KVPoll
+from sparkrelay.transfer.protocol import room_field
 
 logger = logging.getLogger(__name__)
 
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
 
+def _terminal(name: str, v: Any, key: Optional[int]) -> KVPoll:
+    if type(v) is not int and not isinstance(v, KVPoll) or v not in [int(s) for s in TERMINAL]:
+        raise FrameError(f"{name} must be {int(KVPoll.Success)} (Success) or {int(KVPoll.Failed)} (Failed), "
+                         f"got {v!r}"[:300], key)
+    return KVPoll(v)
+
+
 @dataclass(frozen=True)
-class StageReport:
+class StageReport(Message):
+    """stage -> rank 0: the stage's part of a room's transfer ended (Success or Failed, and why)."""
+
+    TYPE: ClassVar[str] = "STAGE_REPORT"
+    RULES: ClassVar[tuple] = (("room", room_field), ("stage", int_in(0, 1 << 16)), ("state", _terminal),
+                              ("reason", str_max(4096)))
     room: int
     stage: int
     state: KVPoll  # Success or Failed
     reason: str = ""
 
-    def encode(self) -> bytes:
-        return msgpack.packb({"room": self.room, "stage": self.stage, "state": int(self.state), "reason": self.reason})
-
-    @classmethod
-    def decode(cls, data: bytes) -> "StageReport":
-        """Raise ValueError on anything but a well-formed report."""
-        try:
-            m = msgpack.unpackb(data)
-        except Exception as e:
-            raise ValueError(f"not msgpack: {e}") from None
-        if not isinstance(m, dict) or set(m) != {"room", "stage", "state", "reason"}:
-            raise ValueError(f"fields {sorted(m) if isinstance(m, dict) else type(m).__name__}")
-        room, stage, state, reason = m["room"], m["stage"], m["state"], m["reason"]
-        if not all(type(v) is int for v in (room, stage, state)) or not isinstance(reason, str):
-            raise ValueError("room, stage and state must be integers and reason a string")
-        if state not in [int(s) for s in TERMINAL] or stage < 0:
-            raise ValueError(f"state {state} / stage {stage}")
-        return cls(room, stage, KVPoll(state), reason)
+    def head(self) -> dict:
+        return {**super().head(), "state": int(self.state)}
 
 
 class StageReportInbox:
@@ -87,8 +86,8 @@ class StageReportInbox:
             if not data:
                 continue  # a wake-up
             try:
-                out.append(StageReport.decode(data))
-            except ValueError as e:
+                out.append(StageReport.decode([data]))
+            except FrameError as e:
                 logger.error("dropped a malformed stage report (%d bytes): %s", len(data), e)
 
     def close(self) -> None:
@@ -106,7 +105,7 @@ class StageReportOutbox:
         self._sock.connect(address)
 
     def send(self, report: StageReport) -> None:
-        self._sock.send(report.encode())
+        self._sock.send_multipart(report.encode())
 
     def close(self) -> None:
         self._sock.close(0)

@@ -21,29 +21,17 @@ checked by the decode against the PartSpec it expects for the room (transfer/dec
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Union
 
-import msgpack
-
+from sparkrelay.codec import (MAX_CONTROL_BYTES, MAX_LIST_LEN, FrameError, Message, a_map, check_frame_count, int_in,
+                              int_list, opt_int, opt_map, pack, read_head, str_max)
 from sparkrelay.transfer.base import DTYPE_SIZES, KVPoll, Part, PartSpec, check_room
 
-MAX_CONTROL_BYTES = 64 << 10  # a control map or data header (schema included, < 2 KiB) larger than this is refused
+__all__ = ["MAX_CONTROL_BYTES", "MAX_LIST_LEN", "MAX_REASON_CHARS", "Abort", "AuthError", "Data", "FrameError",
+           "Message", "Status", "TransferInfo", "clip", "pack", "read_at_decode", "read_at_prefill", "read_head", "room_field"]
+
 MAX_REASON_CHARS = 4096
-MAX_LIST_LEN = 4096  # layer_ids / shape entries, and any msgpack array
-# msgpack limits: every object costs at least one byte of the frame, so a 64 KiB frame makes at most ~64K objects
-# (a few MB); without them a small frame of empty arrays unpacks into far more memory and time than its size.
-# Nesting is capped by msgpack's stack (StackError).
-UNPACK_LIMITS = dict(max_str_len=MAX_CONTROL_BYTES, max_bin_len=MAX_CONTROL_BYTES, max_array_len=MAX_LIST_LEN,
-                     max_map_len=256, max_ext_len=0)
-
-
-class FrameError(ValueError):
-    """A message that breaks the protocol. `room` is set when the message named a valid room."""
-
-    def __init__(self, reason: str, room: Optional[int] = None) -> None:
-        super().__init__(reason)
-        self.reason, self.room = reason, room
 
 
 class AuthError(FrameError):
@@ -60,60 +48,20 @@ def clip(reason: str) -> str:
 
 # ---- field rules: (value, room the message named or None) -> the value to keep, or FrameError ----------------
 
-def _room(name: str, v: Any, room: Optional[int]) -> int:
+def room_field(name: str, v: Any, room: Optional[int]) -> int:
+    """The rule of a bootstrap room field (every message about a room has one)."""
     why = check_room(v)
     if why:
         raise FrameError(why)
     return v
 
 
-def _int(lo: int, hi: int):
-    def rule(name: str, v: Any, room: Optional[int]) -> int:
-        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-            raise FrameError(f"{name} must be an int in {lo}..{hi}, got {v!r}"[:300], room)
-        return v
-    return rule
-
-
-def _opt_int(lo: int, hi: int):
-    check = _int(lo, hi)
-
-    def rule(name: str, v: Any, room: Optional[int]) -> int:
-        return 0 if v is None else check(name, v, room)
-    return rule
-
-
-def _str(max_len: int):
-    def rule(name: str, v: Any, room: Optional[int]) -> str:
-        if not isinstance(v, str) or len(v) > max_len:
-            raise FrameError(f"{name} must be a str of at most {max_len} chars, got {type(v).__name__}", room)
-        return v
-    return rule
-
-
 def _lenient_reason(name: str, v: Any, room: Optional[int]) -> str:
     return clip(v) if isinstance(v, str) else ""
 
 
-def _int_list(name: str, v: Any, room: Optional[int]) -> tuple[int, ...]:
-    if (not isinstance(v, (list, tuple)) or len(v) > MAX_LIST_LEN
-            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)):
-        raise FrameError(f"{name} must be a list of non-negative ints", room)
-    return tuple(v)
-
-
-def _map(name: str, v: Any, room: Optional[int]) -> dict:
-    if not isinstance(v, dict):
-        raise FrameError(f"{name} must be a map", room)
-    return v
-
-
-def _opt_map(name: str, v: Any, room: Optional[int]) -> dict:
-    return {} if v is None else _map(name, v, room)
-
-
 def _dtype(name: str, v: Any, room: Optional[int]) -> str:
-    v = _str(64)(name, v, room)
+    v = str_max(64)(name, v, room)
     if v not in DTYPE_SIZES:
         raise FrameError(f"unknown dtype {v!r}", room)
     return v
@@ -121,55 +69,14 @@ def _dtype(name: str, v: Any, room: Optional[int]) -> str:
 
 # ---- messages -------------------------------------------------------------------------------------------------
 
-class Message:
-    """A control-channel message: TYPE on the wire, RULES checked in order on construction (so a message built
-    here and one read off the wire pass the same checks), FRAMES frames on the wire."""
-
-    TYPE: ClassVar[str]
-    RULES: ClassVar[tuple]  # ((field name, rule), ...) in the order they are checked
-    FRAMES: ClassVar[int] = 1
-
-    def __post_init__(self) -> None:
-        room = None
-        for name, rule in self.RULES:
-            object.__setattr__(self, name, rule(name, getattr(self, name), room))
-            if name == "room":
-                room = self.room
-
-    def head(self) -> dict:
-        return {"type": self.TYPE, **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "payload"}}
-
-    def encode(self) -> list:
-        return [pack(self.head())]
-
-    @classmethod
-    def from_head(cls, head: dict, *extra: bytes) -> "Message":
-        return cls(**{f.name: head.get(f.name) for f in fields(cls) if f.name != "payload"}, **cls._extra(extra))
-
-    @classmethod
-    def _extra(cls, extra: tuple) -> dict:
-        return {}
-
-    @classmethod
-    def decode(cls, frames: list, hint: str = "") -> "Message":
-        """The message in `frames` (after the tag); FrameError if it is not one valid message of this type.
-        hint: appended to a frame-count error when there is exactly one frame too many (an unexpected tag)."""
-        head = read_head(frames[0]) if frames else {}
-        room = room_of(head)
-        if head.get("type") != cls.TYPE:
-            raise FrameError(f"expected a {cls.TYPE} message, got {str(head.get('type'))[:64]!r}", room)
-        check_frame_count(cls, frames, hint, room)
-        return cls.from_head(head, *frames[1:])
-
-
 @dataclass(frozen=True)
 class TransferInfo(Message):
     """decode -> every prefill stage: send room's parts to decode_host:decode_port."""
 
     TYPE: ClassVar[str] = "TRANSFER_INFO"
-    RULES: ClassVar[tuple] = (("room", _room), ("schema", _map), ("decode_host", _str(255)),
-                              ("decode_port", _int(1, 65535)), ("prompt_len", _int(0, 1 << 40)),
-                              ("landing", _opt_map), ("prefix", _opt_int(0, 1 << 40)))
+    RULES: ClassVar[tuple] = (("room", room_field), ("schema", a_map), ("decode_host", str_max(255)),
+                              ("decode_port", int_in(1, 65535)), ("prompt_len", int_in(0, 1 << 40)),
+                              ("landing", opt_map), ("prefix", opt_int(0, 1 << 40)))
     room: int
     decode_host: str
     decode_port: int
@@ -188,7 +95,7 @@ class Abort(Message):
     """decode -> every prefill stage: the decode gave up on the room, and why."""
 
     TYPE: ClassVar[str] = "ABORT"
-    RULES: ClassVar[tuple] = (("room", _room), ("reason", _lenient_reason))
+    RULES: ClassVar[tuple] = (("room", room_field), ("reason", _lenient_reason))
     room: int
     reason: str = ""
 
@@ -198,8 +105,8 @@ class Status(Message):
     """prefill stage -> decode: the stage finished the room (every DATA frame went before it) or failed it."""
 
     TYPE: ClassVar[str] = "STATUS"
-    RULES: ClassVar[tuple] = (("room", _room), ("pp_rank", _int(0, 1 << 16)), ("status", _int(0, 4)),
-                              ("reason", _str(MAX_REASON_CHARS)))
+    RULES: ClassVar[tuple] = (("room", room_field), ("pp_rank", int_in(0, 1 << 16)), ("status", int_in(0, 4)),
+                              ("reason", str_max(MAX_REASON_CHARS)))
     room: int
     pp_rank: int
     status: int
@@ -220,8 +127,8 @@ class Data(Message):
     bytes (sent by reference, never copied)."""
 
     TYPE: ClassVar[str] = "DATA"
-    RULES: ClassVar[tuple] = (("room", _room), ("pp_rank", _int(0, 1 << 16)), ("name", _str(255)),
-                              ("dtype", _dtype), ("layer_ids", _int_list), ("shape", _int_list))
+    RULES: ClassVar[tuple] = (("room", room_field), ("pp_rank", int_in(0, 1 << 16)), ("name", str_max(255)),
+                              ("dtype", _dtype), ("layer_ids", int_list), ("shape", int_list))
     FRAMES: ClassVar[int] = 2
     room: int
     pp_rank: int
@@ -256,33 +163,9 @@ _TO_DECODE = {m.TYPE: m for m in (Data, Status)}
 
 # ---- reading frames -------------------------------------------------------------------------------------------
 
-def pack(head: dict) -> bytes:
-    return msgpack.packb(head, use_bin_type=True)
-
-
-def read_head(frame: bytes) -> dict:
-    """The msgpack map of a control frame or data header, with a str 'type'; FrameError otherwise."""
-    if len(frame) > MAX_CONTROL_BYTES:
-        raise FrameError(f"control frame of {len(frame)} bytes exceeds {MAX_CONTROL_BYTES}")
-    try:
-        head = msgpack.unpackb(frame, raw=False, strict_map_key=True, **UNPACK_LIMITS)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise FrameError(f"undecodable msgpack ({type(e).__name__}{': ' if str(e) else ''}{e})") from None
-    if not isinstance(head, dict) or not isinstance(head.get("type"), str):
-        raise FrameError("not a msgpack map with a str 'type'")
-    return head
-
-
 def room_of(head: dict) -> Optional[int]:
     """The head's room when it is a valid one, else None."""
     return head.get("room") if check_room(head.get("room")) is None else None
-
-
-def check_frame_count(kind: type[Message], frames: list, hint: str, room: Optional[int]) -> None:
-    n = kind.FRAMES
-    if len(frames) != n:
-        extra = hint if hint and len(frames) == n + 1 else ""
-        raise FrameError(f"{kind.TYPE} needs {n} frame{'s' if n > 1 else ''}, got {len(frames)}{extra}", room)
 
 
 def read_at_prefill(frames: list, hint: str = "") -> ToPrefill:

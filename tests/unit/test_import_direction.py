@@ -10,6 +10,7 @@ PKG = Path(__file__).resolve().parents[2] / "sparkrelay"
 RANKS = {
     "sparkrelay": 0,  # the package's lazy re-exports
     "sparkrelay.config": 0,
+    "sparkrelay.codec": 0,
     "sparkrelay.trace": 0,
     "sparkrelay.envs": 1,
     "sparkrelay.host": 1,
@@ -30,7 +31,7 @@ RANKS = {
     "sparkrelay.launch_server": 9,
     "sparkrelay.tools": 10,
 }
-TORCH_FREE = ("sparkrelay.trace", "sparkrelay.scheduler", "sparkrelay.config", "sparkrelay.envs", "sparkrelay.host",
+TORCH_FREE = ("sparkrelay.codec", "sparkrelay.trace", "sparkrelay.scheduler", "sparkrelay.config", "sparkrelay.envs", "sparkrelay.host",
               "sparkrelay.spec.stats", "sparkrelay.pipeline.partition", "sparkrelay.transfer", "sparkrelay.router",
               "sparkrelay.launch_router")
 
