@@ -8,7 +8,8 @@ key, e.g. its room, once the key field itself was valid, so a receiver can fail 
 
 from __future__ import annotations
 
-from dataclasses import fields
+from array import array
+from dataclasses import fields, is_dataclass
 from typing import Any, Callable, ClassVar, Optional
 
 import msgpack
@@ -28,11 +29,11 @@ class FrameError(ValueError):
 Rule = Callable[[str, Any, Optional[int]], Any]
 
 
-def unpack_limits(max_bytes: int) -> dict:
+def unpack_limits(max_bytes: int, max_list: int = MAX_LIST_LEN) -> dict:
     """msgpack's limits for a frame of at most `max_bytes`: every object costs at least one byte, so a frame makes
     at most ~max_bytes objects; without them a small frame of empty arrays unpacks into far more memory and time
     than its size. Nesting is capped by msgpack's stack (StackError)."""
-    return dict(max_str_len=max_bytes, max_bin_len=max_bytes, max_array_len=MAX_LIST_LEN, max_map_len=256,
+    return dict(max_str_len=max_bytes, max_bin_len=max_bytes, max_array_len=max_list, max_map_len=max(256, max_list),
                 max_ext_len=0)
 
 
@@ -70,6 +71,68 @@ def int_list(name: str, v: Any, key: Optional[int]) -> tuple[int, ...]:
     return tuple(v)
 
 
+def opt_str(max_len: int) -> Rule:
+    """None stays None."""
+    check = str_max(max_len)
+
+    def rule(name: str, v: Any, key: Optional[int]) -> Optional[str]:
+        return None if v is None else check(name, v, key)
+    return rule
+
+
+def ints(max_len: int) -> Rule:
+    """A list of int64 values, at most max_len of them (checked at C speed: a generation's token ids cross with
+    every step's output)."""
+    def rule(name: str, v: Any, key: Optional[int]) -> list[int]:
+        if not isinstance(v, (list, tuple)) or len(v) > max_len:
+            raise FrameError(f"{name} must be a list of at most {max_len} ints", key)
+        try:
+            array("q", v)
+        except (TypeError, OverflowError):
+            raise FrameError(f"{name} must be a list of at most {max_len} ints", key) from None
+        return v if isinstance(v, list) else list(v)
+    return rule
+
+
+def a_list(max_len: int) -> Rule:
+    """A list of at most max_len entries (what they are is its reader's business)."""
+    def rule(name: str, v: Any, key: Optional[int]) -> list:
+        if not isinstance(v, (list, tuple)) or len(v) > max_len:
+            raise FrameError(f"{name} must be a list of at most {max_len} entries", key)
+        return v if isinstance(v, list) else list(v)
+    return rule
+
+
+def record(cls: type, optional: bool = False, **field_rules: Rule) -> Rule:
+    """A nested dataclass: an instance as it is, or its fields in order (how `pack` sends it), each checked by
+    its rule in `field_rules` (nested records among them) and given to the constructor, whose own checks apply (a
+    ValueError or TypeError from it is a FrameError). `optional`: None stays None."""
+    names = [f.name for f in fields(cls)]
+
+    def rule(name: str, v: Any, key: Optional[int]) -> Any:
+        if v is None and optional or isinstance(v, cls):
+            return v
+        if not isinstance(v, (list, tuple)) or len(v) > len(names):
+            raise FrameError(f"{name} must be a {cls.__name__} (a list of its {len(names)} fields)", key)
+        given = [field_rules[n](f"{name}.{n}", x, key) if n in field_rules else x for n, x in zip(names, v)]
+        try:
+            return cls(*given)
+        except (TypeError, ValueError) as e:
+            raise FrameError(f"{name}: not a {cls.__name__}: {e}"[:300], key) from None
+    return rule
+
+
+def records(cls: type, max_len: int = MAX_LIST_LEN, **field_rules: Rule) -> Rule:
+    """A list of nested dataclasses (see `record`), kept as a tuple."""
+    one = record(cls, **field_rules)
+
+    def rule(name: str, v: Any, key: Optional[int]) -> tuple:
+        if not isinstance(v, (list, tuple)) or len(v) > max_len:
+            raise FrameError(f"{name} must be a list of at most {max_len} {cls.__name__}", key)
+        return tuple(one(f"{name}[{i}]", x, key) for i, x in enumerate(v))
+    return rule
+
+
 def a_map(name: str, v: Any, key: Optional[int]) -> dict:
     if not isinstance(v, dict):
         raise FrameError(f"{name} must be a map", key)
@@ -92,6 +155,7 @@ class Message:
     FRAMES: ClassVar[int] = 1
     KEY: ClassVar[str] = "room"
     MAX_BYTES: ClassVar[int] = MAX_CONTROL_BYTES
+    MAX_LIST: ClassVar[int] = MAX_LIST_LEN
 
     def __post_init__(self) -> None:
         key = None
@@ -118,11 +182,38 @@ class Message:
     def decode(cls, frames: list, hint: str = "") -> "Message":
         """The message in `frames` (after any tag); FrameError if it is not one valid message of this type.
         hint: appended to a frame-count error when there is exactly one frame too many (an unexpected tag)."""
-        head = read_head(frames[0], cls.MAX_BYTES) if frames else {}
+        head = read_head(frames[0], cls.MAX_BYTES, cls.MAX_LIST) if frames else {}
         if head.get("type") != cls.TYPE:
             raise FrameError(f"expected a {cls.TYPE} message, got {str(head.get('type'))[:64]!r}", key_of(cls, head))
         check_frame_count(cls, frames, hint, key_of(cls, head))
         return cls.from_head(head, *frames[1:])
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _as_list(obj: Any) -> list:
+    """msgpack's hook for what it cannot pack itself: a nested dataclass goes as the list of its fields."""
+    cls = type(obj)
+    names = _FIELDS.get(cls)
+    if names is None:
+        if not is_dataclass(obj):
+            raise TypeError(f"cannot send a {cls.__name__}")
+        names = _FIELDS[cls] = tuple(f.name for f in fields(obj))
+    return [getattr(obj, n) for n in names]
+
+
+def read_message(frames: list, kinds: dict[str, type[Message]], max_bytes: int, max_list: int,
+                 hint: str = "") -> Message:
+    """One message of any of `kinds` (TYPE -> class) from `frames`; FrameError otherwise."""
+    if not frames:
+        raise FrameError("no frame")
+    head = read_head(frames[0], max_bytes, max_list)
+    kind = kinds.get(head["type"])
+    if kind is None:
+        raise FrameError(f"unknown message type {head['type'][:64]!r}")
+    check_frame_count(kind, frames, hint, key_of(kind, head))
+    return kind.from_head(head, *frames[1:])
 
 
 def key_of(kind: type[Message], head: dict) -> Optional[int]:
@@ -137,15 +228,16 @@ def key_of(kind: type[Message], head: dict) -> Optional[int]:
 # ---- frames -------------------------------------------------------------------------------------------------------
 
 def pack(head: dict) -> bytes:
-    return msgpack.packb(head, use_bin_type=True)
+    """A map frame; a nested dataclass in it goes as the list of its fields (what `record` reads back)."""
+    return msgpack.packb(head, use_bin_type=True, default=_as_list)
 
 
-def read_head(frame: bytes, max_bytes: int = MAX_CONTROL_BYTES) -> dict:
+def read_head(frame: bytes, max_bytes: int = MAX_CONTROL_BYTES, max_list: int = MAX_LIST_LEN) -> dict:
     """The msgpack map of a frame, with a str 'type'; FrameError otherwise."""
     if len(frame) > max_bytes:
         raise FrameError(f"control frame of {len(frame)} bytes exceeds {max_bytes}")
     try:
-        head = msgpack.unpackb(frame, raw=False, strict_map_key=True, **unpack_limits(max_bytes))
+        head = msgpack.unpackb(frame, raw=False, strict_map_key=True, **unpack_limits(max_bytes, max_list))
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise FrameError(f"undecodable msgpack ({type(e).__name__}{': ' if str(e) else ''}{e})") from None
     if not isinstance(head, dict) or not isinstance(head.get("type"), str):

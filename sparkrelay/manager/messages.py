@@ -5,10 +5,11 @@
                        answer to one FlushCache); Progress (a step's outputs and the stats after it); Fatal (the
                        engine cannot go on)
 
-Between processes each message is one msgpack frame `[kind, fields...]`, fields in the dataclass's order, nested
-dataclasses as arrays the same way; `decode` rebuilds the dataclass and raises MessageError for anything else.
-On a byte stream (the scheduler process's outputs) each frame goes behind its length: `framed`, `FrameReader`.
-Nothing here is pickled. In one process (the engine thread) the dataclasses are handed over as they are.
+Between processes each message is one codec frame (sparkrelay/codec.py): a msgpack map of its fields, nested
+dataclasses as the lists of their fields, every top-level field checked by its rule on receipt and every nested
+one by its own constructor; `decode` raises MessageError for anything else. On a byte stream (the scheduler
+process's outputs) each frame goes behind its length: `framed`, `FrameReader`. Nothing here is pickled. In one
+process (the engine thread) the dataclasses are handed over as they are.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ from __future__ import annotations
 import secrets
 import struct
 import uuid
-from dataclasses import astuple, dataclass, field, fields
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
 
-import msgpack
+from sparkrelay.codec import (FrameError, Message, a_list, a_map, int_in, ints, opt_str, read_message, record, records,
+                              str_max)
+from sparkrelay.scheduler.request import (FAKE_BOOTSTRAP_HOST, MAX_TOP_LOGPROBS, Bootstrap, Logprobs, RequestOutput,
+                                          SamplingParams)
 
-from sparkrelay.scheduler.request import (FAKE_BOOTSTRAP_HOST, Bootstrap, Logprobs, RequestOutput, SamplingParams)
 
-
-class MessageError(ValueError):
+class MessageError(FrameError):
     """A frame that is not one of the messages below."""
 
 
@@ -69,62 +71,93 @@ class EngineInfo:
                    engine.runner.rendezvous_port)
 
 
+class EngineMessage(Message):
+    """A message between the HTTP server and the engine's owner: local (a socketpair or an ipc:// socket in a
+    private folder), so its limits are the largest batch and output a server makes, not a network's."""
+
+    KEY: ClassVar[str] = ""
+    MAX_BYTES: ClassVar[int] = 1 << 30
+    MAX_LIST: ClassVar[int] = 1 << 24
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.TYPE = cls.__name__  # on the wire as the class's name
+
+
+_ID = int_in(0, (1 << 63) - 1)
+_TEXT = str_max(1 << 24)
+_ITEM = dict(rid=_TEXT, prompt_ids=ints(1 << 24), params=record(SamplingParams), bootstrap=record(Bootstrap, True))
+_LOGPROBS = dict(input_start=int_in(-1, 1 << 40), top=int_in(0, MAX_TOP_LOGPROBS), input_ids=ints(1 << 24),
+                 output=a_list(1 << 24), output_top=a_list(1 << 24), input=a_list(1 << 24), input_top=a_list(1 << 24))
+_OUTPUT = dict(rid=_TEXT, new_ids=ints(1 << 24), output_ids=ints(1 << 24), logprobs=record(Logprobs, True, **_LOGPROBS))
+
+
 # ---- server -> engine
 
 @dataclass(frozen=True)
-class AddItems:
+class AddItems(EngineMessage):
+    RULES: ClassVar[tuple] = (("batch", _ID), ("items", records(GenerationItem, 1 << 20, **_ITEM)))
     batch: int  # the id the matching Added answers
     items: tuple[GenerationItem, ...]
 
 
 @dataclass(frozen=True)
-class AbortRequest:
+class AbortRequest(EngineMessage):
+    RULES: ClassVar[tuple] = (("rid", _TEXT),)
     rid: str
 
 
 @dataclass(frozen=True)
-class FlushCache:
+class FlushCache(EngineMessage):
+    RULES: ClassVar[tuple] = (("call", _ID),)
     call: int  # the id the matching Flushed answers
 
 
 @dataclass(frozen=True)
-class Shutdown:
+class Shutdown(EngineMessage):
+    RULES: ClassVar[tuple] = (("reason", _TEXT),)
     reason: str = "server shutting down"
 
 
 # ---- engine -> server
 
 @dataclass(frozen=True)
-class Ready:
+class Ready(EngineMessage):
+    RULES: ClassVar[tuple] = (("info", record(EngineInfo)),)
     info: EngineInfo
 
 
 @dataclass(frozen=True)
-class StartFailed:
+class StartFailed(EngineMessage):
+    RULES: ClassVar[tuple] = (("error", _TEXT),)
     error: str  # the exception's message, as the server would have printed it
 
 
 @dataclass(frozen=True)
-class Added:
+class Added(EngineMessage):
+    RULES: ClassVar[tuple] = (("batch", _ID), ("error", opt_str(1 << 24)), ("status", int_in(400, 599)))
     batch: int
     error: Optional[str] = None  # None: every item was added; else none was
     status: int = 400  # 400: the request cannot be served as asked (RequestError); 500: the engine failed
 
 
 @dataclass(frozen=True)
-class Flushed:
+class Flushed(EngineMessage):
+    RULES: ClassVar[tuple] = (("call", _ID), ("error", opt_str(1 << 24)))
     call: int
     error: Optional[str] = None  # None: the prefix cache is empty now; else why nothing was done
 
 
 @dataclass(frozen=True)
-class Progress:
+class Progress(EngineMessage):
+    RULES: ClassVar[tuple] = (("outputs", records(RequestOutput, 1 << 20, **_OUTPUT)), ("stats", a_map))
     outputs: tuple[RequestOutput, ...] = ()
     stats: dict = field(default_factory=dict)  # Engine.stats() | check_error, num_step_failures
 
 
 @dataclass(frozen=True)
-class Fatal:
+class Fatal(EngineMessage):
+    RULES: ClassVar[tuple] = (("error", _TEXT),)
     error: str
 
 
@@ -132,29 +165,15 @@ MESSAGES = (AddItems, AbortRequest, FlushCache, Shutdown, Ready, StartFailed, Ad
 _BY_KIND = {cls.__name__: cls for cls in MESSAGES}
 
 
-def encode(msg) -> bytes:
-    if isinstance(msg, AddItems):
-        body = [msg.batch, [_item_fields(it) for it in msg.items]]
-    elif isinstance(msg, Progress):
-        body = [[_output_fields(o) for o in msg.outputs], msg.stats]
-    else:
-        body = list(astuple(msg))  # flat messages (EngineInfo holds a dict, which msgpack keeps)
-    return msgpack.packb([type(msg).__name__, *body], use_bin_type=True)
+def encode(msg: EngineMessage) -> bytes:
+    return msg.encode()[0]
 
 
-def decode(frame: bytes):
+def decode(frame: bytes) -> EngineMessage:
     try:
-        kind, *body = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-        cls = _BY_KIND[kind]
-        if cls is AddItems:
-            return AddItems(int(body[0]), tuple(_item(f) for f in body[1]))
-        if cls is Progress:
-            return Progress(tuple(_output(f) for f in body[0]), dict(body[1]))
-        if cls is Ready:
-            return Ready(EngineInfo(*body[0]))
-        return cls(*body)
-    except (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException) as e:
-        raise MessageError(f"not an engine message: {type(e).__name__}: {e}") from None
+        return read_message([frame], _BY_KIND, EngineMessage.MAX_BYTES, EngineMessage.MAX_LIST)
+    except FrameError as e:
+        raise MessageError(f"not an engine message: {e}") from None
 
 
 FRAME_HEADER = struct.Struct("!I")  # a frame's length in bytes, big-endian
@@ -186,28 +205,3 @@ class FrameReader:
             pos += n
         del self._buf[:pos]
         return frames
-
-
-def _item_fields(it: GenerationItem) -> list:
-    params = [getattr(it.params, f.name) for f in fields(SamplingParams)]
-    return [it.rid, it.prompt_ids, params, None if it.bootstrap is None else list(astuple(it.bootstrap))]
-
-
-def _item(f: list) -> GenerationItem:
-    rid, prompt_ids, params, bootstrap = f
-    return GenerationItem(str(rid), list(prompt_ids), SamplingParams(*params),
-                          None if bootstrap is None else Bootstrap(*bootstrap))
-
-
-def _output_fields(o: RequestOutput) -> list:
-    lp = None if o.logprobs is None else [getattr(o.logprobs, f.name) for f in fields(Logprobs)]
-    return [o.rid, o.new_ids, o.output_ids, o.finished, o.finish_reason, o.prompt_tokens, o.text, o.spec_verify_ct,
-            o.spec_accept_length, lp, o.cached_tokens, o.handoff_bytes]
-
-
-def _output(f: list) -> RequestOutput:
-    *head, lp, cached, handoff = f
-    if len(head) != 9:
-        raise ValueError(f"an output has {len(head) + 3} fields, not 12")
-    return RequestOutput(*head, logprobs=None if lp is None else Logprobs(*lp), cached_tokens=int(cached),
-                         handoff_bytes=int(handoff))

@@ -1,6 +1,8 @@
 """The messages between the HTTP server and the scheduler process: every kind survives the wire, a bad frame is a
 MessageError, and nothing is pickled."""
 
+from dataclasses import astuple
+
 import msgpack
 import pytest
 
@@ -61,3 +63,20 @@ def test_framed_messages_come_back_whatever_pieces_the_stream_cuts():
     reader = FrameReader()
     assert reader.feed(stream[:-1]) == frames[:-1]
     assert reader.feed(b"") == [] and reader.feed(stream[-1:]) == frames[-1:]
+
+
+@pytest.mark.parametrize("head,needle", [
+    ({"type": "AddItems", "batch": 1, "items": [["a", [1, "2"], list(astuple(SamplingParams())), None]]},
+     "prompt_ids must be a list"),
+    ({"type": "AddItems", "batch": -1, "items": []}, "batch must be an int"),
+    ({"type": "AddItems", "batch": 1, "items": [["a", [1], list(astuple(SamplingParams(temperature=2.0)))[:-1]
+                                                    + ["x"], None]]}, "not a SamplingParams"),
+    ({"type": "Added", "batch": 1, "error": None, "status": 200}, "status must be an int in 400..599"),
+    ({"type": "Progress", "outputs": [["r", [1], [1], True, None, 1, "", 0, None, [1, 2, 3], 0, 0]], "stats": {}},
+     "logprobs"),
+    ({"type": "Progress", "outputs": [], "stats": [1]}, "stats must be a map"),
+])
+def test_every_field_is_checked_on_receipt(head, needle):
+    """The codec's rules (sparkrelay/codec.py) name the field a frame got wrong."""
+    with pytest.raises(MessageError, match=needle):
+        decode(msgpack.packb(head))
