@@ -29,7 +29,8 @@ from sparkrelay.codec import (MAX_CONTROL_BYTES, MAX_LIST_LEN, FrameError, Messa
 from sparkrelay.transfer.base import DTYPE_SIZES, KVPoll, Part, PartSpec, check_room
 
 __all__ = ["MAX_CONTROL_BYTES", "MAX_LIST_LEN", "MAX_REASON_CHARS", "Abort", "AuthError", "Data", "FrameError",
-           "Message", "Status", "TransferInfo", "clip", "pack", "read_at_decode", "read_at_prefill", "read_head", "room_field"]
+           "Message", "Status", "TransferInfo", "clip", "pack", "read_at_decode", "read_at_prefill", "read_head",
+           "room_field"]
 
 MAX_REASON_CHARS = 4096
 
