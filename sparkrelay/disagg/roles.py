@@ -153,7 +153,7 @@ class PDRole(Handoff):
         if bootstrap is None or bootstrap.room is None:
             raise RequestError(f"a {self.role} server needs `bootstrap_host` and `bootstrap_room` on every request "
                                "(send requests through the PD router)")
-        if bootstrap.is_fake:
+        if bootstrap.peer_room is None:  # SGLang's fake host: no room to check or keep
             return
         bad = check_room(bootstrap.room)
         if bad:
@@ -164,9 +164,9 @@ class PDRole(Handoff):
             raise RequestError(f"bootstrap_room {bootstrap.room} is already in use by a request in flight")
 
     def _register(self, req: Request, bootstrap: Bootstrap) -> None:
-        if not bootstrap.is_fake:
-            req.bootstrap_room = bootstrap.room
-            self.by_room[bootstrap.room] = req
+        if bootstrap.peer_room is not None:
+            req.bootstrap_room = bootstrap.peer_room
+            self.by_room[bootstrap.peer_room] = req
 
     def drop(self, req: Request) -> None:
         if req.bootstrap_room:

@@ -116,8 +116,9 @@ class Bootstrap:
     room: int
 
     @property
-    def is_fake(self) -> bool:
-        return self.host == FAKE_BOOTSTRAP_HOST
+    def peer_room(self) -> Optional[int]:
+        """The room a peer knows this request by; None for the fake host (no peer ever hears of it)."""
+        return None if self.host == FAKE_BOOTSTRAP_HOST else self.room
 
 
 class Status(enum.Enum):
