@@ -59,7 +59,10 @@ def test_a_dead_scheduler_process_ends_the_server_and_its_requests(tiny_model_di
 
         reader = threading.Thread(target=stream)
         reader.start()
-        time.sleep(1.0)
+        deadline = time.monotonic() + 20
+        # killed once the stream flows, not after a fixed pause: an idle host decodes all 1,000 tokens in under 1 s
+        while len(chunks) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
         os.kill(scheduler, signal.SIGKILL)
         reader.join(20)
         assert not reader.is_alive(), "the streamed request hung after its engine died"
