@@ -38,7 +38,8 @@ from sparkrelay.disagg.handoff import expected_parts
 from sparkrelay.disagg.roles import NEWS_WAIT_S, EngineParts, Event, HandoffFailed, PDRole
 from sparkrelay.disagg.schema import compare
 from sparkrelay.scheduler.request import Bootstrap, Request
-from sparkrelay.transfer.base import DecodeTransfer, KVPoll, get_backend
+from sparkrelay.transfer.backends import get_backend
+from sparkrelay.transfer.base import DecodeTransfer, KVPoll
 
 
 @dataclass
@@ -49,7 +50,7 @@ class _Pending:
 
 
 class DecodeRole(PDRole):
-    role = "decode"
+    name = "decode"
 
     def __init__(self, config: Config, dtype: torch.dtype) -> None:
         super().__init__(config, dtype)
@@ -65,7 +66,7 @@ class DecodeRole(PDRole):
     def attach(self, parts: EngineParts) -> None:
         self.parts = parts
         dc, e = self.config.disagg, self.env
-        decode_agent = get_backend(dc.disaggregation_transfer_backend)[1]  # --disaggregation-transfer-backend
+        decode_agent = get_backend(dc.disaggregation_transfer_backend).decode  # --disaggregation-transfer-backend
         self.agent = decode_agent(self.schema.to_dict(), compare, expected_parts, dc.disaggregation_bootstrap_host,
                                   e.bootstrap_timeout, e.waiting_timeout, e.heartbeat_interval,
                                   e.heartbeat_max_failures, dc.disaggregation_bootstrap_port,

@@ -1,15 +1,15 @@
-"""The handoff of --disaggregation-mode (disagg/roles.py says what a handoff is)."""
+"""The PD role of --disaggregation-mode (disagg/roles.py says what a role does)."""
 
 from __future__ import annotations
 
 import torch
 
 from sparkrelay.config import Config
-from sparkrelay.disagg.roles import Handoff
+from sparkrelay.disagg.roles import Role
 
 
-def build_handoff(config: Config, dtype: torch.dtype) -> Handoff:
-    """The handoff of --disaggregation-mode; a prefill binds its bootstrap server and stage-report inbox here,
+def build_role(config: Config, dtype: torch.dtype) -> Role:
+    """The role of --disaggregation-mode; a prefill binds its bootstrap server and stage-report inbox here,
     before the pipeline stages load (they register with the one and report to the other)."""
     mode = config.disagg.disaggregation_mode
     if mode == "prefill":
@@ -20,4 +20,4 @@ def build_handoff(config: Config, dtype: torch.dtype) -> Handoff:
         from sparkrelay.disagg.decode_role import DecodeRole
 
         return DecodeRole(config, dtype)
-    return Handoff()
+    return Role()

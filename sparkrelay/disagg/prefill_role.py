@@ -27,7 +27,7 @@ SINK_FACTORY = "sparkrelay.disagg.prefill_sink:make_stage_sink"
 
 
 class PrefillRole(PDRole):
-    role = "prefill"
+    name = "prefill"
     sends_first_token = True
 
     def __init__(self, config: Config, dtype: torch.dtype) -> None:

@@ -34,7 +34,7 @@ from sparkrelay.models.loader import read_config
 from sparkrelay.models.decoder import DecoderSpec
 from sparkrelay.trace import timeline
 from sparkrelay.transfer.base import KVPoll, Part, piece_name
-from sparkrelay.transfer.base import get_backend
+from sparkrelay.transfer.backends import get_backend
 from sparkrelay.disagg.stage_report import StageReport, StageReportOutbox
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class PrefillSink:
         self._status = StageReportOutbox(status_address)
         dc = config.disagg
         url = f"http://{dc.disaggregation_bootstrap_host}:{dc.disaggregation_bootstrap_port}"
-        prefill_agent = get_backend(dc.disaggregation_transfer_backend)[0]  # --disaggregation-transfer-backend
+        prefill_agent = get_backend(dc.disaggregation_transfer_backend).prefill  # --disaggregation-transfer-backend
         self.agent = prefill_agent(stage, len(partition), schema.to_dict(), compare, url,
                                    dc.disaggregation_bootstrap_host, env.bootstrap_timeout, self._notify,
                                    prefill_http_port=config.server.port,

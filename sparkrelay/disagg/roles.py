@@ -1,11 +1,12 @@
-"""The handoff an Engine is composed with, chosen by --disaggregation-mode: null (aggregated), prefill or decode.
+"""The PD role an Engine is composed with, chosen by --disaggregation-mode: aggregated (every hook a no-op),
+prefill or decode.
 
-The engine (engine/engine.py, one rank above) calls its handoff at fixed points of every step and of a request's
-life; the handoff never calls the engine back. What it has to say comes back as typed events, which the engine
+The engine (engine/engine.py, one rank above) calls its role at fixed points of every step and of a request's
+life; the role never calls the engine back. What it has to say comes back as typed events, which the engine
 applies to its own request table:
 
-    engine                                       handoff
-    ------                                       -------
+    engine                                       role
+    ------                                       ----
     add_request   -- check(bootstrap) ------->   raises RequestError for bad or missing PD fields
                   -- take(req, bootstrap) --->   True: the role holds the request (decode: prealloc queue)
     step          -- receive() -------------->   [KVArrived | KVWritten | HandedOff | HandoffFailed]
@@ -90,10 +91,10 @@ class EngineParts:
     context_length: int
 
 
-class Handoff:
-    """No handoff (aggregated serving): every hook is a no-op. The PD roles override what they need."""
+class Role:
+    """Aggregated serving: every hook is a no-op. The PD roles override what they need."""
 
-    role = "aggregated"        # what the engine serves as: aggregated, prefill or decode
+    name = "aggregated"        # what the engine serves as: aggregated, prefill or decode
     sends_first_token = False  # True (prefill): a sampled first token ends the request's compute on this server
     needs = RunnerNeeds()      # what the role asks of the runner and the scheduler (pipeline/needs.py)
 
@@ -138,7 +139,7 @@ class Handoff:
         """Idempotent; safe before attach."""
 
 
-class PDRole(Handoff):
+class PDRole(Role):
     """What both PD roles share: this side's handoff schema and the table of rooms in flight. A request with the
     fake bootstrap host keeps room 0 (none): no stage captures or sends for it and no peer hears of it."""
 
@@ -151,14 +152,14 @@ class PDRole(Handoff):
 
     def check(self, bootstrap: Optional[Bootstrap]) -> None:
         if bootstrap is None or bootstrap.room is None:
-            raise RequestError(f"a {self.role} server needs `bootstrap_host` and `bootstrap_room` on every request "
+            raise RequestError(f"a {self.name} server needs `bootstrap_host` and `bootstrap_room` on every request "
                                "(send requests through the PD router)")
         if bootstrap.peer_room is None:  # SGLang's fake host: no room to check or keep
             return
         bad = check_room(bootstrap.room)
         if bad:
             raise RequestError(bad)
-        if self.role == "decode" and not bootstrap.host:
+        if self.name == "decode" and not bootstrap.host:
             raise RequestError("`bootstrap_host` is empty")
         if bootstrap.room in self.by_room:
             raise RequestError(f"bootstrap_room {bootstrap.room} is already in use by a request in flight")

@@ -1,9 +1,9 @@
 """The engine step, over continuous batches of requests:
     receive handoff -> schedule -> run (propose/verify inside a SpecRunner) -> postprocess -> send handoff.
 
-One Engine serves every --disaggregation-mode; the PD handoff is composed in (disagg/roles.py): aggregated, it is a
+One Engine serves every --disaggregation-mode; the PD role is composed in (disagg/roles.py): aggregated, it is a
 no-op; a prefill hands each request off once its first token is sampled; a decode receives each request's prompt
-KV before the request joins the batch. The handoff reports back as typed events, applied here.
+KV before the request joins the batch. The role reports back as typed events, applied here.
 
 Synchronous and single-threaded. A server runs it in its own process, the scheduler process, whose main thread
 builds and steps it (manager/process.py, manager/loop.py); AsyncEngine runs the same loop on a thread
@@ -17,7 +17,7 @@ import time
 from typing import Optional
 
 from sparkrelay.config import Config
-from sparkrelay.disagg.factory import build_handoff
+from sparkrelay.disagg.factory import build_role
 from sparkrelay.disagg.roles import EngineParts, Event, HandedOff, HandoffFailed, KVArrived, KVWritten
 from sparkrelay.engine import setup
 from sparkrelay.kvcache.pool import KVPool
@@ -42,13 +42,13 @@ class Engine:
         reuse_freed_memory()  # activations reuse the heap instead of faulting in fresh pages (host.py)
         self.device = setup.check_device(config.model.device)
         self.dtype = setup.resolve_dtype(config.model.dtype, config.model.device)
-        self.handoff = build_handoff(config, self.dtype)  # a prefill's bootstrap server is up before stages load
+        self.role = build_role(config, self.dtype)  # a prefill's bootstrap server is up before stages load
         try:
             self._build(config)
-            self.handoff.attach(EngineParts(self.scheduler, self.pool, self.proposer, self.device,
+            self.role.attach(EngineParts(self.scheduler, self.pool, self.proposer, self.device,
                                             self.context_length))
         except BaseException:
-            self.handoff.close()
+            self.role.close()
             raise
 
     def _build(self, config: Config) -> None:
@@ -75,9 +75,9 @@ class Engine:
         lookahead = 1 if self.proposer is None else self.proposer.max_drafts + 1
         sc = config.scheduler
         self.scheduler = Scheduler(self.blocks, sc.max_running_requests, sc.chunked_prefill_size, lookahead,
-                                   self._prefix_cache(config), self.handoff.needs.computed_tail)
+                                   self._prefix_cache(config), self.role.needs.computed_tail)
         self.runner, self.spec_stats = setup.build_runner(config, self.model, self.pool, self.device, self.proposer,
-                                                          self.context_length, self.handoff.needs)
+                                                          self.context_length, self.role.needs)
         if mc.enable_torch_compile:
             setup.compile_model(self.model, self.proposer)
         self.stop = StopChecker(self.tokenizer)
@@ -131,48 +131,48 @@ class Engine:
         """`bootstrap`: the PD router's fields (required by a PD role, ignored by an aggregated engine)."""
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
-        self.handoff.check(bootstrap)
+        self.role.check(bootstrap)
         self.validate(prompt_ids, params)
         req = Request(rid, list(prompt_ids), params, self.eos_token_ids, arrival_time=time.monotonic())
         self.requests[rid] = req
-        timeline.mark(self.handoff.role, "queued", t=req.arrival_time, rid=rid, room=bootstrap.room if bootstrap else 0)
+        timeline.mark(self.role.name, "queued", t=req.arrival_time, rid=rid, room=bootstrap.room if bootstrap else 0)
         self.counters["prompt_tokens"] += len(prompt_ids)
-        if self.handoff.take(req, bootstrap):
+        if self.role.take(req, bootstrap):
             return  # decode: scheduled once its prompt's KV arrived
         scores_prompt = req.logprobs is not None and req.logprobs.input_start >= 0
-        if params.max_new_tokens == 0 and not scores_prompt and not self.handoff.sends_first_token:
+        if params.max_new_tokens == 0 and not scores_prompt and not self.role.sends_first_token:
             req.finish({"type": "length", "length": 0})
             self._release(req)
             return
         self.scheduler.add(req)  # max_new_tokens 0 with prompt logprobs: the prefill scores the prompt
 
     def wake(self) -> None:
-        """Thread safe: end the handoff's idle wait now (a command is waiting for the engine thread)."""
-        self.handoff.wake()
+        """Thread safe: end the role's idle wait now (a command is waiting for the engine thread)."""
+        self.role.wake()
 
     def abort(self, rid: str) -> None:
         req = self.requests.get(rid)
         if req is None:
             return
         req.finish({"type": "abort", "message": "aborted"})
-        self.handoff.drop(req)
+        self.role.drop(req)
         self.scheduler.remove(req)
         self.runner.release(rid)
         self.requests.pop(rid, None)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._ready) or self.handoff.has_work()
+        return self.scheduler.has_work() or bool(self._ready) or self.role.has_work()
 
     # -- the step ----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self._apply(self.handoff.receive())  # decode: prealloc -> transferring -> running; prefill: stage reports
+        self._apply(self.role.receive())  # decode: prealloc -> transferring -> running; prefill: stage reports
         if self._ready:  # a decode's first tokens (and finished handoffs) go out now, not after the next round
             return self._take_ready()
         batch = self.scheduler.schedule()
         if batch is not None:
             self._postprocess(batch, self.runner.run(batch))
-        self.handoff.send(self._take_leaving())  # prefill: requests whose first token was sampled
-        self.handoff.wait(idle=batch is None and not self._ready)
+        self.role.send(self._take_leaving())  # prefill: requests whose first token was sampled
+        self.role.wait(idle=batch is None and not self._ready)
         return self._take_ready()
 
     def _postprocess(self, batch: Batch, result: RunResult) -> None:
@@ -188,7 +188,7 @@ class Engine:
             if not tokens:
                 continue
             lps = result.logprobs[i] if req.logprobs is not None and result.logprobs else None
-            if self.handoff.sends_first_token:
+            if self.role.sends_first_token:
                 self._leave(req, tokens[0], lps, now)
             else:
                 self._commit(req, tokens, lps, rnd, now)
@@ -222,7 +222,7 @@ class Engine:
         self.scheduler.detach(req)
         self._leaving.append(req)
 
-    # -- what the handoff reports --------------------------------------------------------------------------------
+    # -- what the role reports -----------------------------------------------------------------------------------
     def _apply(self, events: list[Event]) -> None:
         for ev in events:
             if isinstance(ev, KVArrived):
@@ -277,7 +277,7 @@ class Engine:
 
     def _emit(self, req: Request, new_ids: list[int]) -> None:
         if len(new_ids) == len(req.output_ids) and new_ids:
-            timeline.mark(self.handoff.role, "first_token", rid=req.rid, room=req.bootstrap_room)
+            timeline.mark(self.role.name, "first_token", rid=req.rid, room=req.bootstrap_room)
         tau = req.spec_committed / req.spec_verify_ct if req.spec_verify_ct else None
         lp = req.logprobs.snapshot() if req.logprobs is not None else None
         self._ready.append(RequestOutput(req.rid, new_ids, list(req.output_ids), req.is_finished, req.finish_reason,
@@ -287,7 +287,7 @@ class Engine:
     def _release(self, req: Request) -> None:
         if req.status == Status.FINISHED and not any(o.rid == req.rid and o.finished for o in self._ready):
             self._emit(req, new_ids=[])
-        self.handoff.drop(req)
+        self.role.drop(req)
         self.scheduler.remove(req)
         self.runner.release(req.rid)
         self.requests.pop(req.rid, None)
@@ -310,7 +310,7 @@ class Engine:
                 "kv_used_tokens": used, "kv_total_tokens": self.max_total_tokens,
                 "kv_usage": used / self.max_total_tokens, "num_preemptions": sched.num_preemptions,
                 **self._cache_stats(), **(self.spec_stats.summary() if self.spec_stats else {}),
-                **self.handoff.stats()}
+                **self.role.stats()}
 
     def _cache_stats(self) -> dict:
         sched = self.scheduler
@@ -333,10 +333,10 @@ class Engine:
         return self.runner.failure
 
     def close(self) -> None:
-        """Shut the pipeline stages down (their processes exit), then the handoff's servers and agents.
+        """Shut the pipeline stages down (their processes exit), then the role's servers and agents.
         Idempotent."""
         self.runner.close()
-        self.handoff.close()
+        self.role.close()
 
 
 def build_engine(config: Config) -> Engine:

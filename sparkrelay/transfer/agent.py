@@ -5,8 +5,10 @@
     sender thread:   jobs queue ─> _run_job(outbox, job)  ─> Outbox (one PUSH queue per destination, never blocks)
     more threads:    _more_threads() (the decode's monitor and bootstrap workers)
 
-A subclass says who it is (`who`, `thread_name`), how large a message it takes, how long a destination may take
-nothing, and implements _receive / _bad_message / _run_job. A bad message is counted and logged (rate limited),
+Two subclasses, one per side (prefill_agent.py, decode_agent.py), each composed with a carrier (frames.py,
+onesided.py) that moves the parts' bytes. A subclass says who it is (`who`, `thread_name`), how large a message it
+takes, how long a destination may take nothing, and implements _receive / _bad_message / _run_job (its jobs are
+frozen dataclasses). A bad message is counted and logged (rate limited),
 never raised out of a thread; an exception in any loop is logged and the loop goes on.
 """
 
@@ -144,12 +146,13 @@ class Agent:
 
     # ---- sender thread ----
 
-    def _enqueue(self, job: tuple) -> bool:
+    def _enqueue(self, job: object) -> bool:
+        """Hand a job (a frozen dataclass of the subclass's) to the sender thread; False when the queue is full."""
         try:
             self._jobs.put_nowait(job)
             return True
         except queue.Full:
-            self._log.error("%s: send queue full, dropped a %s job", self.who, job[0])
+            self._log.error("%s: send queue full, dropped a %s job", self.who, type(job).__name__)
             return False
 
     def _send_step(self, out: Outbox) -> None:
@@ -199,7 +202,7 @@ class Agent:
     def _tick(self, now: float) -> None:
         """After each listener poll (about every 50 ms): timeouts."""
 
-    def _run_job(self, out: Outbox, job: tuple) -> None:
+    def _run_job(self, out: Outbox, job: Any) -> None:
         raise NotImplementedError
 
     def _pumped(self, out: Outbox, expired: list) -> None:

@@ -27,7 +27,6 @@ decode side expects before they are kept.
 
 from __future__ import annotations
 
-import importlib
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -218,19 +217,3 @@ class DecodeTransfer(TransferAgent):
     @abstractmethod
     def stats(self) -> dict[str, int]:
         """Rooms held (begun, not cleared) per KVPoll state name."""
-
-
-# name -> (module, its prefill agent class, its decode agent class)
-BACKENDS = {"zmq": ("sparkrelay.transfer.zmq_backend", "PrefillAgent", "DecodeAgent"),
-            "mooncake": ("sparkrelay.transfer.onesided", "MooncakePrefill", "MooncakeDecode"),
-            "nixl": ("sparkrelay.transfer.onesided", "NixlPrefill", "NixlDecode")}
-
-
-def get_backend(name: str) -> tuple[type[PrefillTransfer], type[DecodeTransfer]]:
-    """(prefill agent class, decode agent class) of the named backend; ValueError naming the valid ones. A
-    one-sided backend's engine library is imported when its agent starts, not here."""
-    entry = BACKENDS.get(name)
-    if entry is None:
-        raise ValueError(f"unknown transfer backend {name!r}; valid: {', '.join(sorted(BACKENDS))}")
-    module = importlib.import_module(entry[0])
-    return getattr(module, entry[1]), getattr(module, entry[2])

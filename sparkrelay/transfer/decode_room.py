@@ -1,5 +1,5 @@
 """The decode side's room state machine, and the plan of the parts a room must receive. Pure: no sockets, no
-threads, no clock (callers pass `now`); the agent (transfer/zmq_decode.py) holds its lock around every call.
+threads, no clock (callers pass `now`); the agent (transfer/decode_agent.py) holds its lock around every call.
 
     DecodeRooms.add ─> Bootstrapping ──ready(plan)──> WaitingForInput ──accept(first part)──> Transferring
                                                               │                                    │
@@ -92,6 +92,12 @@ class DecodeRoom:
         if nbytes != want.nbytes:
             return f"part {spec.name!r} from pp_rank {pp}: {nbytes} bytes, expected {want.nbytes}"
         return None
+
+    def landed(self, pp: int) -> None:
+        """Stage pp's parts were written into the landing (a one-sided carrier): they count as received."""
+        if self.state in (KVPoll.WaitingForInput, KVPoll.Transferring) and pp in self.expected and pp not in self.done:
+            self.received[pp] = {name: Part(spec, b"") for name, spec in self.expected[pp].items()}
+            self.state = max(self.state, KVPoll.Transferring)
 
     def stage_done(self, pp: int) -> Optional[str]:
         """Stage pp's STATUS success: Success once every stage is done; why it cannot be (a problem) or None."""

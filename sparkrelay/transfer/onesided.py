@@ -1,6 +1,5 @@
-"""The one-sided backends' agents (Mooncake, NIXL): the ZMQ agents' control channel, room life cycle, timeouts,
-aborts, heartbeats and authentication, with the parts' bytes written by a transfer engine straight into memory the
-decode registered, instead of DATA frames.
+"""The one-sided carrier (backends "mooncake" and "nixl"): a transfer engine writes a room's parts straight into
+memory the decode registered; the control channel carries only the messages.
 
     decode                                               prefill stage s
     register(pools, hidden rows, metadata rows) at start
@@ -22,68 +21,82 @@ import dataclasses
 import logging
 import queue
 import threading
-from typing import ClassVar, Optional
+from typing import Optional
 
 from sparkrelay.transfer import protocol
 from sparkrelay.transfer.agent import start_loop
-from sparkrelay.transfer.base import Dest, KVPoll, Part
+from sparkrelay.transfer.base import Dest, Part
 from sparkrelay.transfer.engines import TransferEngine, buffer_address, engine_error, open_engine
 from sparkrelay.transfer.landing import Landing, writes
-from sparkrelay.transfer.prefill_room import PrefillRoom
-from sparkrelay.transfer.protocol import Data, FrameError, Status, TransferInfo
+from sparkrelay.transfer.protocol import FrameError, TransferInfo
 from sparkrelay.transfer.wire import Outbox
-from sparkrelay.transfer.zmq_decode import DecodeAgent
-from sparkrelay.transfer.zmq_prefill import PrefillAgent
 
 logger = logging.getLogger(__name__)
 
 
-class OneSidedPrefill(PrefillAgent):
-    engine_name: ClassVar[str] = ""
+@dataclasses.dataclass(frozen=True)
+class WriteJob:
+    """One hand-over for the writer thread (prefill side)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    room: int
+    rec: object  # the room's PrefillRoom: a write for a room aborted or reused since is skipped
+    dest: Dest
+    parts: list[Part]
+    last: bool
+
+
+class OneSidedCarrier:
+    """Bytes written by a transfer engine (engines.open_engine: Mooncake or NIXL) into the decode's landing."""
+
+    one_sided = True  # the decode takes no DATA frames; a stage's STATUS success means its writes completed
+
+    def __init__(self, engine_name: str) -> None:
+        self.engine_name = engine_name
         self._engine: Optional[TransferEngine] = None
-        self._writes: queue.Queue = queue.Queue()  # (room, rec, dest, parts) to write, in order
+        self._peer: tuple[str, bytes] = ("", b"")
+        self._writes: queue.Queue = queue.Queue()  # WriteJob, in hand-over order
 
-    def start(self) -> None:
-        self._engine = open_engine(self.engine_name, self.bind_host)  # EngineMissing names what to install
-        super().start()
-        logger.info("prefill pp_rank %d: transfer backend %s, engine %s", self.pp_rank, self.engine_name,
-                    self._engine.peer()[0])
-
-    def _more_threads(self) -> list[threading.Thread]:
-        return [*super()._more_threads(), start_loop(f"{self.thread_name}-writer", self._stop, self._write_step)]
+    def open(self, host: str) -> None:
+        """Start the engine on `host` (EngineMissing names what to install)."""
+        self._engine = open_engine(self.engine_name, host)
+        self._peer = self._engine.peer()
+        logger.info("transfer backend %s: engine %s on %s", self.engine_name, self._peer[0], host)
 
     def close(self) -> None:
-        super().close()
         if self._engine is not None:
             self._engine.close()
 
-    def _deliver(self, out: Outbox, room: int, rec: PrefillRoom, dest: Dest, parts: list[Part], last: bool) -> None:
-        self._writes.put((room, rec, dest, parts, last))  # the sender thread never blocks on a write
+    # ---- prefill side ----
 
-    def _write_step(self) -> None:
+    def threads(self, name: str, stop: threading.Event, side) -> list[threading.Thread]:
+        """The writer: one thread, so a stage's hand-overs are written in order and the sender never blocks."""
+        return [start_loop(f"{name}-writer", stop, lambda: self._write_step(side))]
+
+    def deliver(self, side, out: Outbox, room: int, rec, dest: Dest, parts: list[Part], last: bool) -> None:
+        self._writes.put(WriteJob(room, rec, dest, parts, last))
+
+    def _write_step(self, side) -> None:
         try:
-            room, rec, dest, parts, last = self._writes.get(timeout=0.1)
+            job = self._writes.get(timeout=0.1)
         except queue.Empty:
             return
-        with self._lock:
-            if self._table.rooms.get(room) is not rec or rec.state == KVPoll.Failed:
-                return  # aborted while queued: nothing is written into pages the decode may have freed
-            landing_map, n = rec.landing, rec.prompt_len
+        target = side.landing_of(job.room, job.rec)
+        if target is None:
+            return  # aborted while queued: nothing is written into pages the decode may have freed
+        landing_map, n = target
         try:
-            landing = Landing.from_wire(landing_map, room)
+            landing = Landing.from_wire(landing_map, job.room)
         except FrameError as e:
-            self._fail(room, f"bad TRANSFER_INFO from the decode: {e.reason}")
+            side.abort(job.room, f"bad TRANSFER_INFO from the decode: {e.reason}")
             return
         try:
-            self._write(landing, parts, n)
+            self._write(landing, job.parts, n)
         except Exception as e:  # the engine's failure fails this room only; the decode hears why
-            self._fail(room, f"{self.engine_name} write to the decode engine {landing.peer} failed: {engine_error(e)}")
+            side.abort(job.room, f"{self.engine_name} write to the decode engine {landing.peer} failed: "
+                                 f"{engine_error(e)}")
             return
-        if last:  # every hand-over written, in order (one writer thread): the STATUS success may go
-            self._enqueue(("written", room, rec, dest))
+        if job.last:  # every hand-over written, in order: the STATUS success may go
+            side.written(job.room, job.rec, job.dest)
 
     def _write(self, landing: Landing, parts: list[Part], n: int) -> None:
         addrs = {p.spec.name: buffer_address(p.data) for p in parts}
@@ -96,80 +109,25 @@ class OneSidedPrefill(PrefillAgent):
             for p in parts:
                 self._engine.unregister(addrs[p.spec.name])
 
-    def _run_job(self, out: Outbox, job: tuple) -> None:
-        if job[0] != "written":
-            super()._run_job(out, job)
-            return
-        _, room, rec, dest = job
-        with self._lock:
-            if self._table.rooms.get(room) is not rec or rec.state == KVPoll.Failed:
-                return
-        self._put(out, dest, Status.success(room, self.pp_rank), ("done", room, rec))
-
-
-class OneSidedDecode(DecodeAgent):
-    engine_name: ClassVar[str] = ""
-    one_sided = True
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._engine: TransferEngine = open_engine(self.engine_name, self.host)
-        self._peer: tuple[str, bytes] = self._engine.peer()
+    # ---- decode side ----
 
     def register(self, regions: list[tuple[int, int]]) -> None:
+        """Memory (address, bytes) the prefill may write into, before the agent starts."""
         for addr, nbytes in regions:
             self._engine.register(addr, nbytes)
         self._peer = self._engine.peer()  # NIXL's metadata lists the registered memory
         logger.info("decode: transfer backend %s, engine %s, %d regions (%.1f MiB) registered", self.engine_name,
                     self._peer[0], len(regions), sum(n for _, n in regions) / (1 << 20))
 
-    def close(self) -> None:
-        super().close()
-        self._engine.close()
-
-    def _landing(self, landing: Optional[Landing]) -> Optional[dict]:
+    def landing(self, landing: Optional[Landing], schema: dict, host: str) -> Optional[dict]:
+        """The room's landing as TRANSFER_INFO carries it, with this engine's peer; ValueError when there is none
+        or when it does not fit in one control message."""
         if landing is None:
             raise ValueError(f"the {self.engine_name} backend needs the room's landing (where the prefill writes)")
         wire = dataclasses.replace(landing, peer=self._peer[0], peer_meta=self._peer[1]).to_wire()
-        size = len(TransferInfo(1, self.host, 1, 0, self._schema, wire).encode()[0])
+        size = len(TransferInfo(1, host, 1, 0, schema, wire).encode()[0])
         if size > protocol.MAX_CONTROL_BYTES:
             raise ValueError(f"the room's landing ({len(landing.pages)} pages in {len(wire['pages']) // 8} runs) "
                              f"makes a {size}-byte TRANSFER_INFO, over {protocol.MAX_CONTROL_BYTES}: the prompt is "
                              "too long for this --page-size (raise it)")
         return wire
-
-    def _transfer_info(self, room: int, rec) -> TransferInfo:
-        return TransferInfo(room, self.host, self.port, rec.prompt_len, self._schema, rec.landing, rec.prefix)
-
-    def _on_data(self, msg: Data) -> None:
-        raise FrameError(f"DATA frame for room {msg.room} on the {self.engine_name} backend (the prefill sends "
-                         "bytes over zmq: --disaggregation-transfer-backend differs between the two servers)",
-                         msg.room)
-
-    def _on_status(self, msg: Status) -> None:
-        """A stage's success means its writes completed: its parts are in the landing."""
-        if msg.status == KVPoll.Success:
-            with self._lock:
-                rec = self._table.rooms.get(msg.room)
-                if rec is not None and rec.state in (KVPoll.WaitingForInput, KVPoll.Transferring) \
-                        and msg.pp_rank in rec.expected and msg.pp_rank not in rec.done:
-                    rec.received[msg.pp_rank] = {name: Part(spec, b"")
-                                                 for name, spec in rec.expected[msg.pp_rank].items()}
-                    rec.state = max(rec.state, KVPoll.Transferring)
-        super()._on_status(msg)
-
-
-class MooncakePrefill(OneSidedPrefill):
-    engine_name = "mooncake"
-
-
-class MooncakeDecode(OneSidedDecode):
-    engine_name = "mooncake"
-
-
-class NixlPrefill(OneSidedPrefill):
-    engine_name = "nixl"
-
-
-class NixlDecode(OneSidedDecode):
-    engine_name = "nixl"

@@ -1,5 +1,5 @@
 """A prefill stage's room state machine and its timeouts. Pure: no sockets, no threads, no clock (callers pass
-`now`); the agent (transfer/zmq_prefill.py) holds its lock around every call.
+`now`); the agent (transfer/prefill_agent.py) holds its lock around every call.
 
     add ─> Bootstrapping ──accept(TRANSFER_INFO)──> WaitingForInput ──start_push──> Transferring ──succeed──> Success
     fail(reason) from any live state ──> Failed   (no TRANSFER_INFO within bootstrap_timeout: expire() names it)

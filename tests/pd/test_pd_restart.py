@@ -19,7 +19,8 @@ import pytest
 from sparkrelay.tools.cluster import free_port, server_argv, start
 from sparkrelay.transfer.base import KVPoll, Part, PartSpec
 from sparkrelay.transfer.bootstrap import BootstrapServer
-from sparkrelay.transfer.zmq_backend import DecodeAgent, PrefillAgent
+from sparkrelay.transfer.decode_agent import DecodeAgent
+from sparkrelay.transfer.prefill_agent import PrefillAgent
 from testkit.transfer import wait_for
 from testkit.pd import DRAFTER, MODEL, post
 

@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from sparkrelay.transfer.base import KVPoll, Part, PartSpec, get_backend
+from sparkrelay.transfer.backends import get_backend
+from sparkrelay.transfer.base import KVPoll, Part, PartSpec
 from sparkrelay.transfer.bootstrap import BootstrapServer, http_request
 from sparkrelay.transfer.landing import Landing
 
@@ -53,8 +54,8 @@ class Cluster:
                  decode_schema=None, decode_compare=compare, max_part_bytes=1 << 20, n_prefills=2, token=None,
                  decode_token=SAME, failure_prob=0.0, backend="zmq", prefill_backend=None):
         self.token, self.failure_prob = token, failure_prob
-        self.prefill_cls = get_backend(prefill_backend or backend)[0]
-        decode_cls = get_backend(backend)[1]
+        self.prefill_cls = get_backend(prefill_backend or backend).prefill
+        decode_cls = get_backend(backend).decode
         self.server = BootstrapServer(HOST, 0, 2, SCHEMA, 30000, SCHEMA["page_size"], SCHEMA["dtype"], token)
         self.server.start()
         self.statuses: dict[tuple[int, int], list[tuple[KVPoll, str]]] = {}

@@ -12,11 +12,12 @@ import time
 
 import zmq
 
-from sparkrelay.transfer import wire, zmq_prefill
+from sparkrelay.transfer import prefill_agent, wire
 from sparkrelay.transfer.base import KVPoll, Part, PartSpec
 from sparkrelay.transfer.bootstrap import BootstrapServer
 from sparkrelay.transfer.protocol import TransferInfo
-from sparkrelay.transfer.zmq_backend import DecodeAgent, PrefillAgent
+from sparkrelay.transfer.decode_agent import DecodeAgent
+from sparkrelay.transfer.prefill_agent import PrefillAgent
 from testkit.transfer import wait_for
 
 HOST = "127.0.0.1"
@@ -40,7 +41,7 @@ def parts(room: int) -> list[Part]:
 
 
 def test_a_stalled_decode_never_holds_up_the_prefills_rooms_for_another(monkeypatch):
-    monkeypatch.setattr(zmq_prefill, "SEND_TIMEOUT_S", TIMEOUT_S)  # read when the agent starts its outbox
+    monkeypatch.setattr(prefill_agent, "SEND_TIMEOUT_S", TIMEOUT_S)  # read when the agent starts its outbox
     statuses: dict[int, tuple[KVPoll, str, float]] = {}
     server = BootstrapServer(HOST, 0, 1, SCHEMA, 30000, SCHEMA["page_size"], SCHEMA["dtype"], auth_token=TOKEN)
     server.start()

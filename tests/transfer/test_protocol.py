@@ -9,7 +9,8 @@ import msgpack
 import pytest
 
 from sparkrelay.transfer import protocol
-from sparkrelay.transfer.base import DecodeTransfer, KVPoll, Part, PartSpec, PrefillTransfer, get_backend
+from sparkrelay.transfer.backends import get_backend
+from sparkrelay.transfer.base import KVPoll, Part, PartSpec
 from sparkrelay.transfer.protocol import (Abort, Data, FrameError, Status, TransferInfo, read_at_decode,
                                           read_at_prefill, read_head)
 
@@ -143,12 +144,14 @@ def test_read_head_refuses(frame, needle):
 
 
 def test_backend_registry():
-    prefill, decode = get_backend("zmq")
-    assert issubclass(prefill, PrefillTransfer) and issubclass(decode, DecodeTransfer)
-    from sparkrelay.transfer.zmq_backend import DecodeAgent, PrefillAgent
-    assert (prefill, decode) == (PrefillAgent, DecodeAgent)
-    for name in ("mooncake", "nixl"):  # importable without the engine: it is opened on start
-        prefill, decode = get_backend(name)
-        assert issubclass(prefill, PrefillTransfer) and decode.one_sided and not get_backend("zmq")[1].one_sided
+    """Every backend is the same two agents composed with its carrier; the one-sided ones need no engine to be
+    named (it is opened when an agent starts)."""
+    from sparkrelay.transfer.frames import FramesCarrier
+    from sparkrelay.transfer.onesided import OneSidedCarrier
+    zmq = get_backend("zmq")
+    assert zmq.carrier is FramesCarrier and not zmq.one_sided
+    for name in ("mooncake", "nixl"):
+        backend = get_backend(name)
+        assert backend.carrier is OneSidedCarrier and backend.args == (name,) and backend.one_sided
     with pytest.raises(ValueError, match="unknown transfer backend 'rdma'; valid: mooncake, nixl, zmq"):
         get_backend("rdma")

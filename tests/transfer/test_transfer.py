@@ -13,11 +13,12 @@ import msgpack
 import pytest
 import zmq
 
-from sparkrelay.transfer import wire, zmq_prefill
+from sparkrelay.transfer import prefill_agent, wire
 from sparkrelay.transfer.base import KVPoll, Part, PartSpec, PollResult, TransferError
 from sparkrelay.transfer.protocol import Data
 from sparkrelay.transfer.bootstrap import BootstrapError, BootstrapServer, http_request, register_rank
-from sparkrelay.transfer.zmq_backend import DecodeAgent, PrefillAgent
+from sparkrelay.transfer.decode_agent import DecodeAgent
+from sparkrelay.transfer.prefill_agent import PrefillAgent
 
 from testkit.transfer import HOST, SAME, SCHEMA, Cluster, compare, expected_parts, make_parts, route, wait_for  # noqa: F401
 
@@ -334,7 +335,7 @@ def test_injected_failures_take_the_normal_failure_path(make_cluster):
     c.send(81, 0)
     c.send(81, 1)
     reason = c.decode_state(81, KVPoll.Failed).reason
-    assert reason.startswith("prefill pp_rank ") and reason.endswith(zmq_prefill.INJECTED_FAILURE), reason
+    assert reason.startswith("prefill pp_rank ") and reason.endswith(prefill_agent.INJECTED_FAILURE), reason
     for pp in (0, 1):
         assert "injected failure (SPARKRELAY_TEST_DISAGG_FAILURE_PROB)" in c.prefill_state(pp, 81, KVPoll.Failed).reason
         wait_for(lambda: (pp, 81) in c.statuses)
@@ -355,7 +356,7 @@ def test_injected_failures_take_the_normal_failure_path(make_cluster):
         for pp in (0, 1):
             wait_for(lambda: (pp, room) in c.statuses)
             state, reason = c.statuses[(pp, room)][0]
-            assert state == KVPoll.Failed and zmq_prefill.INJECTED_FAILURE in reason, reason
+            assert state == KVPoll.Failed and prefill_agent.INJECTED_FAILURE in reason, reason
     for p in c.prefills:
         p.failure_prob = 0.0
     c.run_good_room(200)

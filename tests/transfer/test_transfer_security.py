@@ -32,7 +32,8 @@ from sparkrelay.transfer.bootstrap import server as bootstrap_mod
 from sparkrelay.transfer.base import KVPoll, Part
 from sparkrelay.transfer.bootstrap import BootstrapError, BootstrapServer, http_request
 from sparkrelay.transfer.protocol import Abort, Data, Status, TransferInfo
-from sparkrelay.transfer.zmq_backend import DecodeAgent, PrefillAgent
+from sparkrelay.transfer.decode_agent import DecodeAgent
+from sparkrelay.transfer.prefill_agent import PrefillAgent
 from testkit.transfer import HOST, SCHEMA, compare, expected_parts, make_parts, route, wait_for  # noqa: F401
 
 TOKEN = "sr-test-" + "k" * 24

@@ -19,7 +19,7 @@ from sparkrelay.disagg.decode_role import DecodeRole
 from sparkrelay.disagg.handoff import part_of
 from sparkrelay.disagg.metadata import MetadataLayout, MetadataRow, pack
 from sparkrelay.disagg.prefill_role import PrefillRole
-from sparkrelay.disagg.roles import NEWS_WAIT_S, EngineParts, HandedOff, Handoff, HandoffFailed, KVArrived, KVWritten
+from sparkrelay.disagg.roles import NEWS_WAIT_S, EngineParts, HandedOff, Role, HandoffFailed, KVArrived, KVWritten
 from sparkrelay.disagg.stage_report import StageReport, StageReportOutbox
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.scheduler.block_manager import BlockManager
@@ -59,7 +59,7 @@ def decode():
 
 
 def test_aggregated_handoff_is_inert():
-    h = Handoff()
+    h = Role()
     req = request("a", 3)
     h.check(None)
     assert not h.take(req, None) and h.receive() == [] and not h.has_work() and h.stats() == {}

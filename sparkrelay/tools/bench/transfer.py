@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from sparkrelay.tools.bench import common as bc
-from sparkrelay.transfer.base import KVPoll, Part, PartSpec, get_backend
+from sparkrelay.transfer.backends import get_backend
+from sparkrelay.transfer.base import KVPoll, Part, PartSpec
 from sparkrelay.transfer.bootstrap import BootstrapServer
 from sparkrelay.transfer.landing import Landing
 
@@ -51,7 +52,8 @@ class Pair:
     """A bootstrap server, one prefill stage and a decode of one backend, with the decode's pool registered."""
 
     def __init__(self, backend: str, tokens: int) -> None:
-        prefill_cls, decode_cls = get_backend(backend)
+        chosen = get_backend(backend)
+        prefill_cls, decode_cls = chosen.prefill, chosen.decode
         schema = _schema(tokens)
         self.server = BootstrapServer(HOST, 0, 1, schema, 30000, PAGE, "bfloat16", None)
         self.server.start()

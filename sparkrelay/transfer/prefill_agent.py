@@ -1,7 +1,8 @@
-"""PrefillAgent: the prefill side of the ZMQ transfer backend, one per prefill pipeline stage.
+"""PrefillAgent: the prefill side of every transfer backend, one per prefill pipeline stage; how the parts' bytes
+travel is its carrier's (transfer/frames.py: DATA frames; transfer/onesided.py: engine writes).
 
     engine thread             listener thread (PULL)                    sender thread (owns the wire.Outbox)
-    add_room(room, len)  -->  TRANSFER_INFO(room) validated, stored -->  DATA x N, then STATUS success
+    add_room(room, len)  -->  TRANSFER_INFO(room) validated, stored -->  carrier.deliver, then STATUS success
     send(room, parts)    -->  (either order; the sender starts once both are there)
     abort(room, reason)  -->  STATUS failed ---------------------------> decode
                               ABORT from decode -> Failed
@@ -26,7 +27,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import zmq
 
@@ -35,14 +37,55 @@ from sparkrelay.transfer.agent import Agent
 from sparkrelay.transfer.base import Dest, KVPoll, Part, PrefillTransfer, SchemaCompare, StatusCallback, check_room
 from sparkrelay.transfer.bootstrap.client import register_rank
 from sparkrelay.transfer.decode_room import schema_mismatches
+from sparkrelay.transfer.frames import FramesCarrier
 from sparkrelay.transfer.prefill_room import PrefillRoom, PrefillRooms
-from sparkrelay.transfer.protocol import Abort, Data, FrameError, Status, TransferInfo
+from sparkrelay.transfer.protocol import Abort, FrameError, Status, TransferInfo
 from sparkrelay.transfer.wire import Outbox
 
 logger = logging.getLogger(__name__)
 
 SEND_TIMEOUT_S = 30.0  # a decode that takes no data for this long is marked dead
 INJECTED_FAILURE = "injected failure (SPARKRELAY_TEST_DISAGG_FAILURE_PROB)"
+
+
+# ---- the sender thread's jobs ----
+
+@dataclass(frozen=True)
+class Push:
+    """Deliver the room's parts handed over so far."""
+
+    room: int
+    rec: PrefillRoom
+
+
+@dataclass(frozen=True)
+class Notify:
+    """Call on_status (deferred out of add_room / send)."""
+
+    room: int
+    state: KVPoll
+    reason: str
+
+
+@dataclass(frozen=True)
+class Tell:
+    """Drop the room's frames still queued for dest, then send `msg` (None: only drop)."""
+
+    dest: Dest
+    msg: Optional[Status]
+    room: int
+
+
+@dataclass(frozen=True)
+class Written:
+    """A carrier wrote the room's last hand-over: STATUS success may go."""
+
+    room: int
+    rec: PrefillRoom
+    dest: Dest
+
+
+Job = Union[Push, Notify, Tell, Written]
 
 
 class PrefillAgent(Agent, PrefillTransfer):
@@ -53,7 +96,7 @@ class PrefillAgent(Agent, PrefillTransfer):
     def __init__(self, pp_rank: int, pp_size: int, schema: dict, compare: SchemaCompare, bootstrap_url: str,
                  bind_host: str, bootstrap_timeout: float, on_status: StatusCallback,
                  prefill_http_port: Optional[int] = None, auth_token: Optional[str] = None,
-                 failure_prob: float = 0.0) -> None:
+                 failure_prob: float = 0.0, carrier=None) -> None:
         if not 0 <= pp_rank < pp_size:
             raise ValueError(f"pp_rank {pp_rank} is outside 0..{pp_size - 1}")
         if not 0.0 <= failure_prob <= 1.0:
@@ -68,8 +111,20 @@ class PrefillAgent(Agent, PrefillTransfer):
         self.bootstrap_url, self.prefill_http_port = bootstrap_url, prefill_http_port
         self.bootstrap_timeout, self.failure_prob = bootstrap_timeout, failure_prob
         self._table = PrefillRooms(self.who)
+        self._carrier = FramesCarrier() if carrier is None else carrier
 
     # ---- lifecycle ----
+
+    def start(self) -> None:
+        self._carrier.open(self.bind_host)  # a one-sided engine first (EngineMissing names what to install)
+        super().start()
+
+    def close(self) -> None:
+        super().close()
+        self._carrier.close()
+
+    def _more_threads(self) -> list:
+        return self._carrier.threads(self.thread_name, self._stop, self)
 
     def _max_msg_size(self) -> int:
         return protocol.MAX_CONTROL_BYTES
@@ -145,8 +200,8 @@ class PrefillAgent(Agent, PrefillTransfer):
         logger.warning("prefill pp_rank %d: room %d failed: %s", self.pp_rank, room, reason)
         if dest is not None:  # the sender drops the room's frames still queued, then tells the decode
             msg = Status.failed(room, self.pp_rank, reason) if tell_decode else None
-            self._enqueue(("status", dest, msg, room))
-        if not defer or not self._enqueue(("notify", room, KVPoll.Failed, reason)):
+            self._enqueue(Tell(dest, msg, room))
+        if not defer or not self._enqueue(Notify(room, KVPoll.Failed, reason)):
             self._notify(room, KVPoll.Failed, reason)
 
     def _notify(self, room: int, state: KVPoll, reason: str) -> None:
@@ -157,7 +212,7 @@ class PrefillAgent(Agent, PrefillTransfer):
 
     def _queue_push_locked(self, room: int, rec: PrefillRoom) -> bool:
         """Queue the push once both the parts and the destination are known; True if the queue was full."""
-        return rec.take_push() and not self._enqueue(("room", room, rec))
+        return rec.take_push() and not self._enqueue(Push(room, rec))
 
     def _apply_info(self, info: TransferInfo, defer: bool = False) -> None:
         room, full, reply, reason = info.room, False, None, ""
@@ -175,7 +230,7 @@ class PrefillAgent(Agent, PrefillTransfer):
             self._rejects.note("replay", "prefill pp_rank %d: room %d: duplicate TRANSFER_INFO from %s ignored",
                                self.pp_rank, room, info.dest)
         elif reply is not None:
-            self._enqueue(("status", info.dest, Status.failed(room, self.pp_rank, reply), room))
+            self._enqueue(Tell(info.dest, Status.failed(room, self.pp_rank, reply), room))
         elif reason or full:
             self._fail(room, reason or "prefill send queue is full", defer=defer)
 
@@ -232,30 +287,44 @@ class PrefillAgent(Agent, PrefillTransfer):
         for info in unclaimed:
             reason = (f"prefill pp_rank {self.pp_rank} never admitted room {info.room} within {timeout:g} s "
                       f"(SPARKRELAY_DISAGGREGATION_BOOTSTRAP_TIMEOUT)")
-            self._enqueue(("status", info.dest, Status.failed(info.room, self.pp_rank, reason), info.room))
+            self._enqueue(Tell(info.dest, Status.failed(info.room, self.pp_rank, reason), info.room))
+
+    # ---- the carrier's calls ----
+
+    def landing_of(self, room: int, rec: PrefillRoom) -> Optional[tuple[dict, int]]:
+        """(the decode's landing map, prompt_len) of a room still live; None once it failed or was cleared."""
+        with self._lock:
+            if self._table.rooms.get(room) is not rec or rec.state == KVPoll.Failed:
+                return None
+            return rec.landing, rec.prompt_len
+
+    def written(self, room: int, rec: PrefillRoom, dest: Dest) -> None:
+        """The carrier wrote the room's last hand-over (from its thread): STATUS success follows."""
+        self._enqueue(Written(room, rec, dest))
 
     # ---- sender thread ----
-    # Jobs: ("room", room, rec) push the room; ("notify", room, state, reason) call on_status; ("status", dest,
-    # Status | None, room) drop the room's queued frames, then send the STATUS. Outbox tags: ("data", room, rec) a
-    # DATA frame, ("done", room, rec) the STATUS success (reported once zmq took it), ("status", room, None).
+    # Outbox tags: ("data", room, rec) a DATA frame, ("done", room, rec) the STATUS success (reported once zmq took
+    # it), ("status", room, None) a STATUS failed.
 
     def _pumped(self, out: Outbox, expired: list) -> None:
         if expired:
             self._expired(expired)
         self._settle(out.take_sent())
 
-    def _run_job(self, out: Outbox, job: tuple) -> None:
-        if job[0] == "room":
-            self._push_room(out, job[1], job[2])
-        elif job[0] == "notify":
-            self._notify(*job[1:])
+    def _run_job(self, out: Outbox, job: Job) -> None:
+        if isinstance(job, Push):
+            self._push_room(out, job.room, job.rec)
+        elif isinstance(job, Notify):
+            self._notify(job.room, job.state, job.reason)
+        elif isinstance(job, Written):
+            if self.landing_of(job.room, job.rec) is not None:
+                self.put(out, job.dest, Status.success(job.room, self.pp_rank), ("done", job.room, job.rec))
         else:
-            _, dest, msg, room = job
-            out.discard(dest, lambda tag: tag[1] == room and tag[0] != "status")
+            out.discard(job.dest, lambda tag: tag[1] == job.room and tag[0] != "status")
             with self._lock:
-                if msg is None or dest in self._table.dead:
+                if job.msg is None or job.dest in self._table.dead:
                     return  # its last send timed out; the STATUS could only wait and expire
-            self._put(out, dest, msg, ("status", room, None))
+            self.put(out, job.dest, job.msg, ("status", job.room, None))
 
     def _push_room(self, out: Outbox, room: int, rec: PrefillRoom) -> None:
         with self._lock:
@@ -270,19 +339,9 @@ class PrefillAgent(Agent, PrefillTransfer):
         if self.failure_prob and random.Random(room).random() < self.failure_prob:  # the same draw on every stage
             self._fail(room, INJECTED_FAILURE)
             return
-        self._deliver(out, room, rec, dest, parts, last)
+        self._carrier.deliver(self, out, room, rec, dest, parts, last)
 
-    def _deliver(self, out: Outbox, room: int, rec: PrefillRoom, dest: Dest, parts: list[Part], last: bool) -> None:
-        """The parts as DATA frames, then, after the last hand-over's, STATUS success (a one-sided backend writes
-        them instead)."""
-        msgs = [(Data.of(room, self.pp_rank, p), ("data", room, rec)) for p in parts]
-        if last:
-            msgs.append((Status.success(room, self.pp_rank), ("done", room, rec)))
-        for msg, tag in msgs:
-            if not self._put(out, dest, msg, tag):
-                return
-
-    def _put(self, out: Outbox, dest: Dest, msg: protocol.Message, tag: tuple) -> bool:
+    def put(self, out: Outbox, dest: Dest, msg: protocol.Message, tag: tuple) -> bool:
         """Queue or send one message; a refused one fails its room (False)."""
         try:
             if out.put(dest, msg.encode(), tag, notify=tag[0] == "done"):
