@@ -18,10 +18,13 @@ import zmq
 from sparkrelay.codec import FrameError, Message, int_in, str_max
 from sparkrelay.transfer.base import KVPoll
 from sparkrelay.transfer.protocol import room_field
+from sparkrelay.transfer.wire.inbox import bind_pull, tcp_endpoint
 
 logger = logging.getLogger(__name__)
 
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
+LOOPBACK = "127.0.0.1"  # the stages of one server share its host
+MAX_REPORT_BYTES = 1 << 16  # a report is a room, a stage, a state and a reason of at most 4 KiB
 
 
 def _terminal(name: str, v: Any, key: Optional[int]) -> KVPoll:
@@ -53,10 +56,8 @@ class StageReportInbox:
 
     def __init__(self) -> None:
         ctx = zmq.Context.instance()
-        self._sock = ctx.socket(zmq.PULL)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
+        self._sock, port = bind_pull(ctx, LOOPBACK, MAX_REPORT_BYTES)  # the control channel's PULL socket
+        self.address = tcp_endpoint(LOOPBACK, port)
         wake_address = f"inproc://sparkrelay-stage-reports-{port}"
         self._sock.bind(wake_address)
         self._waker = ctx.socket(zmq.PUSH)

@@ -156,7 +156,7 @@ def cached_references(monkeypatch):
     monkeypatch.setattr(soak, "compute_references", compute)
 
 
-@pytest.mark.slow  # ~35 s each; the soak's verdict is unit-tested above, the sglang-router routes in tests/pd
+@pytest.mark.slow  # ~35 s each; the soak's verdict is unit-tested above, the sglang-router routes in tests/e2e
 @pytest.mark.parametrize("router", ["sparkrelay", "sglang"])
 def test_short_soak_through_each_router_has_no_errors(router, tmp_path, cached_references, capsys):
     out = tmp_path / "soak.json"

@@ -9,7 +9,7 @@ import torch
 
 from sparkrelay import LLM, SamplingParams
 from sparkrelay.tools.train import drafter
-from unit.test_families import make_random
+from testkit.families import make_random
 
 
 def write_answers(path, n: int, seed: int) -> None:

@@ -1,5 +1,6 @@
-"""Faults in a running PD deployment: a prefill stage killed mid-transfer, the decode killed mid-transfer,
-an unreachable bootstrap server, a slow pipeline stage, a client that disconnects mid-stream, transfers that fail
+"""Faults in a running PD deployment: a prefill killed while the decode waits for its KV (a second prefill keeps
+serving), a peer that never shows up (both sides time out and free their blocks), a prefill stage killed
+mid-transfer, the decode killed mid-transfer, an unreachable bootstrap server, a slow pipeline stage, a client that disconnects mid-stream, transfers that fail
 at random behind the router. In every case the affected requests fail with a clear error within the configured
 timeout, the others complete with the aggregated output, and once drained no KV block is in use, no transfer is in
 flight and the idle invariant check is clean.
@@ -29,6 +30,7 @@ from testkit.pd import DRAFTER, MODEL, post
 FAST = {"SPARKRELAY_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.5", "SPARKRELAY_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
         "SPARKRELAY_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "10", "SPARKRELAY_DISAGGREGATION_WAITING_TIMEOUT": "20"}
 MAX_NEW = 8
+PROMPT = list(range(300, 340))
 
 
 @pytest.fixture(scope="module")
@@ -233,5 +235,70 @@ def test_random_transfer_failures_behind_the_router(tmp_path, prompts, reference
         assert "injected failure" in c.prefill.log_tail(2000)
         assert_drained(c.prefill.url)
         assert_drained(c.decode.url)
+    finally:
+        c.stop()
+
+
+def test_killed_prefill_fails_its_requests_decode_keeps_serving(tmp_path):
+    """Prefill A is killed while decode waits for A's KV; a second prefill B keeps serving through the same
+    decode. Heartbeats (0.5 s x 2) fail A's rooms long before the 300 s waiting timeout."""
+    env = {"SPARKRELAY_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.5", "SPARKRELAY_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2"}
+    a = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=2, router="none", env=env), str(tmp_path))
+    b_boot, b_port = free_port(), free_port()
+    b = start("prefill-b", server_argv(MODEL, b_port, [
+        "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(b_boot),
+        "--speculative-draft-model-path", DRAFTER]), b_port, str(tmp_path), env)
+    try:
+        room = random.randrange(1, 1 << 63)
+        stuck = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
+                 "bootstrap_host": "127.0.0.1", "bootstrap_port": a.bootstrap_port, "bootstrap_room": room}
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            waiting = pool.submit(post, a.decode.url + "/generate", stuck)  # decode only: its KV never comes
+            time.sleep(1.0)
+            a.prefill.kill()
+            killed_at = time.monotonic()
+            status, out = waiting.result(timeout=30)
+            assert status >= 500 and "lost connection with prefill" in out["error"]["message"], out
+            assert time.monotonic() - killed_at < 10
+            for i in range(3):  # decode still serves requests whose prefill is alive
+                body = {"input_ids": PROMPT[i:], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
+                        "bootstrap_host": "127.0.0.1", "bootstrap_port": b_boot,
+                        "bootstrap_room": random.randrange(1, 1 << 63)}
+                both = [pool.submit(post, b.url + "/generate", body), pool.submit(post, a.decode.url + "/generate", body)]
+                (ps, _), (ds, dout) = [f.result(timeout=60) for f in both]
+                assert ps == 200 and ds == 200 and len(dout["output_ids"]) == 8, dout
+        status, info = post(a.decode.url + "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}})
+        assert status == 400 and "bootstrap" in info["error"]["message"]  # a decode server needs the router's fields
+    finally:
+        b.stop()
+        a.stop()
+
+
+def _kv_used(url: str) -> int:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/server_info", timeout=10) as r:
+        return json.loads(r.read())["internal_states"][0]["kv_used_tokens"]
+
+
+@pytest.mark.slow  # ~19 s: waits out the transfer timeout on both sides
+def test_peer_never_shows_up_fails_after_timeout_and_frees_blocks(tmp_path):
+    """A prefill request whose decode never comes, and a decode request whose prefill never gets it, both fail
+    with a message naming the timeout, and both servers end with no KV block in use."""
+    env = {"SPARKRELAY_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "2", "SPARKRELAY_DISAGGREGATION_WAITING_TIMEOUT": "4"}
+    c = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=2, router="none", env=env), str(tmp_path))
+    try:
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
+                "bootstrap_host": "127.0.0.1", "bootstrap_port": c.bootstrap_port}
+        t0 = time.monotonic()
+        status, out = post(c.prefill.url + "/generate", body | {"bootstrap_room": random.randrange(1, 1 << 63)})
+        assert status >= 500 and "BOOTSTRAP_TIMEOUT" in out["error"]["message"], out
+        assert 1.5 < time.monotonic() - t0 < 15
+        t0 = time.monotonic()
+        status, out = post(c.decode.url + "/generate", body | {"bootstrap_room": random.randrange(1, 1 << 63)})
+        assert status >= 500 and "TIMEOUT" in out["error"]["message"], out
+        assert time.monotonic() - t0 < 15
+        assert _kv_used(c.prefill.url) == 0 and _kv_used(c.decode.url) == 0
     finally:
         c.stop()

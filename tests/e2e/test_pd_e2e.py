@@ -7,8 +7,8 @@ acceptance per request (same verify rounds, same accept length). `tail` acceptan
 equal (the drafter sees only the last rows of the prompt).
 
 The default run (CI) does PP=2 + hidden through sparkrelay's router; the full matrix and sglang-router are
-marked slow (`pytest -m slow tests/pd/test_pd_e2e.py`). Every route (native and OpenAI, streamed, n = 2) through
-both routers against the aggregated server: tests/pd/test_sglang_router_routes.py (default run).
+marked slow (`pytest -m slow tests/e2e/test_pd_e2e.py`). Every route (native and OpenAI, streamed, n = 2) through
+both routers against the aggregated server: tests/e2e/test_sglang_router_routes.py (default run).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from sparkrelay.models.loader import CheckpointError
 from sparkrelay.tools.convert_gguf import convert
 from testkit.hf import load_hf
 from testkit.models import tokenizer_source
-from unit.test_families import make_random, pool_for, run
+from testkit.families import make_random, pool_for, run
 
 QUANTS = ("Q8_0", "Q4_0", "Q4_1", "F16", "BF16", "F32")
 

@@ -1,0 +1,1 @@
+"""tests/router: the PD router (sparkrelay/router/, launch_router) against stub workers."""

@@ -1,0 +1,1 @@
+"""tests/runner: the runner's sampling (sparkrelay/runner/): the sampler's batch tensors, penalties."""

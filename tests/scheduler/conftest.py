@@ -1,0 +1,1 @@
+"""tests/scheduler: the scheduler (sparkrelay/scheduler/): block manager, radix cache, scheduling."""

@@ -1,0 +1,1 @@
+"""tests/spec: speculative verification (sparkrelay/spec/): the greedy rule and rejection sampling's distribution."""

@@ -1,0 +1,1 @@
+"""tests/tools: the tools (sparkrelay/tools/): benchmarks, the demo, the fuzzer, the soak, drafter training."""
