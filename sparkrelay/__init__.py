@@ -5,7 +5,8 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
-    # Lazy, so that importing a torch-free module (the scheduler, the block manager) does not load torch.
+    # Lazy, so that importing a torch-free module (the scheduler, the block manager) does not load
+    # torch.
     if name == "LLM":
         from sparkrelay.llm import LLM
 

@@ -1,9 +1,10 @@
-"""`python -m sparkrelay.launch_server --model-path DIR [--port N ...]`: build the engine and serve HTTP.
+"""`python -m sparkrelay.launch_server --model-path DIR [--port N ...]`: build the engine and serve
+HTTP.
 
-Flags are generated from sparkrelay.config (grouped by config section, with their defaults); the environment
-variables come from sparkrelay.envs. A bad flag or setting, and a port another process holds, print a message
-naming the flag and exit 2, before the model loads. The HTTP socket is bound before the model loads too, so no
-other process can take the port meanwhile.
+Flags are generated from sparkrelay.config (grouped by config section, with their defaults); the
+environment variables come from sparkrelay.envs. A bad flag or setting, and a port another process
+holds, print a message naming the flag and exit 2, before the model loads. The HTTP socket is bound
+before the model loads too, so no other process can take the port meanwhile.
 """
 
 from __future__ import annotations
@@ -43,9 +44,13 @@ class StartupError(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, usage=f"{PROG} [--model-path DIR] [--port N] [options]",
-                                     description="Serve a model over HTTP (SGLang-native and OpenAI APIs).",
-                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        usage=f"{PROG} [--model-path DIR] [--port N] [options]",
+        description="Serve a model over HTTP (SGLang-native and OpenAI APIs).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_cli_args(parser)
     return parser
 
@@ -62,43 +67,61 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
 
 
 def listened_ports(config: Config) -> list[tuple[str, str, str, int]]:
-    """(port flag, host flag, host, port) of every fixed port this server listens on (the rest are picked free)."""
+    """(port flag, host flag, host, port) of every fixed port this server listens on (the rest are
+    picked free)."""
     out = [("--port", "--host", config.server.host, config.server.port)]
     dc, pc = config.disagg, config.parallel
     if dc.disaggregation_mode == "prefill":
-        out.append(("--disaggregation-bootstrap-port", "--disaggregation-bootstrap-host",
-                    dc.disaggregation_bootstrap_host, dc.disaggregation_bootstrap_port))
+        out.append(
+            (
+                "--disaggregation-bootstrap-port",
+                "--disaggregation-bootstrap-host",
+                dc.disaggregation_bootstrap_host,
+                dc.disaggregation_bootstrap_port,
+            )
+        )
     if pc.pp_size > 1 and pc.dist_init_port is not None:
-        from sparkrelay.pipeline.launch import RENDEZVOUS_HOST  # imports torch: only when there is a pipeline
+        # imports torch: only when there is a pipeline
+        from sparkrelay.pipeline.launch import (
+            RENDEZVOUS_HOST,
+        )
 
         out.append(("--dist-init-port", "", RENDEZVOUS_HOST, pc.dist_init_port))
     return out
 
 
 def bind(flag: str, host_flag: str, host: str, port: int) -> socket.socket:
-    """A TCP socket bound (not yet listening) to host:port; ConfigError naming the flag at fault otherwise."""
+    """A TCP socket bound (not yet listening) to host:port; ConfigError naming the flag at fault
+    otherwise."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as e:
         raise ConfigError(f"{host_flag} {host!r}: cannot resolve it ({e.strerror})") from None
     sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT does not count
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted connections inherit it (asyncio sets it
-    # only when the socket's proto is IPPROTO_TCP; without it a reply's body waits for the delayed ACK of its headers)
+    # as the servers do: TIME_WAIT does not count
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # accepted connections inherit it (asyncio sets it
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    # only when the socket's proto is IPPROTO_TCP; without it a reply's body waits for the delayed
+    # ACK of its headers)
     try:
         sock.bind(addr)
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise ConfigError(f"{flag} {port}: {host}:{port} is already in use (is another server running?); "
-                              f"choose another {flag}") from None
-        raise ConfigError(f"{flag} {port}: cannot bind {host}:{port} ({e.strerror}); check {host_flag or flag}") \
-            from None
+            raise ConfigError(
+                f"{flag} {port}: {host}:{port} is already in use (is another server running?); "
+                f"choose another {flag}"
+            ) from None
+        raise ConfigError(
+            f"{flag} {port}: cannot bind {host}:{port} ({e.strerror}); check {host_flag or flag}"
+        ) from None
     return sock
 
 
 def check_ports(config: Config) -> None:
-    """Every fixed port is free and used by one flag only (ConfigError naming the flag otherwise)."""
+    """Every fixed port is free and used by one flag only (ConfigError naming the flag
+    otherwise)."""
     seen: dict[int, str] = {}
     for flag, host_flag, host, port in listened_ports(config):
         if port in seen:
@@ -108,8 +131,9 @@ def check_ports(config: Config) -> None:
 
 
 def _uvicorn_server(app, config: Config):
-    """uvicorn's Server, serving the socket bound before the model loaded; with a given socket uvicorn logs no
-    "Uvicorn running on" line (the one users wait for), so this one does, once listening."""
+    """uvicorn's Server, serving the socket bound before the model loaded; with a given socket
+    uvicorn logs no "Uvicorn running on" line (the one users wait for), so this one does, once
+    listening."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -117,12 +141,24 @@ def _uvicorn_server(app, config: Config):
             await super().startup(sockets)
             if self.started:
                 host = config.server.host
-                url = f"http://[{host}]:{config.server.port}" if ":" in host else f"http://{host}:{config.server.port}"
-                logging.getLogger("uvicorn.error").info("Uvicorn running on %s (Press CTRL+C to quit)", url)
+                url = (
+                    f"http://[{host}]:{config.server.port}"
+                    if ":" in host
+                    else f"http://{host}:{config.server.port}"
+                )
+                logging.getLogger("uvicorn.error").info(
+                    "Uvicorn running on %s (Press CTRL+C to quit)", url
+                )
 
-    return Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
-                                 log_level=config.server.log_level,
-                                 timeout_graceful_shutdown=5))  # a dying server does not wait on silent clients
+    return Server(
+        uvicorn.Config(
+            app,
+            host=config.server.host,
+            port=config.server.port,
+            log_level=config.server.log_level,
+            timeout_graceful_shutdown=5,
+        )
+    )  # a dying server does not wait on silent clients
 
 
 def serve(config: Config) -> None:
@@ -131,7 +167,8 @@ def serve(config: Config) -> None:
     from sparkrelay.manager.process import EngineProcess
     from sparkrelay.server.http_server import build_app
 
-    sock = bind("--port", "--host", config.server.host, config.server.port)  # held while the model loads
+    # held while the model loads
+    sock = bind("--port", "--host", config.server.host, config.server.port)
     try:
         engine = EngineProcess.launch(config, inherited=(sock.fileno(),))
     except BaseException:
@@ -155,32 +192,46 @@ SHARED_CORES_SPIN = "1000"  # libgomp's own figure for a process with more OpenM
 
 
 def openmp_policy(config: Config) -> Optional[str]:
-    """How long an idle OpenMP thread spins before it sleeps, set before torch loads libgomp (which reads it once).
-    A PD server or a pipeline's stages share a host's cores with other engine processes by design; libgomp's default
-    (300,000 spins) then keeps each idle process's threads on cores the busy ones need: a prefill restarting beside
-    a serving prefill + decode pair multiplied the other pair's p95 latency (speed notes of docs/architecture.md).
-    An aggregated server keeps the default: alone, it decodes faster spinning. A user's GOMP_SPINCOUNT or
-    OMP_WAIT_POLICY always wins. Returns the value set, if any."""
+    """How long an idle OpenMP thread spins before it sleeps, set before torch loads libgomp (which
+    reads it once). A PD server or a pipeline's stages share a host's cores with other engine
+    processes by design; libgomp's default (300,000 spins) then keeps each idle process's threads on
+    cores the busy ones need: a prefill restarting beside a serving prefill + decode pair multiplied
+    the other pair's p95 latency (speed notes of docs/architecture.md). An aggregated server keeps
+    the default: alone, it decodes faster spinning. A user's GOMP_SPINCOUNT or OMP_WAIT_POLICY
+    always wins. Returns the value set, if any."""
     shared = config.disagg.disaggregation_mode != "null" or config.parallel.pp_size > 1
     if not shared or "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
         return None
     if "torch" in sys.modules:  # too late: libgomp has read its environment
-        logging.getLogger(__name__).warning("torch was imported before the OpenMP policy was set; not applied")
+        logging.getLogger(__name__).warning(
+            "torch was imported before the OpenMP policy was set; not applied"
+        )
         return None
-    os.environ["GOMP_SPINCOUNT"] = SHARED_CORES_SPIN  # the scheduler process and the stages inherit it
+    os.environ["GOMP_SPINCOUNT"] = (
+        SHARED_CORES_SPIN  # the scheduler process and the stages inherit it
+    )
     return SHARED_CORES_SPIN
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     config = parse_config(argv)
-    logging.basicConfig(level=config.server.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=config.server.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     openmp_policy(config)
     from sparkrelay.manager.process import EngineStartError
 
     try:
         serve(config)
-    except (ConfigError, FileNotFoundError, OSError, ValueError, StartupError, EngineStartError) as e:
+    except (
+        ConfigError,
+        FileNotFoundError,
+        OSError,
+        ValueError,
+        StartupError,
+        EngineStartError,
+    ) as e:
         print(f"error: cannot start the server: {e}", file=sys.stderr)
         return 1
     return 0

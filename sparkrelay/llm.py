@@ -1,4 +1,5 @@
-"""Offline API: `LLM(model_path).generate(prompts, params)`, results shaped like SGLang's /generate."""
+"""Offline API: `LLM(model_path).generate(prompts, params)`, results shaped like SGLang's
+/generate."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ Prompt = Union[str, list[int]]
 
 
 class LLM:
-    """`settings` are any leaf names of the config tree (page_size=..., max_running_requests=..., ...)."""
+    """`settings` are any leaf names of the config tree (page_size=..., max_running_requests=...,
+    ...)."""
 
     def __init__(self, model_path: str, **settings) -> None:
         self.config = Config().replace(model_path=model_path, **settings).validate()
@@ -24,10 +26,15 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False) -> Union[dict, list[dict]]:
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = False,
+    ) -> Union[dict, list[dict]]:
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        )
         batch = [prompts] if single else list(prompts)
         params = self._params(sampling_params, len(batch))
         rids = []
@@ -58,7 +65,10 @@ class LLM:
                 if o.finished and o.rid in pending:
                     pending.discard(o.rid)
                     bar.update(1)
-                    results[o.rid] = {"text": o.text, "output_ids": o.output_ids,
-                                      "meta_info": o.meta_info(time.monotonic() - start)}
+                    results[o.rid] = {
+                        "text": o.text,
+                        "output_ids": o.output_ids,
+                        "meta_info": o.meta_info(time.monotonic() - start),
+                    }
         bar.close()
         return results

@@ -1,5 +1,6 @@
-"""Fixtures shared by the test folders: the bundled pair, a small random Qwen3, the tiny model folder. Each folder
-mirrors a package of sparkrelay/ (tests/e2e: runs across processes) and keeps its own fixtures in its conftest.py."""
+"""Fixtures shared by the test folders: the bundled pair, a small random Qwen3, the tiny model
+folder. Each folder mirrors a package of sparkrelay/ (tests/e2e: runs across processes) and keeps
+its own fixtures in its conftest.py."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ def bundled_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def bundled_drafter_dir() -> Path:
-    assert (BUNDLED_DRAFTER / "config.json").is_file(), f"the bundled drafter {BUNDLED_DRAFTER} is missing"
+    assert (BUNDLED_DRAFTER / "config.json").is_file(), (
+        f"the bundled drafter {BUNDLED_DRAFTER} is missing"
+    )
     return BUNDLED_DRAFTER
 
 

@@ -1,1 +1,2 @@
-"""PD disaggregation: the prefill and decode roles the engine composes in, and the handoff between them."""
+"""PD disaggregation: the prefill and decode roles the engine composes in, and the handoff between
+them."""

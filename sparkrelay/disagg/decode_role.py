@@ -1,5 +1,5 @@
-"""The decode role (--disaggregation-mode decode, --pp-size 1, DSpark optional). A request moves through two named
-queues before it joins the scheduler's batch, as in SGLang's decode scheduler:
+"""The decode role (--disaggregation-mode decode, --pp-size 1, DSpark optional). A request moves
+through two named queues before it joins the scheduler's batch, as in SGLang's decode scheduler:
 
     prealloc      (DecodePreallocQueue)  waits, in arrival order, for blocks for its prompt (deferred while the
                                          cache is full, never failed); the first are its prefix cache's when it
@@ -56,40 +56,56 @@ class DecodeRole(PDRole):
         super().__init__(config, dtype)
         self.prealloc: dict[str, _Pending] = {}  # rid -> waiting for blocks, in arrival order
         self.transferring: dict[str, _Pending] = {}  # rid -> blocks reserved, parts on their way
-        self.landed: dict[str, Writer] = {}  # rid -> first token out, parts to write before it decodes
+        self.landed: dict[
+            str, Writer
+        ] = {}  # rid -> first token out, parts to write before it decodes
         self.agent: Optional[DecodeTransfer] = None
-        self.deliveries: dict[Optional[str], FramesDelivery | FakeDelivery] = {}  # bootstrap host -> (None: any)
+        self.deliveries: dict[
+            Optional[str], FramesDelivery | FakeDelivery
+        ] = {}  # bootstrap host -> (None: any)
         self.quarantine: list[tuple[float, str]] = []  # (release time, block owner), oldest first
-        self.news = threading.Event()  # set by the agent (a room finished) and by wake() (a request arrived)
+        # set by the agent (a room finished) and by wake() (a request arrived)
+        self.news = threading.Event()
         self.parts: Optional[EngineParts] = None
 
     def attach(self, parts: EngineParts) -> None:
         self.parts = parts
         dc, e = self.config.disagg, self.env
-        decode_agent = get_backend(dc.disaggregation_transfer_backend).decode  # --disaggregation-transfer-backend
-        self.agent = decode_agent(self.schema.to_dict(), compare, expected_parts, dc.disaggregation_bootstrap_host,
-                                  e.bootstrap_timeout, e.waiting_timeout, e.heartbeat_interval,
-                                  e.heartbeat_max_failures, dc.disaggregation_bootstrap_port,
-                                  auth_token=e.token(dc.disaggregation_auth_token),
-                                  max_part_bytes=self._largest_part(parts.context_length))
+        # --disaggregation-transfer-backend
+        decode_agent = get_backend(dc.disaggregation_transfer_backend).decode
+        self.agent = decode_agent(
+            self.schema.to_dict(),
+            compare,
+            expected_parts,
+            dc.disaggregation_bootstrap_host,
+            e.bootstrap_timeout,
+            e.waiting_timeout,
+            e.heartbeat_interval,
+            e.heartbeat_max_failures,
+            dc.disaggregation_bootstrap_port,
+            auth_token=e.token(dc.disaggregation_auth_token),
+            max_part_bytes=self._largest_part(parts.context_length),
+        )
         pools = Pools(parts.pool, parts.proposer, parts.scheduler.blocks.page_size, parts.device)
         self.deliveries = deliveries(self.agent, self.schema, pools)
         self.agent.set_listener(self.news.set)
         self.agent.start()
 
     def _largest_part(self, context_length: int) -> int:
-        """The biggest part a prompt this server accepts can need (all target layers' KV at the context length,
-        or the hidden rows / draft KV): frames above it are refused before they are buffered."""
+        """The biggest part a prompt this server accepts can need (all target layers' KV at the
+        context length, or the hidden rows / draft KV): frames above it are refused before they are
+        buffered."""
         parts = expected_parts(self.schema.to_dict(), context_length)
         return max(p.nbytes for stage in parts.values() for p in stage)
 
     def take(self, req: Request, bootstrap: Bootstrap) -> bool:
         self._register(req, bootstrap)
         delivery = self.deliveries.get(bootstrap.host, self.deliveries[None])
-        self.prealloc[req.rid] = _Pending(req, bootstrap, delivery)  # even max_new_tokens 0: the KV must arrive
+        # even max_new_tokens 0: the KV must arrive
+        self.prealloc[req.rid] = _Pending(req, bootstrap, delivery)
         return True
 
-    # -- receive: prealloc -> transferring -> (the engine's) running ----------------------------------------------
+    # -- receive: prealloc -> transferring -> (the engine's) running -------------------------------
     def receive(self) -> list[Event]:
         self._release_quarantined()
         events = [self.landed.pop(rid)() for rid in list(self.landed)]
@@ -99,8 +115,8 @@ class DecodeRole(PDRole):
         return events
 
     def _reserve(self) -> None:
-        """Blocks for each new request's prompt, in arrival order; a request that does not fit waits (deferred,
-        never failed: docs/pd_protocol.md, failure modes)."""
+        """Blocks for each new request's prompt, in arrival order; a request that does not fit waits
+        (deferred, never failed: docs/pd_protocol.md, failure modes)."""
         for p in list(self.prealloc.values()):
             n = len(p.req.prompt_ids)
             prefix = self.parts.scheduler.reserve(p.req, n, *self._match_rule(p))
@@ -111,13 +127,16 @@ class DecodeRole(PDRole):
             self.transferring[p.req.rid] = p
 
     def _match_rule(self, p: _Pending) -> tuple[int, int, bool]:
-        """(align, keep, needs_draft) of the prefix cache match for a new room: whole pieces (the prefill cuts its
-        handoff there); `tail`: the tail rows land outside the cached pages, which need no drafter context (the
-        drafter reads from the tail on); hidden / draft-kv: only pages with the drafter's context. The room's
-        delivery may ask otherwise (the fake one takes no cached page)."""
+        """(align, keep, needs_draft) of the prefix cache match for a new room: whole pieces (the
+        prefill cuts its handoff there); `tail`: the tail rows land outside the cached pages, which
+        need no drafter context (the drafter reads from the tail on); hidden / draft-kv: only pages
+        with the drafter's context. The room's delivery may ask otherwise (the fake one takes no
+        cached page)."""
         tail = self.schema.handoff == "tail"
         align = math.lcm(self.parts.scheduler.blocks.page_size, self.schema.stream_tokens)
-        return p.delivery.match_rule((align, max(1, self.schema.tail_tokens) if tail else 1, not tail))
+        return p.delivery.match_rule(
+            (align, max(1, self.schema.tail_tokens) if tail else 1, not tail)
+        )
 
     def _poll(self, p: _Pending) -> list[Event]:
         req = p.req
@@ -132,13 +151,19 @@ class DecodeRole(PDRole):
             del self.transferring[req.rid]
             p.delivery.failed(req.bootstrap_room)
             self._quarantine(req, p.delivery.hold_s)
-            code = 400 if res.permanent else 502  # 400: deterministic (a schema mismatch), a retry fails the same way
-            return [HandoffFailed(req, f"KV transfer of room {req.bootstrap_room} failed: {res.reason}", code)]
+            # 400: deterministic (a schema mismatch), a retry fails the same way
+            code = 400 if res.permanent else 502
+            return [
+                HandoffFailed(
+                    req, f"KV transfer of room {req.bootstrap_room} failed: {res.reason}", code
+                )
+            ]
         return []
 
     def wait(self, idle: bool) -> None:
-        """No polling sleep: until a room finishes or a request arrives (NEWS_WAIT_S at most, for the
-        quarantine's clock). receive() then polls every room, so a wake-up that lands after clear() is not lost."""
+        """No polling sleep: until a room finishes or a request arrives (NEWS_WAIT_S at most, for
+        the quarantine's clock). receive() then polls every room, so a wake-up that lands after
+        clear() is not lost."""
         if idle and self.has_work():
             self.news.wait(NEWS_WAIT_S)
             self.news.clear()
@@ -147,7 +172,8 @@ class DecodeRole(PDRole):
         self.news.set()
 
     def drop(self, req: Request) -> None:
-        self.landed.pop(req.rid, None)  # ended at its first token, or aborted, before its KV was written
+        # ended at its first token, or aborted, before its KV was written
+        self.landed.pop(req.rid, None)
         p = self.transferring.pop(req.rid, None)
         if p is not None:
             p.delivery.abort(req.bootstrap_room, "aborted by the decode server's client")
@@ -156,7 +182,8 @@ class DecodeRole(PDRole):
         super().drop(req)
 
     def _quarantine(self, req: Request, hold_s: float) -> None:
-        """A failed or aborted room's blocks stay out of use for `hold_s` (its delivery's; 0: freed at once)."""
+        """A failed or aborted room's blocks stay out of use for `hold_s` (its delivery's; 0: freed
+        at once)."""
         if hold_s > 0 and req.block_ids:
             owner = self.parts.scheduler.quarantine(req)
             self.quarantine.append((time.monotonic() + hold_s, owner))
@@ -170,13 +197,19 @@ class DecodeRole(PDRole):
         return bool(self.prealloc or self.transferring or self.landed or self.quarantine)
 
     def stats(self) -> dict:
-        total = {name: sum(getattr(d, name) for d in self.deliveries.values())
-                 for name in ("landed_rooms", "handoff_bytes", "context_bytes")}
-        return {"num_prealloc": len(self.prealloc), "num_transfers_inflight": len(self.transferring),
-                "num_quarantined": len(self.quarantine), "landed_rooms_total": total["landed_rooms"],
-                "handoff_bytes_total": total["handoff_bytes"], "context_bytes_total": total["context_bytes"]}
+        total = {
+            name: sum(getattr(d, name) for d in self.deliveries.values())
+            for name in ("landed_rooms", "handoff_bytes", "context_bytes")
+        }
+        return {
+            "num_prealloc": len(self.prealloc),
+            "num_transfers_inflight": len(self.transferring),
+            "num_quarantined": len(self.quarantine),
+            "landed_rooms_total": total["landed_rooms"],
+            "handoff_bytes_total": total["handoff_bytes"],
+            "context_bytes_total": total["context_bytes"],
+        }
 
     def close(self) -> None:
         if self.agent is not None:
             self.agent.close()
-

@@ -1,8 +1,9 @@
-"""How a room's parts reach a decode's pools, one class per way, chosen per room: frames (the ZMQ backend: the
-parts arrive as bytes and are written at the request's slots), one-sided (Mooncake, NIXL: the prefill writes into
-this decode's registered memory, disagg/landing_buffers.py) and fake (SGLang's fake bootstrap host of
-/health_generate: no peer, zero KV). The decode role (disagg/decode_role.py) calls them and branches on neither
-the backend nor the host; a new way to deliver is one class here.
+"""How a room's parts reach a decode's pools, one class per way, chosen per room: frames (the ZMQ
+backend: the parts arrive as bytes and are written at the request's slots), one-sided (Mooncake,
+NIXL: the prefill writes into this decode's registered memory, disagg/landing_buffers.py) and fake
+(SGLang's fake bootstrap host of /health_generate: no peer, zero KV). The decode role
+(disagg/decode_role.py) calls them and branches on neither the backend nor the host; a new way to
+deliver is one class here.
 
 A delivery's `arrive` turns a room whose parts are all in into events: KVArrived (the first token streams now) and
 a writer the role runs at the start of the next step (the KV and the drafter's context into the pools ->
@@ -33,7 +34,8 @@ Writer = Callable[[], Event]
 
 @dataclass
 class Pools:
-    """What a delivery writes into: the target's pool, the drafter (None: plain decoding), the page size."""
+    """What a delivery writes into: the target's pool, the drafter (None: plain decoding), the page
+    size."""
 
     pool: KVPool
     proposer: Optional[DSparkProposer]
@@ -53,16 +55,26 @@ class FramesDelivery:
     def __init__(self, agent: DecodeTransfer, schema: HandoffSchema, pools: Pools) -> None:
         self.agent, self.schema, self.pools = agent, schema, pools
         self.handoff_bytes = 0  # bytes received from prefill stages (KV + handoff + metadata rows)
-        self.context_bytes = 0  # of which DSpark context and metadata rows (everything but the target KV)
-        self.landed_rooms = 0  # rooms whose parts a one-sided backend wrote into this decode's memory
+        self.context_bytes = (
+            0  # of which DSpark context and metadata rows (everything but the target KV)
+        )
+        self.landed_rooms = (
+            0  # rooms whose parts a one-sided backend wrote into this decode's memory
+        )
 
     def match_rule(self, rule: tuple[int, int, bool]) -> tuple[int, int, bool]:
         """The prefix cache's match rule for a room (align, keep, needs_draft): the handoff's."""
         return rule
 
     def begin(self, bootstrap: Bootstrap, req: Request, prefix: int) -> None:
-        self.agent.begin(bootstrap.room, bootstrap.host, bootstrap.port, len(req.prompt_ids),
-                         self._landing(req.block_ids), prefix)
+        self.agent.begin(
+            bootstrap.room,
+            bootstrap.host,
+            bootstrap.port,
+            len(req.prompt_ids),
+            self._landing(req.block_ids),
+            prefix,
+        )
 
     def _landing(self, block_ids: list[int]):
         return None
@@ -76,16 +88,25 @@ class FramesDelivery:
         timeline.mark("decode", "arrived", room=room)
         parts = self.agent.take(room)
         self.agent.clear(room)
-        sizes = [(name, part.spec.nbytes) for stage in parts.values() for name, part in stage.items()]
+        sizes = [
+            (name, part.spec.nbytes) for stage in parts.values() for name, part in stage.items()
+        ]
         req.handoff_bytes = sum(n for _, n in sizes)
         self.handoff_bytes += req.handoff_bytes
         self.context_bytes += sum(n for name, n in sizes if split_piece(name)[0] != "kv")
         try:
             row = read_meta(self.schema, self._meta_parts(parts, req.block_ids), room)
-        except Exception as e:  # whatever the bytes were, only this request fails; the engine keeps serving
-            return [HandoffFailed(req, f"handoff of room {room} rejected: {type(e).__name__}: {e}", 502)], None
+        # whatever the bytes were, only this request fails; the engine keeps serving
+        except Exception as e:
+            return [
+                HandoffFailed(req, f"handoff of room {room} rejected: {type(e).__name__}: {e}", 502)
+            ], None
         # the prefill scored the first token when this request asked for logprobs
-        first = KVArrived(req, row.first_token, (row.first_logprob, row.top_logprobs[: req.params.top_logprobs_num]))
+        first = KVArrived(
+            req,
+            row.first_token,
+            (row.first_logprob, row.top_logprobs[: req.params.top_logprobs_num]),
+        )
         return [first], lambda: self._write(req, parts, row)
 
     def _meta_parts(self, parts: Parts, block_ids: list[int]) -> Parts:
@@ -99,8 +120,11 @@ class FramesDelivery:
             parts = self._place(parts, slots, req.cached_tokens)
             if proposer is not None:
                 req.draft_ctx_start = inject_context(proposer, self.schema, parts, row, slots)
-        except Exception as e:  # whatever the bytes were, only this request fails; the engine keeps serving
-            return HandoffFailed(req, f"handoff of room {room} rejected: {type(e).__name__}: {e}", 502)
+        # whatever the bytes were, only this request fails; the engine keeps serving
+        except Exception as e:
+            return HandoffFailed(
+                req, f"handoff of room {room} rejected: {type(e).__name__}: {e}", 502
+            )
         timeline.mark("decode", "committed", room=room)
         return KVWritten(req)
 
@@ -118,13 +142,16 @@ class FramesDelivery:
 
 
 class OneSidedDelivery(FramesDelivery):
-    """The prefill writes the target KV, the drafter's context and the metadata row into this decode's registered
-    memory: the room names its landing, the context and the row are read back, and a failed room's blocks wait
-    QUARANTINE_S before reuse (a stage may still be writing)."""
+    """The prefill writes the target KV, the drafter's context and the metadata row into this
+    decode's registered
+    memory: the room names its landing, the context and the row are read back, and a failed room's
+    blocks wait QUARANTINE_S before reuse (a stage may still be writing)."""
 
     hold_s = QUARANTINE_S
 
-    def __init__(self, agent: DecodeTransfer, schema: HandoffSchema, pools: Pools, landings: LandingBuffers) -> None:
+    def __init__(
+        self, agent: DecodeTransfer, schema: HandoffSchema, pools: Pools, landings: LandingBuffers
+    ) -> None:
         super().__init__(agent, schema, pools)
         self.landings = landings
         agent.register(landings.regions())
@@ -141,8 +168,8 @@ class OneSidedDelivery(FramesDelivery):
 
 
 class FakeDelivery:
-    """SGLang's fake bootstrap host: no peer hears of the room; its prompt KV (and draft context) is zeros, its
-    first token its prompt's last, and it takes no cached page."""
+    """SGLang's fake bootstrap host: no peer hears of the room; its prompt KV (and draft context) is
+    zeros, its first token its prompt's last, and it takes no cached page."""
 
     hold_s = 0.0
     handoff_bytes = context_bytes = landed_rooms = 0
@@ -181,14 +208,17 @@ def _zero(pool: KVPool, slots: torch.Tensor) -> None:
         v.index_fill_(0, slots, 0)
 
 
-def deliveries(agent: DecodeTransfer, schema: HandoffSchema,
-               pools: Pools) -> dict[Optional[str], FramesDelivery | FakeDelivery]:
+def deliveries(
+    agent: DecodeTransfer, schema: HandoffSchema, pools: Pools
+) -> dict[Optional[str], FramesDelivery | FakeDelivery]:
     """Bootstrap host -> its delivery: SGLang's fake host its own, every other host (key None) the backend's."""
     from sparkrelay.scheduler.request import FAKE_BOOTSTRAP_HOST
 
     if agent.one_sided:  # Mooncake, NIXL
         draft_pool = pools.proposer.pool if pools.proposer is not None else None
-        real = OneSidedDelivery(agent, schema, pools, LandingBuffers(schema, pools.pool, draft_pool))
+        real = OneSidedDelivery(
+            agent, schema, pools, LandingBuffers(schema, pools.pool, draft_pool)
+        )
     else:
         real = FramesDelivery(agent, schema, pools)
     return {FAKE_BOOTSTRAP_HOST: FakeDelivery(pools), None: real}

@@ -9,11 +9,15 @@ from sparkrelay.disagg.roles import Role
 
 
 def build_role(config: Config, dtype: torch.dtype) -> Role:
-    """The role of --disaggregation-mode; a prefill binds its bootstrap server and stage-report inbox here,
-    before the pipeline stages load (they register with the one and report to the other)."""
+    """The role of --disaggregation-mode; a prefill binds its bootstrap server and stage-report
+    inbox here, before the pipeline stages load (they register with the one and report to the
+    other)."""
     mode = config.disagg.disaggregation_mode
     if mode == "prefill":
-        from sparkrelay.disagg.prefill_role import PrefillRole  # the transfer agents load only for a PD role
+        # the transfer agents load only for a PD role
+        from sparkrelay.disagg.prefill_role import (
+            PrefillRole,
+        )
 
         return PrefillRole(config, dtype)
     if mode == "decode":

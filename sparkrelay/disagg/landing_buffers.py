@@ -5,9 +5,9 @@
     hidden rows       [slots, W] (mode hidden)                                every prompt row, same slots
     metadata rows     [num_blocks, row bytes] uint8                           one row per room, at its first page
 
-All four are registered with the engine once, at start. After the room's Success the decode reads the metadata row
-and the DSpark context back as Parts, so the checks and the injection are the ZMQ backend's; the target KV is
-already in place.
+All four are registered with the engine once, at start. After the room's Success the decode reads
+the metadata row and the DSpark context back as Parts, so the checks and the injection are the ZMQ
+backend's; the target KV is already in place.
 """
 
 from __future__ import annotations
@@ -41,10 +41,14 @@ class LandingBuffers:
         self.schema, self.pool = schema, pool
         self.draft = draft_pool if schema.handoff == "draft-kv" else None
         slots = pool.num_blocks * pool.page_size
-        self.hidden = (torch.zeros(slots, schema.hidden_width, dtype=TORCH_DTYPES[schema.dtype])
-                       if schema.handoff == "hidden" else None)  # [slots, W]
+        self.hidden = (
+            torch.zeros(slots, schema.hidden_width, dtype=TORCH_DTYPES[schema.dtype])
+            if schema.handoff == "hidden"
+            else None
+        )  # [slots, W]
         self.meta_bytes = MetadataLayout.of(schema).nbytes
-        self.meta = torch.zeros(pool.num_blocks, self.meta_bytes, dtype=torch.uint8)  # [blocks, row bytes]
+        # [blocks, row bytes]
+        self.meta = torch.zeros(pool.num_blocks, self.meta_bytes, dtype=torch.uint8)
 
     def regions(self) -> list[tuple[int, int]]:
         """(address, bytes) of each buffer to register with the engine."""
@@ -54,28 +58,43 @@ class LandingBuffers:
         return [(t.data_ptr(), _nbytes(t)) for t in bufs]
 
     def landing(self, block_ids: list[int]) -> Landing:
-        """Where a room whose prompt holds `block_ids` receives its parts (peer filled in by the agent)."""
+        """Where a room whose prompt holds `block_ids` receives its parts (peer filled in by the
+        agent)."""
         self.meta[block_ids[0]].zero_()  # a row never written reads as room 0: "not landed"
         hidden, draft = self.hidden, self.draft
-        return Landing(peer="-", peer_meta=b"", page_size=self.pool.page_size, pages=tuple(block_ids),
-                       kv=_planes(self.pool), kv_row=_row(self.pool),
-                       draft_kv=_planes(draft) if draft is not None else {},
-                       draft_row=_row(draft) if draft is not None else 0,
-                       hidden=hidden.data_ptr() if hidden is not None else 0,
-                       hidden_row=hidden[0].numel() * hidden.element_size() if hidden is not None else 0,
-                       meta=self.meta[block_ids[0]].data_ptr(), meta_bytes=self.meta_bytes)
+        return Landing(
+            peer="-",
+            peer_meta=b"",
+            page_size=self.pool.page_size,
+            pages=tuple(block_ids),
+            kv=_planes(self.pool),
+            kv_row=_row(self.pool),
+            draft_kv=_planes(draft) if draft is not None else {},
+            draft_row=_row(draft) if draft is not None else 0,
+            hidden=hidden.data_ptr() if hidden is not None else 0,
+            hidden_row=hidden[0].numel() * hidden.element_size() if hidden is not None else 0,
+            meta=self.meta[block_ids[0]].data_ptr(),
+            meta_bytes=self.meta_bytes,
+        )
 
-    def meta_row(self, taken: dict[int, dict[str, Part]], block_ids: list[int]) -> dict[int, dict[str, Part]]:
-        """The last stage's landed metadata row as a Part with its bytes (a copy), keyed as `taken` is."""
+    def meta_row(
+        self, taken: dict[int, dict[str, Part]], block_ids: list[int]
+    ) -> dict[int, dict[str, Part]]:
+        """The last stage's landed metadata row as a Part with its bytes (a copy), keyed as `taken`
+        is."""
         last = max(taken)
         spec = taken[last]["meta"].spec
-        return {last: {"meta": Part(spec, self.meta[block_ids[0], : spec.nbytes].numpy().tobytes())}}
+        return {
+            last: {"meta": Part(spec, self.meta[block_ids[0], : spec.nbytes].numpy().tobytes())}
+        }
 
-    def parts(self, taken: dict[int, dict[str, Part]], slots: torch.Tensor,
-              prefix: int = 0) -> dict[int, dict[str, Part]]:
-        """The last stage's landed DSpark context as Parts with their bytes (copies; the metadata row: `meta_row`);
-        its pieces, landed at their positions, are read back as one piece of every position the prefill sent
-        (from `prefix`, the positions this decode held already: "hidden@<prefix>")."""
+    def parts(
+        self, taken: dict[int, dict[str, Part]], slots: torch.Tensor, prefix: int = 0
+    ) -> dict[int, dict[str, Part]]:
+        """The last stage's landed DSpark context as Parts with their bytes (copies; the metadata
+        row: `meta_row`); its pieces, landed at their positions, are read back as one piece of every
+        position the prefill sent (from `prefix`, the positions this decode held already:
+        "hidden@<prefix>")."""
         last = max(taken)
         out: dict[str, Part] = {}
         sent = slots[prefix:]  # [n - prefix]
@@ -86,8 +105,12 @@ class LandingBuffers:
                 rows = self.hidden.index_select(0, sent)  # [n - prefix, W]
                 out[name0] = Part(_spec(part.spec, name0, rows), _bytes(rows))
             elif kind == "draft_kv" and name0 not in out:
-                kv = torch.stack([torch.stack([k.index_select(0, sent), v.index_select(0, sent)])
-                                  for k, v in self.draft.layers.values()])  # [Ld, 2, n - prefix, kv_heads, head_dim]
+                kv = torch.stack(
+                    [
+                        torch.stack([k.index_select(0, sent), v.index_select(0, sent)])
+                        for k, v in self.draft.layers.values()
+                    ]
+                )  # [Ld, 2, n - prefix, kv_heads, head_dim]
                 out[name0] = Part(_spec(part.spec, name0, kv), _bytes(kv))
         return {last: out}
 

@@ -1,5 +1,5 @@
-"""The per-request metadata row (docs/pd_protocol.md, the metadata row): a fixed byte layout derived from the
-schema on both sides.
+"""The per-request metadata row (docs/pd_protocol.md, the metadata row): a fixed byte layout derived
+from the schema on both sides.
 
 Fields, in row order:
     output_ids        int32 [16]       [0] = the first token sampled by the prefill
@@ -36,17 +36,19 @@ class MetadataLayout:
     def of(cls, schema: HandoffSchema) -> "MetadataLayout":
         w, tail, dt = schema.hidden_width, schema.tail_tokens, TORCH_DTYPES[schema.dtype]
         tail_on = schema.handoff == "tail"
-        return cls((
-            ("output_ids", torch.int32, (16,)),
-            ("cached_tokens", torch.int32, (16,)),
-            ("first_logprob", torch.float32, (1,)),
-            ("top_logprobs", torch.float32, (MAX_TOP_LOGPROBS,)),
-            ("top_ids", torch.int32, (MAX_TOP_LOGPROBS,)),
-            ("last_hidden", dt, (w if tail_on else 0,)),
-            ("tail_hidden", dt, (tail if tail_on else 0, w)),
-            ("tail_valid", torch.bool, (tail if tail_on else 0,)),
-            ("bootstrap_room", torch.int64, (8,)),
-        ))
+        return cls(
+            (
+                ("output_ids", torch.int32, (16,)),
+                ("cached_tokens", torch.int32, (16,)),
+                ("first_logprob", torch.float32, (1,)),
+                ("top_logprobs", torch.float32, (MAX_TOP_LOGPROBS,)),
+                ("top_ids", torch.int32, (MAX_TOP_LOGPROBS,)),
+                ("last_hidden", dt, (w if tail_on else 0,)),
+                ("tail_hidden", dt, (tail if tail_on else 0, w)),
+                ("tail_valid", torch.bool, (tail if tail_on else 0,)),
+                ("bootstrap_room", torch.int64, (8,)),
+            )
+        )
 
     @staticmethod
     def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
@@ -64,18 +66,21 @@ class MetadataLayout:
 class MetadataRow:
     first_token: int
     room: int
-    last_hidden: torch.Tensor   # [W] (empty unless tail)
-    tail_hidden: torch.Tensor   # [tail, W]
-    tail_valid: torch.Tensor    # [tail] bool
+    last_hidden: torch.Tensor  # [W] (empty unless tail)
+    tail_hidden: torch.Tensor  # [tail, W]
+    tail_valid: torch.Tensor  # [tail] bool
     cached_tokens: int = 0
     first_logprob: float = 0.0
-    top_logprobs: list[tuple[float, int]] = field(default_factory=list)  # up to MAX_TOP_LOGPROBS (logprob, id)
+    # up to MAX_TOP_LOGPROBS (logprob, id)
+    top_logprobs: list[tuple[float, int]] = field(default_factory=list)
 
 
 def _padded(values: list, dtype: torch.dtype) -> torch.Tensor:
     """[MAX_TOP_LOGPROBS]: the values, zeros after (ValueError when there are more)."""
     if len(values) > MAX_TOP_LOGPROBS:
-        raise ValueError(f"metadata field top_logprobs: {len(values)} entries; the row holds {MAX_TOP_LOGPROBS}")
+        raise ValueError(
+            f"metadata field top_logprobs: {len(values)} entries; the row holds {MAX_TOP_LOGPROBS}"
+        )
     return torch.tensor(list(values) + [0] * (MAX_TOP_LOGPROBS - len(values)), dtype=dtype)
 
 
@@ -92,16 +97,19 @@ def build_tail(rows: torch.Tensor, tail: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 class TailRows:
-    """The last `tail` aux rows of an n-row prompt, filled chunk by chunk at absolute positions; rows before n - tail
-    are never kept, so a prompt of any length costs [tail, W]. rows / valid are build_tail's right-aligned layout."""
+    """The last `tail` aux rows of an n-row prompt, filled chunk by chunk at absolute positions;
+    rows before n - tail are never kept, so a prompt of any length costs [tail, W]. rows / valid are
+    build_tail's right-aligned layout."""
 
     def __init__(self, n: int, tail: int, width: int, dtype: torch.dtype) -> None:
-        self.first = n - tail  # the absolute position of rows[0] (negative: the prompt is shorter than the tail)
+        # the absolute position of rows[0] (negative: the prompt is shorter than the tail)
+        self.first = n - tail
         self.rows = torch.zeros(tail, width, dtype=dtype)  # [tail, W]
-        self.valid = torch.zeros(tail, dtype=torch.bool)   # [tail]
+        self.valid = torch.zeros(tail, dtype=torch.bool)  # [tail]
 
     def write(self, start: int, aux: torch.Tensor) -> None:
-        """aux [t, W]: the rows of positions [start, start + t); only those at or after n - tail are kept."""
+        """aux [t, W]: the rows of positions [start, start + t); only those at or after n - tail are
+        kept."""
         end = start + aux.shape[0]
         lo = max(start, self.first)
         if lo >= end:
@@ -111,11 +119,14 @@ class TailRows:
 
 
 def pack(layout: MetadataLayout, row: MetadataRow) -> bytes:
-    """The row's bytes in layout order; the room is written last (a reader that sees it sees the rest)."""
+    """The row's bytes in layout order; the room is written last (a reader that sees it sees the
+    rest)."""
     values = {
         "output_ids": torch.tensor([row.first_token] + [0] * 15, dtype=torch.int32),
         "cached_tokens": torch.tensor([row.cached_tokens] + [0] * 15, dtype=torch.int32),
-        "last_hidden": row.last_hidden, "tail_hidden": row.tail_hidden, "tail_valid": row.tail_valid,
+        "last_hidden": row.last_hidden,
+        "tail_hidden": row.tail_hidden,
+        "tail_valid": row.tail_valid,
         "first_logprob": torch.tensor([row.first_logprob], dtype=torch.float32),
         "top_logprobs": _padded([v for v, _ in row.top_logprobs], torch.float32),
         "top_ids": _padded([t for _, t in row.top_logprobs], torch.int32),
@@ -124,24 +135,36 @@ def pack(layout: MetadataLayout, row: MetadataRow) -> bytes:
     for name, dtype, shape in layout.fields[:-1]:
         t = values[name].to(dtype).contiguous().cpu()
         if tuple(t.shape) != shape:
-            raise ValueError(f"metadata field {name}: shape {tuple(t.shape)} is not the schema's {shape}")
+            raise ValueError(
+                f"metadata field {name}: shape {tuple(t.shape)} is not the schema's {shape}"
+            )
         chunks.append(t.view(-1).view(torch.uint8).numpy().tobytes())
-    chunks.append(torch.tensor([row.room] + [0] * 7, dtype=torch.int64).view(torch.uint8).numpy().tobytes())
+    chunks.append(
+        torch.tensor([row.room] + [0] * 7, dtype=torch.int64).view(torch.uint8).numpy().tobytes()
+    )
     return b"".join(chunks)
 
 
 def unpack(layout: MetadataLayout, data: bytes) -> MetadataRow:
     """Inverse of pack; ValueError when the byte count is not the layout's."""
     if len(data) != layout.nbytes:
-        raise ValueError(f"metadata row has {len(data)} bytes; the schema's layout has {layout.nbytes}")
+        raise ValueError(
+            f"metadata row has {len(data)} bytes; the schema's layout has {layout.nbytes}"
+        )
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     out, offset = {}, 0
     for name, dtype, shape in layout.fields:
         size = MetadataLayout._nbytes(dtype, shape)
-        out[name] = buf[offset : offset + size].clone().view(dtype).view(shape)  # clone: aligned for the view
+        # clone: aligned for the view
+        out[name] = buf[offset : offset + size].clone().view(dtype).view(shape)
         offset += size
-    return MetadataRow(first_token=int(out["output_ids"][0]), room=int(out["bootstrap_room"][0]),
-                       last_hidden=out["last_hidden"], tail_hidden=out["tail_hidden"],
-                       tail_valid=out["tail_valid"].clone(), cached_tokens=int(out["cached_tokens"][0]),
-                       first_logprob=float(out["first_logprob"][0]),
-                       top_logprobs=list(zip(out["top_logprobs"].tolist(), out["top_ids"].tolist())))
+    return MetadataRow(
+        first_token=int(out["output_ids"][0]),
+        room=int(out["bootstrap_room"][0]),
+        last_hidden=out["last_hidden"],
+        tail_hidden=out["tail_hidden"],
+        tail_valid=out["tail_valid"].clone(),
+        cached_tokens=int(out["cached_tokens"][0]),
+        first_logprob=float(out["first_logprob"][0]),
+        top_logprobs=list(zip(out["top_logprobs"].tolist(), out["top_ids"].tolist())),
+    )

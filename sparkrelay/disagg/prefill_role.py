@@ -1,5 +1,5 @@
-"""The prefill role (--disaggregation-mode prefill): rank 0 of a pipeline of --pp-size stages, each stage with its
-own transfer agent (disagg/prefill_sink.py).
+"""The prefill role (--disaggregation-mode prefill): rank 0 of a pipeline of --pp-size stages, each
+stage with its own transfer agent (disagg/prefill_sink.py).
 
     take       the request is scheduled as usual (chunked prefill); its room travels with the step descriptor
     send       the first token is sampled: the engine detached the request (it keeps its blocks) -> in flight
@@ -22,7 +22,6 @@ from sparkrelay.scheduler.request import Bootstrap, Request
 from sparkrelay.transfer.base import SCHEMA_MISMATCH, KVPoll
 from sparkrelay.transfer.bootstrap import BootstrapServer
 
-
 SINK_FACTORY = "sparkrelay.disagg.prefill_sink:make_stage_sink"
 
 
@@ -32,27 +31,44 @@ class PrefillRole(PDRole):
 
     def __init__(self, config: Config, dtype: torch.dtype) -> None:
         super().__init__(config, dtype)
-        capture = CaptureSpec.from_config(config)  # a bad knob is a ConfigError before any socket is bound
+        # a bad knob is a ConfigError before any socket is bound
+        capture = CaptureSpec.from_config(config)
         self.pp_size = config.parallel.pp_size
         self.inbox = StageReportInbox()
-        # stages at any --pp-size, each with the sink that sends its part and reports to the inbox; in `tail` mode
-        # the rows of the last tail positions come from the request's own compute, never the cache (the stages
-        # keep no tail rows beside cached pages; hidden and draft-kv context is kept beside them)
+        # stages at any --pp-size, each with the sink that sends its part and reports to the inbox;
+        # in `tail` mode the rows of the last tail positions come from the request's own compute,
+        # never the cache (the stages keep no tail rows beside cached pages; hidden and draft-kv
+        # context is kept beside them)
         tail = max(1, self.schema.tail_tokens) if self.schema.handoff == "tail" else 1
-        self.needs = RunnerNeeds(pipeline=True, sink_factory=SINK_FACTORY, capture=capture,
-                                 status_address=self.inbox.address, computed_tail=tail)
+        self.needs = RunnerNeeds(
+            pipeline=True,
+            sink_factory=SINK_FACTORY,
+            capture=capture,
+            status_address=self.inbox.address,
+            computed_tail=tail,
+        )
         dc = config.disagg
-        self.bootstrap = BootstrapServer(dc.disaggregation_bootstrap_host, dc.disaggregation_bootstrap_port,
-                                         self.pp_size, self.schema.to_dict(), config.server.port,
-                                         config.cache.page_size, self.schema.dtype,
-                                         auth_token=self.env.token(dc.disaggregation_auth_token))
+        self.bootstrap = BootstrapServer(
+            dc.disaggregation_bootstrap_host,
+            dc.disaggregation_bootstrap_port,
+            self.pp_size,
+            self.schema.to_dict(),
+            config.server.port,
+            config.cache.page_size,
+            self.schema.dtype,
+            auth_token=self.env.token(dc.disaggregation_auth_token),
+        )
         self.bootstrap.start()  # before the stages load: they register with it
         self.inflight: dict[int, set[int]] = {}  # room -> stages that reported Success
-        self.local: list[Request] = []  # fake-bootstrap requests whose first token is sampled: nothing to send
+        self.local: list[
+            Request
+        ] = []  # fake-bootstrap requests whose first token is sampled: nothing to send
 
     def take(self, req: Request, bootstrap: Bootstrap) -> bool:
         self._register(req, bootstrap)
-        return False  # scheduled even with max_new_tokens 0: the decode peer waits for this room's KV
+        return (
+            False  # scheduled even with max_new_tokens 0: the decode peer waits for this room's KV
+        )
 
     def send(self, reqs: list[Request]) -> None:
         for req in reqs:
@@ -74,9 +90,15 @@ class PrefillRole(PDRole):
             return []
         if r.state == KVPoll.Failed:
             self.inflight.pop(r.room, None)
-            code = 400 if SCHEMA_MISMATCH in r.reason else 500  # 400: deterministic, the router must not retry
-            return [HandoffFailed(req, f"KV transfer of room {r.room} failed on prefill stage {r.stage}: {r.reason}",
-                                  code)]
+            # 400: deterministic, the router must not retry
+            code = 400 if SCHEMA_MISMATCH in r.reason else 500
+            return [
+                HandoffFailed(
+                    req,
+                    f"KV transfer of room {r.room} failed on prefill stage {r.stage}: {r.reason}",
+                    code,
+                )
+            ]
         done = self.inflight.setdefault(r.room, set())
         done.add(r.stage)
         if len(done) == self.pp_size and req.output_ids:
@@ -85,7 +107,8 @@ class PrefillRole(PDRole):
         return []
 
     def wait(self, idle: bool) -> None:
-        """No polling sleep: until a stage reports or a request arrives (wake), NEWS_WAIT_S at most."""
+        """No polling sleep: until a stage reports or a request arrives (wake), NEWS_WAIT_S at
+        most."""
         if idle and self.inflight:
             self.inbox.wait(NEWS_WAIT_S)
 

@@ -1,10 +1,11 @@
-"""The handshake schema: every fact both PD sides must agree on before a byte moves (docs/pd_protocol.md, the
-handshake).
+"""The handshake schema: every fact both PD sides must agree on before a byte moves
+(docs/pd_protocol.md, the handshake).
 
-The record is derived from model-level facts only (the target's config, the drafter's config or the env knobs,
-the flags that shape the wire), never from local speculative flags, so an asymmetric pair (prefill without a
-drafter, decode with DSpark) builds the same record. The prefill publishes it at `GET /route` (all -1); the decode
-sends its own with every TRANSFER_INFO. Each side compares and fails the room with a message naming the field.
+The record is derived from model-level facts only (the target's config, the drafter's config or the
+env knobs, the flags that shape the wire), never from local speculative flags, so an asymmetric pair
+(prefill without a drafter, decode with DSpark) builds the same record. The prefill publishes it at
+`GET /route` (all -1); the decode sends its own with every TRANSFER_INFO. Each side compares and
+fails the room with a message naming the field.
 """
 
 from __future__ import annotations
@@ -23,22 +24,32 @@ SCHEMA_VERSION = 5  # 2: the metadata row carries the first token's logprobs; 3:
 @dataclass(frozen=True)
 class HandoffSchema:
     version: int
-    transfer_backend: str           # --disaggregation-transfer-backend: how the bytes move (zmq, mooncake, nixl)
-    model: str                      # identity: sha256 of the target's config.json (canonical) and weight sizes
-    dtype: str                      # KV and handoff dtype
+    transfer_backend: (
+        str  # --disaggregation-transfer-backend: how the bytes move (zmq, mooncake, nixl)
+    )
+    model: str  # identity: sha256 of the target's config.json (canonical) and weight sizes
+    dtype: str  # KV and handoff dtype
     page_size: int
     num_layers: int
     kv_heads: int
     head_dim: int
     hidden_size: int
-    layer_partition: tuple[tuple[int, int], ...]  # the prefill's stages; decode checks it is pp_partition's
-    target_layer_ids: tuple[int, ...]             # tap order = column order of the hidden rows
-    hidden_width: int               # len(target_layer_ids) * hidden_size
-    handoff: str                    # tail | hidden | draft-kv
-    tail_tokens: int                # rows of the tail handoff (0 unless handoff == tail)
-    prefix_cache: str               # this side's prefix (radix) cache: "on" | "off" (every pair is correct, below)
-    draft: Optional[tuple[int, int, int]]  # draft-kv: (draft layers, draft kv heads, draft head_dim)
-    stream_tokens: int              # positions per streamed piece (the decode plans the prefill's pieces with it)
+    layer_partition: tuple[
+        tuple[int, int], ...
+    ]  # the prefill's stages; decode checks it is pp_partition's
+    target_layer_ids: tuple[int, ...]  # tap order = column order of the hidden rows
+    hidden_width: int  # len(target_layer_ids) * hidden_size
+    handoff: str  # tail | hidden | draft-kv
+    tail_tokens: int  # rows of the tail handoff (0 unless handoff == tail)
+    prefix_cache: (
+        str  # this side's prefix (radix) cache: "on" | "off" (every pair is correct, below)
+    )
+    draft: Optional[
+        tuple[int, int, int]
+    ]  # draft-kv: (draft layers, draft kv heads, draft head_dim)
+    stream_tokens: (
+        int  # positions per streamed piece (the decode plans the prefill's pieces with it)
+    )
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -55,24 +66,46 @@ class HandoffSchema:
             got = sorted(d) if isinstance(d, dict) else type(d).__name__
             raise ValueError(f"schema record fields {got} are not {sorted(names)}")
         try:
-            return cls(**{**d, "layer_partition": tuple((int(a), int(b)) for a, b in d["layer_partition"]),
-                          "target_layer_ids": tuple(int(i) for i in d["target_layer_ids"]),
-                          "draft": tuple(int(x) for x in d["draft"]) if d["draft"] is not None else None})
+            return cls(
+                **{
+                    **d,
+                    "layer_partition": tuple((int(a), int(b)) for a, b in d["layer_partition"]),
+                    "target_layer_ids": tuple(int(i) for i in d["target_layer_ids"]),
+                    "draft": tuple(int(x) for x in d["draft"]) if d["draft"] is not None else None,
+                }
+            )
         except (TypeError, ValueError) as e:
             raise ValueError(f"malformed schema record: {e}") from None
 
 
-# Fields compared between prefill and decode; layer_partition is checked separately (decode runs PP = 1 and
-# accepts any prefill PP size whose partition is the shared function's). stream_tokens must agree: a decode's
-# cached prefix is a whole number of pieces. prefix_cache is each side's own: every pair of policies is correct (a
-# decode names the prefix it holds, and a prefill keeps the drafter's context beside its cached pages, so it can
-# send any position's; docs/prefix_cache.md), and version 5 refuses a peer that would ignore the prefix.
-COMPARED = ("version", "transfer_backend", "model", "dtype", "page_size", "num_layers", "kv_heads", "head_dim",
-            "hidden_size", "target_layer_ids", "hidden_width", "handoff", "tail_tokens", "draft", "stream_tokens")
+# Fields compared between prefill and decode; layer_partition is checked separately (decode runs PP
+# = 1 and accepts any prefill PP size whose partition is the shared function's). stream_tokens must
+# agree: a decode's cached prefix is a whole number of pieces. prefix_cache is each side's own:
+# every pair of policies is correct (a decode names the prefix it holds, and a prefill keeps the
+# drafter's context beside its cached pages, so it can send any position's; docs/prefix_cache.md),
+# and version 5 refuses a peer that would ignore the prefix.
+COMPARED = (
+    "version",
+    "transfer_backend",
+    "model",
+    "dtype",
+    "page_size",
+    "num_layers",
+    "kv_heads",
+    "head_dim",
+    "hidden_size",
+    "target_layer_ids",
+    "hidden_width",
+    "handoff",
+    "tail_tokens",
+    "draft",
+    "stream_tokens",
+)
 
 
 def compare(prefill: dict, decode: dict) -> list[str]:
-    """Mismatches as 'field: prefill=X decode=Y', in COMPARED order (empty when the records agree)."""
+    """Mismatches as 'field: prefill=X decode=Y', in COMPARED order (empty when the records
+    agree)."""
     out = []
     for name in COMPARED:
         a, b = prefill.get(name), decode.get(name)
@@ -82,9 +115,12 @@ def compare(prefill: dict, decode: dict) -> list[str]:
 
 
 def model_identity(folder: str) -> str:
-    """sha256 over the target's config.json (canonical JSON) and the names and sizes of its weight files."""
+    """sha256 over the target's config.json (canonical JSON) and the names and sizes of its weight
+    files."""
     root = Path(folder)
-    h = hashlib.sha256(json.dumps(json.loads((root / "config.json").read_text()), sort_keys=True).encode())
+    h = hashlib.sha256(
+        json.dumps(json.loads((root / "config.json").read_text()), sort_keys=True).encode()
+    )
     for f in sorted(root.glob("*.safetensors")):
         h.update(f"{f.name}:{f.stat().st_size}".encode())
     return h.hexdigest()[:16]

@@ -1,9 +1,10 @@
-"""A prefill stage's report to rank 0 that its part of a room's transfer ended: a typed message on a local socket.
+"""A prefill stage's report to rank 0 that its part of a room's transfer ended: a typed message on a
+local socket.
 
-Every stage's sink (disagg/prefill_sink.py) owns a `StageReportOutbox`; the prefill role on rank 0 owns the one
-`StageReportInbox` and learns from it when every stage has sent its part (or one failed). The messages cross a
-process boundary, so they are codec messages (sparkrelay/codec.py): msgpack maps checked field by field on receipt,
-never pickles.
+Every stage's sink (disagg/prefill_sink.py) owns a `StageReportOutbox`; the prefill role on rank 0
+owns the one `StageReportInbox` and learns from it when every stage has sent its part (or one
+failed). The messages cross a process boundary, so they are codec messages (sparkrelay/codec.py):
+msgpack maps checked field by field on receipt, never pickles.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ MAX_REPORT_BYTES = 1 << 16  # a report is a room, a stage, a state and a reason 
 
 def _terminal(name: str, v: Any, key: Optional[int]) -> KVPoll:
     if type(v) is not int and not isinstance(v, KVPoll) or v not in [int(s) for s in TERMINAL]:
-        raise FrameError(f"{name} must be {int(KVPoll.Success)} (Success) or {int(KVPoll.Failed)} (Failed), "
-                         f"got {v!r}"[:300], key)
+        raise FrameError(
+            f"{name} must be {int(KVPoll.Success)} (Success) or {int(KVPoll.Failed)} (Failed), "
+            f"got {v!r}"[:300],
+            key,
+        )
     return KVPoll(v)
 
 
@@ -39,8 +43,12 @@ class StageReport(Message):
     """stage -> rank 0: the stage's part of a room's transfer ended (Success or Failed, and why)."""
 
     TYPE: ClassVar[str] = "STAGE_REPORT"
-    RULES: ClassVar[tuple] = (("room", room_field), ("stage", int_in(0, 1 << 16)), ("state", _terminal),
-                              ("reason", str_max(4096)))
+    RULES: ClassVar[tuple] = (
+        ("room", room_field),
+        ("stage", int_in(0, 1 << 16)),
+        ("state", _terminal),
+        ("reason", str_max(4096)),
+    )
     room: int
     stage: int
     state: KVPoll  # Success or Failed
@@ -51,12 +59,14 @@ class StageReport(Message):
 
 
 class StageReportInbox:
-    """Rank 0's end: a PULL socket on a random loopback port (`address` goes to every stage), also bound to an
-    in-process address on which `wake()` posts an empty message, so a wait ends at once when a request arrives."""
+    """Rank 0's end: a PULL socket on a random loopback port (`address` goes to every stage), also
+    bound to an in-process address on which `wake()` posts an empty message, so a wait ends at once
+    when a request arrives."""
 
     def __init__(self) -> None:
         ctx = zmq.Context.instance()
-        self._sock, port = bind_pull(ctx, LOOPBACK, MAX_REPORT_BYTES)  # the control channel's PULL socket
+        # the control channel's PULL socket
+        self._sock, port = bind_pull(ctx, LOOPBACK, MAX_REPORT_BYTES)
         self.address = tcp_endpoint(LOOPBACK, port)
         wake_address = f"inproc://sparkrelay-stage-reports-{port}"
         self._sock.bind(wake_address)
@@ -64,7 +74,8 @@ class StageReportInbox:
         self._waker.setsockopt(zmq.LINGER, 0)
         self._waker.setsockopt(zmq.SNDHWM, 1)  # one pending wake-up is enough
         self._waker.connect(wake_address)
-        self._wake_lock = threading.Lock()  # wake() comes from any thread; a zmq socket is not thread safe
+        # wake() comes from any thread; a zmq socket is not thread safe
+        self._wake_lock = threading.Lock()
 
     def wait(self, timeout_s: float) -> bool:
         """True once a report or a wake-up is waiting (at most `timeout_s`)."""

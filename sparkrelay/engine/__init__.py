@@ -1,1 +1,2 @@
-"""The engine loop (one step: handoff in, schedule, run, postprocess, handoff out) and its construction."""
+"""The engine loop (one step: handoff in, schedule, run, postprocess, handoff out) and its
+construction."""

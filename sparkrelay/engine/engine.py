@@ -1,13 +1,15 @@
 """The engine step, over continuous batches of requests:
     receive handoff -> schedule -> run (propose/verify inside a SpecRunner) -> postprocess -> send handoff.
 
-One Engine serves every --disaggregation-mode; the PD role is composed in (disagg/roles.py): aggregated, it is a
-no-op; a prefill hands each request off once its first token is sampled; a decode receives each request's prompt
-KV before the request joins the batch. The role reports back as typed events, applied here.
+One Engine serves every --disaggregation-mode; the PD role is composed in (disagg/roles.py):
+aggregated, it is a no-op; a prefill hands each request off once its first token is sampled; a
+decode receives each request's prompt KV before the request joins the batch. The role reports back
+as typed events, applied here.
 
-Synchronous and single-threaded. A server runs it in its own process, the scheduler process, whose main thread
-builds and steps it (manager/process.py, manager/loop.py); AsyncEngine runs the same loop on a thread
-of the caller's process (tests, embedding the app), and the offline API (llm.py) calls it directly.
+Synchronous and single-threaded. A server runs it in its own process, the scheduler process, whose
+main thread builds and steps it (manager/process.py, manager/loop.py); AsyncEngine runs the same
+loop on a thread of the caller's process (tests, embedding the app), and the offline API (llm.py)
+calls it directly.
 """
 
 from __future__ import annotations
@@ -18,17 +20,31 @@ from typing import Optional
 
 from sparkrelay.config import Config
 from sparkrelay.disagg.factory import build_role
-from sparkrelay.disagg.roles import EngineParts, Event, HandedOff, HandoffFailed, KVArrived, KVWritten
+from sparkrelay.disagg.roles import (
+    EngineParts,
+    Event,
+    HandedOff,
+    HandoffFailed,
+    KVArrived,
+    KVWritten,
+)
 from sparkrelay.engine import setup
+from sparkrelay.host import reuse_freed_memory
 from sparkrelay.kvcache.pool import KVPool
+from sparkrelay.models.decoder import load_causal_lm
 from sparkrelay.models.loader import SHAPE_FIELDS, read_config
 from sparkrelay.models.quant import apply_torchao_config
-from sparkrelay.models.decoder import load_causal_lm
-from sparkrelay.host import reuse_freed_memory
 from sparkrelay.runner.model_runner import RunResult
 from sparkrelay.scheduler.block_manager import BlockManager
 from sparkrelay.scheduler.radix_cache import RadixCache
-from sparkrelay.scheduler.request import Bootstrap, Request, RequestError, RequestOutput, SamplingParams, Status
+from sparkrelay.scheduler.request import (
+    Bootstrap,
+    Request,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    Status,
+)
 from sparkrelay.scheduler.scheduler import Batch, Scheduler
 from sparkrelay.scheduler.stop import StopChecker
 from sparkrelay.trace import timeline
@@ -42,11 +58,15 @@ class Engine:
         reuse_freed_memory()  # activations reuse the heap instead of faulting in fresh pages (host.py)
         self.device = setup.check_device(config.model.device)
         self.dtype = setup.resolve_dtype(config.model.dtype, config.model.device)
-        self.role = build_role(config, self.dtype)  # a prefill's bootstrap server is up before stages load
+        # a prefill's bootstrap server is up before stages load
+        self.role = build_role(config, self.dtype)
         try:
             self._build(config)
-            self.role.attach(EngineParts(self.scheduler, self.pool, self.proposer, self.device,
-                                            self.context_length))
+            self.role.attach(
+                EngineParts(
+                    self.scheduler, self.pool, self.proposer, self.device, self.context_length
+                )
+            )
         except BaseException:
             self.role.close()
             raise
@@ -54,8 +74,14 @@ class Engine:
     def _build(self, config: Config) -> None:
         mc = config.model
         self.hf_config = read_config(mc.model_path, SHAPE_FIELDS)
-        self.model = load_causal_lm(mc.model_path, 0, setup.stage0_end(config, self.hf_config), dtype=self.dtype,
-                                device=mc.device, load_format=mc.load_format)
+        self.model = load_causal_lm(
+            mc.model_path,
+            0,
+            setup.stage0_end(config, self.hf_config),
+            dtype=self.dtype,
+            device=mc.device,
+            load_format=mc.load_format,
+        )
         apply_torchao_config(self.model, mc.torchao_config)
         self.tokenizer = setup.load_tokenizer(mc.tokenizer_path or mc.model_path)
         spec = self.model.spec
@@ -63,21 +89,46 @@ class Engine:
         self.context_length = setup.context_length(config, spec.max_position_embeddings)
         self.eos_token_ids = setup.eos_ids(mc.model_path, self.hf_config, self.tokenizer)
         page = config.cache.page_size
-        self.max_total_tokens = setup.kv_capacity(config, self.context_length, KVPool.bytes_per_token(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype))
+        self.max_total_tokens = setup.kv_capacity(
+            config,
+            self.context_length,
+            KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype),
+        )
         num_blocks = self.max_total_tokens // page
         self.blocks = BlockManager(num_blocks, page)
-        self.pool = KVPool(range(self.model.start, self.model.end), num_blocks, page, spec.num_kv_heads,
-                           spec.head_dim, self.dtype, self.device)
+        self.pool = KVPool(
+            range(self.model.start, self.model.end),
+            num_blocks,
+            page,
+            spec.num_kv_heads,
+            spec.head_dim,
+            self.dtype,
+            self.device,
+        )
         self.proposer = None
         if config.spec.speculative_algorithm:
-            self.proposer = setup.build_proposer(config, self.model, self.dtype, self.device, num_blocks)
+            self.proposer = setup.build_proposer(
+                config, self.model, self.dtype, self.device, num_blocks
+            )
         lookahead = 1 if self.proposer is None else self.proposer.max_drafts + 1
         sc = config.scheduler
-        self.scheduler = Scheduler(self.blocks, sc.max_running_requests, sc.chunked_prefill_size, lookahead,
-                                   self._prefix_cache(config), self.role.needs.computed_tail)
-        self.runner, self.spec_stats = setup.build_runner(config, self.model, self.pool, self.device, self.proposer,
-                                                          self.context_length, self.role.needs)
+        self.scheduler = Scheduler(
+            self.blocks,
+            sc.max_running_requests,
+            sc.chunked_prefill_size,
+            lookahead,
+            self._prefix_cache(config),
+            self.role.needs.computed_tail,
+        )
+        self.runner, self.spec_stats = setup.build_runner(
+            config,
+            self.model,
+            self.pool,
+            self.device,
+            self.proposer,
+            self.context_length,
+            self.role.needs,
+        )
         if mc.enable_torch_compile:
             setup.compile_model(self.model, self.proposer)
         self.stop = StopChecker(self.tokenizer)
@@ -87,9 +138,9 @@ class Engine:
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0}
 
     def _prefix_cache(self, config: Config) -> Optional[RadixCache]:
-        """The radix cache, on unless --disable-radix-cache, in every role: a prefill keeps the drafter's context
-        beside its cached pages (disagg/prefill_sink.py), a decode names the prefix it holds in TRANSFER_INFO
-        (disagg/decode_role.py); docs/prefix_cache.md."""
+        """The radix cache, on unless --disable-radix-cache, in every role: a prefill keeps the
+        drafter's context beside its cached pages (disagg/prefill_sink.py), a decode names the
+        prefix it holds in TRANSFER_INFO (disagg/decode_role.py); docs/prefix_cache.md."""
         if config.cache.disable_radix_cache:
             return None
         return RadixCache(self.blocks, needs_draft=self.proposer is not None)
@@ -98,44 +149,73 @@ class Engine:
     def model_info(self) -> dict:
         return setup.model_info(self.config, self.hf_config)
 
-    # -- requests --------------------------------------------------------------------------------------------
+    # -- requests ----------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError (-> HTTP 400) for a request this engine cannot serve."""
         if not prompt_ids:
             raise RequestError("the prompt is empty")
-        bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        bad = [
+            t
+            for t in prompt_ids
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
+        ]
         if bad:
             raise RequestError(f"token ids out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
         n = len(prompt_ids)
         if n >= self.context_length:
-            raise RequestError(f"the prompt has {n} tokens; the context length is {self.context_length}")
+            raise RequestError(
+                f"the prompt has {n} tokens; the context length is {self.context_length}"
+            )
         if n + params.max_new_tokens > self.context_length:
-            raise RequestError(f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                               f"context length {self.context_length}")
+            raise RequestError(
+                f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"context length {self.context_length}"
+            )
         if n + params.max_new_tokens + self.scheduler.decode_lookahead > self.max_total_tokens:
-            raise RequestError(f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the KV "
-                               f"cache capacity {self.max_total_tokens}")
+            raise RequestError(
+                f"prompt ({n} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the KV "
+                f"cache capacity {self.max_total_tokens}"
+            )
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
-            raise RequestError(f"stop_token_ids out of vocabulary: {list(params.stop_token_ids)[:5]}")
+            raise RequestError(
+                f"stop_token_ids out of vocabulary: {list(params.stop_token_ids)[:5]}"
+            )
         if params.return_logprob and params.logprob_start_len >= 0:
             self.validate_input_logprobs(n, params.logprob_start_len)
 
     def validate_input_logprobs(self, n: int, start: int) -> None:
-        """Prompt logprobs are scored where the prompt runs: this runner, a pipeline's last stage, or (PD) the
-        prefill server; a decode server leaves them empty and the PD router fills them from the prefill's answer."""
+        """Prompt logprobs are scored where the prompt runs: this runner, a pipeline's last stage,
+        or (PD) the prefill server; a decode server leaves them empty and the PD router fills them
+        from the prefill's answer."""
         if start >= n:
-            raise RequestError(f"logprob_start_len {start} must be smaller than the prompt length ({n} tokens)")
+            raise RequestError(
+                f"logprob_start_len {start} must be smaller than the prompt length ({n} tokens)"
+            )
 
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                    bootstrap: Optional[Bootstrap] = None) -> None:
-        """`bootstrap`: the PD router's fields (required by a PD role, ignored by an aggregated engine)."""
+    def add_request(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        bootstrap: Optional[Bootstrap] = None,
+    ) -> None:
+        """`bootstrap`: the PD router's fields (required by a PD role, ignored by an aggregated
+        engine)."""
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
         self.role.check(bootstrap)
         self.validate(prompt_ids, params)
-        req = Request(rid, list(prompt_ids), params, self.eos_token_ids, arrival_time=time.monotonic())
+        req = Request(
+            rid, list(prompt_ids), params, self.eos_token_ids, arrival_time=time.monotonic()
+        )
         self.requests[rid] = req
-        timeline.mark(self.role.name, "queued", t=req.arrival_time, rid=rid, room=bootstrap.room if bootstrap else 0)
+        timeline.mark(
+            self.role.name,
+            "queued",
+            t=req.arrival_time,
+            rid=rid,
+            room=bootstrap.room if bootstrap else 0,
+        )
         self.counters["prompt_tokens"] += len(prompt_ids)
         if self.role.take(req, bootstrap):
             return  # decode: scheduled once its prompt's KV arrived
@@ -144,10 +224,12 @@ class Engine:
             req.finish({"type": "length", "length": 0})
             self._release(req)
             return
-        self.scheduler.add(req)  # max_new_tokens 0 with prompt logprobs: the prefill scores the prompt
+        # max_new_tokens 0 with prompt logprobs: the prefill scores the prompt
+        self.scheduler.add(req)
 
     def wake(self) -> None:
-        """Thread safe: end the role's idle wait now (a command is waiting for the engine thread)."""
+        """Thread safe: end the role's idle wait now (a command is waiting for the engine
+        thread)."""
         self.role.wake()
 
     def abort(self, rid: str) -> None:
@@ -163,10 +245,12 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._ready) or self.role.has_work()
 
-    # -- the step ----------------------------------------------------------------------------------------------
+    # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self._apply(self.role.receive())  # decode: prealloc -> transferring -> running; prefill: stage reports
-        if self._ready:  # a decode's first tokens (and finished handoffs) go out now, not after the next round
+        # decode: prealloc -> transferring -> running; prefill: stage reports
+        self._apply(self.role.receive())
+        # a decode's first tokens (and finished handoffs) go out now, not after the next round
+        if self._ready:
             return self._take_ready()
         batch = self.scheduler.schedule()
         if batch is not None:
@@ -178,11 +262,14 @@ class Engine:
     def _postprocess(self, batch: Batch, result: RunResult) -> None:
         now = time.monotonic()
         rounds = result.rounds or [None] * len(batch.seqs)
-        for i, (seq, tokens, computed, rnd) in enumerate(zip(batch.seqs, result.tokens, result.computed, rounds)):
+        for i, (seq, tokens, computed, rnd) in enumerate(
+            zip(batch.seqs, result.tokens, result.computed, rounds)
+        ):
             req = seq.req
             req.num_computed = computed
             if seq.sample and batch.kind == "prefill":
-                self.scheduler.cache_computed(req)  # the prompt's pages, for requests that share its prefix
+                # the prompt's pages, for requests that share its prefix
+                self.scheduler.cache_computed(req)
             if result.prompt_logprobs and result.prompt_logprobs[i] is not None:
                 req.logprobs.add_input(*result.prompt_logprobs[i])
             if not tokens:
@@ -193,8 +280,14 @@ class Engine:
             else:
                 self._commit(req, tokens, lps, rnd, now)
 
-    def _commit(self, req: Request, tokens: list[int], lps: Optional[list], rnd: Optional[tuple[int, int]],
-                now: float) -> None:
+    def _commit(
+        self,
+        req: Request,
+        tokens: list[int],
+        lps: Optional[list],
+        rnd: Optional[tuple[int, int]],
+        now: float,
+    ) -> None:
         if req.params.max_new_tokens == 0:  # only the prompt's logprobs were asked for
             req.finish({"type": "length", "length": 0})
             self._release(req)
@@ -211,8 +304,8 @@ class Engine:
             self._release(req)
 
     def _leave(self, req: Request, token: int, lps: Optional[list], now: float) -> None:
-        """A prefill's first token ends the request's compute here: no stop rule (the decode applies them), out
-        of the batch with its blocks held until every stage has sent its part."""
+        """A prefill's first token ends the request's compute here: no stop rule (the decode applies
+        them), out of the batch with its blocks held until every stage has sent its part."""
         req.first_token_time = now
         timeline.mark("prefill", "sampled", rid=req.rid, room=req.bootstrap_room)
         req.output_ids.append(token)
@@ -222,12 +315,13 @@ class Engine:
         self.scheduler.detach(req)
         self._leaving.append(req)
 
-    # -- what the role reports -----------------------------------------------------------------------------------
+    # -- what the role reports ---------------------------------------------------------------------
     def _apply(self, events: list[Event]) -> None:
         for ev in events:
             if isinstance(ev, KVArrived):
                 self._arrived(ev)
-            elif isinstance(ev, KVWritten):  # a fake-bootstrap request's comes with its KVArrived, which may end it
+            # a fake-bootstrap request's comes with its KVArrived, which may end it
+            elif isinstance(ev, KVWritten):
                 if ev.req.rid in self.requests and not ev.req.is_finished:
                     self.scheduler.admit_transferred(ev.req)
             elif isinstance(ev, HandedOff):
@@ -238,8 +332,9 @@ class Engine:
                 self._fail(ev.req, ev.reason, ev.status_code)
 
     def _arrived(self, ev: KVArrived) -> None:
-        """Decode: the prompt's parts are in; the prefill's first token is this request's first output, which goes
-        out before the KV is written (KVWritten then admits the request to the batch)."""
+        """Decode: the prompt's parts are in; the prefill's first token is this request's first
+        output, which goes out before the KV is written (KVWritten then admits the request to the
+        batch)."""
         req = ev.req
         req.first_token_time = time.monotonic()
         if req.params.max_new_tokens == 0:
@@ -258,9 +353,10 @@ class Engine:
         req.finish({"type": "abort", "message": reason, "status_code": status_code})
         self._release(req)
 
-    # -- outputs -----------------------------------------------------------------------------------------------
+    # -- outputs -----------------------------------------------------------------------------------
     def _append(self, req: Request, tokens: list[int]) -> int:
-        """Append tokens one at a time until a stop condition holds; returns how many were appended."""
+        """Append tokens one at a time until a stop condition holds; returns how many were
+        appended."""
         for i, tok in enumerate(tokens):
             req.output_ids.append(tok)
             self.counters["generation_tokens"] += 1
@@ -280,12 +376,27 @@ class Engine:
             timeline.mark(self.role.name, "first_token", rid=req.rid, room=req.bootstrap_room)
         tau = req.spec_committed / req.spec_verify_ct if req.spec_verify_ct else None
         lp = req.logprobs.snapshot() if req.logprobs is not None else None
-        self._ready.append(RequestOutput(req.rid, new_ids, list(req.output_ids), req.is_finished, req.finish_reason,
-                                         len(req.prompt_ids), req.output_text, req.spec_verify_ct, tau, lp,
-                                         req.cached_tokens, req.handoff_bytes))
+        self._ready.append(
+            RequestOutput(
+                req.rid,
+                new_ids,
+                list(req.output_ids),
+                req.is_finished,
+                req.finish_reason,
+                len(req.prompt_ids),
+                req.output_text,
+                req.spec_verify_ct,
+                tau,
+                lp,
+                req.cached_tokens,
+                req.handoff_bytes,
+            )
+        )
 
     def _release(self, req: Request) -> None:
-        if req.status == Status.FINISHED and not any(o.rid == req.rid and o.finished for o in self._ready):
+        if req.status == Status.FINISHED and not any(
+            o.rid == req.rid and o.finished for o in self._ready
+        ):
             self._emit(req, new_ids=[])
         self.role.drop(req)
         self.scheduler.remove(req)
@@ -301,35 +412,49 @@ class Engine:
         out, self._leaving = self._leaving, []
         return out
 
-    # -- introspection ---------------------------------------------------------------------------------------
+    # -- introspection -----------------------------------------------------------------------------
     def stats(self) -> dict:
-        """kv_used_tokens: held by requests; a cached page no request holds is counted in prefix_cache_tokens only."""
+        """kv_used_tokens: held by requests; a cached page no request holds is counted in
+        prefix_cache_tokens only."""
         ps, sched = self.blocks.page_size, self.scheduler
         used = self.blocks.num_used * ps
-        return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
-                "kv_used_tokens": used, "kv_total_tokens": self.max_total_tokens,
-                "kv_usage": used / self.max_total_tokens, "num_preemptions": sched.num_preemptions,
-                **self._cache_stats(), **(self.spec_stats.summary() if self.spec_stats else {}),
-                **self.role.stats()}
+        return {
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "kv_used_tokens": used,
+            "kv_total_tokens": self.max_total_tokens,
+            "kv_usage": used / self.max_total_tokens,
+            "num_preemptions": sched.num_preemptions,
+            **self._cache_stats(),
+            **(self.spec_stats.summary() if self.spec_stats else {}),
+            **self.role.stats(),
+        }
 
     def _cache_stats(self) -> dict:
         sched = self.scheduler
         queried = sched.cache_queried_tokens
-        return {"prefix_cache": "off" if sched.cache is None else "on",
-                "prefix_cache_tokens": self.blocks.num_cached * self.blocks.page_size,
-                "cache_hit_tokens": sched.cache_hit_tokens, "cache_queried_tokens": queried,
-                "cache_evicted_tokens": sched.cache.num_evicted * self.blocks.page_size if sched.cache else 0,
-                "cache_hit_rate": sched.cache_hit_tokens / queried if queried else 0.0}
+        return {
+            "prefix_cache": "off" if sched.cache is None else "on",
+            "prefix_cache_tokens": self.blocks.num_cached * self.blocks.page_size,
+            "cache_hit_tokens": sched.cache_hit_tokens,
+            "cache_queried_tokens": queried,
+            "cache_evicted_tokens": sched.cache.num_evicted * self.blocks.page_size
+            if sched.cache
+            else 0,
+            "cache_hit_rate": sched.cache_hit_tokens / queried if queried else 0.0,
+        }
 
     def flush_cache(self) -> bool:
-        """Empty the prefix cache (SGLang's /flush_cache); False, and nothing changes, while requests are in flight."""
+        """Empty the prefix cache (SGLang's /flush_cache); False, and nothing changes, while
+        requests are in flight."""
         return not self.requests and self.scheduler.flush_cache()
 
     def check(self) -> None:
         self.scheduler.check()
 
     def fatal_error(self) -> Optional[str]:
-        """Why this engine can no longer step (a pipeline stage died), or None. The server then shuts down."""
+        """Why this engine can no longer step (a pipeline stage died), or None. The server then
+        shuts down."""
         return self.runner.failure
 
     def close(self) -> None:

@@ -1,6 +1,8 @@
-"""How an Engine is built from the config: dtype, model (stage 0's layers), tokenizer, limits, drafter and runner.
+"""How an Engine is built from the config: dtype, model (stage 0's layers), tokenizer, limits,
+drafter and runner.
 
-Plain functions, each a step of Engine.__init__ (engine/engine.py), so the engine module keeps the loop."""
+Plain functions, each a step of Engine.__init__ (engine/engine.py), so the engine module keeps the
+loop."""
 
 from __future__ import annotations
 
@@ -13,10 +15,10 @@ import torch
 
 from sparkrelay.config import Config, ConfigError
 from sparkrelay.kvcache.pool import KVPool
+from sparkrelay.models.decoder import CausalLM
 from sparkrelay.models.dspark import load_dspark
 from sparkrelay.models.gguf_file import GGUFError, gguf_tokenizer, is_gguf
 from sparkrelay.models.quant import apply_torchao_config
-from sparkrelay.models.decoder import CausalLM
 from sparkrelay.pipeline.needs import RunnerNeeds
 from sparkrelay.pipeline.partition import pp_partition
 from sparkrelay.runner.model_runner import ModelRunner
@@ -41,7 +43,8 @@ def check_device(device: str) -> torch.device:
 
 
 def load_tokenizer(path: str):
-    """The tokenizer of a model folder, or of a GGUF file (its vocabulary, merges and chat template)."""
+    """The tokenizer of a model folder, or of a GGUF file (its vocabulary, merges and chat
+    template)."""
     from transformers import AutoTokenizer
 
     if is_gguf(path):
@@ -53,7 +56,8 @@ def load_tokenizer(path: str):
 
 
 def stage0_end(config: Config, hf_config: dict) -> int:
-    """With --pp-size N this process is stage 0: it loads (and caches KV for) only the first stage's layers."""
+    """With --pp-size N this process is stage 0: it loads (and caches KV for) only the first stage's
+    layers."""
     layers = int(hf_config["num_hidden_layers"])
     try:
         return pp_partition(layers, config.parallel.pp_size)[0][1]
@@ -64,7 +68,9 @@ def stage0_end(config: Config, hf_config: dict) -> int:
 def context_length(config: Config, model_max: int) -> int:
     asked = config.model.context_length
     if asked is not None and asked > model_max:
-        raise ConfigError(f"--context-length {asked} exceeds the model's max_position_embeddings {model_max}")
+        raise ConfigError(
+            f"--context-length {asked} exceeds the model's max_position_embeddings {model_max}"
+        )
     return asked or model_max
 
 
@@ -79,12 +85,14 @@ def eos_ids(folder: str, hf_config: dict, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-CPU_KV_BYTES = 4 << 30  # the default pool's cap on cpu, as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE 4 GiB)
+# the default pool's cap on cpu, as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE 4 GiB)
+CPU_KV_BYTES = 4 << 30
 
 
 def kv_capacity(config: Config, context: int, bytes_per_token: int = 1) -> int:
-    """--max-total-tokens (default min(64 contexts, 128k, on cpu what 4 GiB holds at `bytes_per_token`, the KV of
-    every layer: all pipeline stages run on this host)) rounded down to whole pages."""
+    """--max-total-tokens (default min(64 contexts, 128k, on cpu what 4 GiB holds at
+    `bytes_per_token`, the KV of every layer: all pipeline stages run on this host)) rounded down to
+    whole pages."""
     page = config.cache.page_size
     cap = CPU_KV_BYTES // bytes_per_token if config.model.device == "cpu" else 1 << 17
     total = config.cache.max_total_tokens or min(64 * context, 1 << 17, cap)
@@ -93,28 +101,54 @@ def kv_capacity(config: Config, context: int, bytes_per_token: int = 1) -> int:
     return total // page * page
 
 
-def build_proposer(config: Config, model: CausalLM, dtype: torch.dtype, device: torch.device,
-                   num_blocks: int) -> DSparkProposer:
+def build_proposer(
+    config: Config, model: CausalLM, dtype: torch.dtype, device: torch.device, num_blocks: int
+) -> DSparkProposer:
     sp = config.spec
     try:
-        drafter = load_dspark(sp.speculative_draft_model_path, model.spec, dtype, config.model.device,
-                              share_embedding_from=model.model.embed_tokens.weight,
-                              share_lm_head_from=model.lm_head.weight, load_format=config.model.load_format)
+        drafter = load_dspark(
+            sp.speculative_draft_model_path,
+            model.spec,
+            dtype,
+            config.model.device,
+            share_embedding_from=model.model.embed_tokens.weight,
+            share_lm_head_from=model.lm_head.weight,
+            load_format=config.model.load_format,
+        )
     except ValueError as e:
-        raise ConfigError(f"--speculative-draft-model-path {sp.speculative_draft_model_path}: {e}") from e
+        raise ConfigError(
+            f"--speculative-draft-model-path {sp.speculative_draft_model_path}: {e}"
+        ) from e
     apply_torchao_config(drafter, config.model.torchao_config)
     cap = sp.speculative_num_draft_tokens or drafter.spec.block_size
-    return DSparkProposer(drafter, num_blocks, config.cache.page_size, device, cap,
-                          sp.speculative_dspark_confidence_threshold, head=model.head)
+    return DSparkProposer(
+        drafter,
+        num_blocks,
+        config.cache.page_size,
+        device,
+        cap,
+        sp.speculative_dspark_confidence_threshold,
+        head=model.head,
+    )
 
 
-def build_runner(config: Config, model: CausalLM, pool: KVPool, device: torch.device,
-                 proposer: Optional[DSparkProposer], context: int, needs: RunnerNeeds):
-    """(runner, spec stats or None): a pipeline of stage processes (--pp-size > 1, or a role that needs stages: a
-    prefill's send the handoff), a drafting runner (DSpark) or the plain one."""
+def build_runner(
+    config: Config,
+    model: CausalLM,
+    pool: KVPool,
+    device: torch.device,
+    proposer: Optional[DSparkProposer],
+    context: int,
+    needs: RunnerNeeds,
+):
+    """(runner, spec stats or None): a pipeline of stage processes (--pp-size > 1, or a role that
+    needs stages: a prefill's send the handoff), a drafting runner (DSpark) or the plain one."""
     seed = config.model.seed
     if proposer is None and (config.parallel.pp_size > 1 or needs.pipeline):
-        from sparkrelay.pipeline.runner import PipelineRunner  # stage processes only when a pipeline is asked for
+        # stage processes only when a pipeline is asked for
+        from sparkrelay.pipeline.runner import (
+            PipelineRunner,
+        )
 
         return PipelineRunner(config, model, pool, needs), None
     if proposer is None:
@@ -124,8 +158,9 @@ def build_runner(config: Config, model: CausalLM, pool: KVPool, device: torch.de
 
 
 def compile_model(model: CausalLM, proposer: Optional[DSparkProposer]) -> None:
-    """torch.compile the forwards, shapes dynamic (token counts and context lengths change every step).
-    Prefill, one-sequence decode and batched decode trace different graphs; the cache limit leaves room."""
+    """torch.compile the forwards, shapes dynamic (token counts and context lengths change every
+    step). Prefill, one-sequence decode and batched decode trace different graphs; the cache limit
+    leaves room."""
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)

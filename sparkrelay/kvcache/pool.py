@@ -1,4 +1,5 @@
-"""The target's paged KV pool: one K and one V tensor per owned layer, addressed by flat slot index."""
+"""The target's paged KV pool: one K and one V tensor per owned layer, addressed by flat slot
+index."""
 
 from __future__ import annotations
 
@@ -6,15 +7,25 @@ import torch
 
 
 class KVPool:
-    """k[layer], v[layer]: [num_blocks * page_size, n_kv, head_dim]; slot s holds one token's K/V. Every layer's K
-    and V are views of one buffer [2 * layers, slots, n_kv, head_dim], so a transfer engine registers the whole pool
-    as one region (buffer)."""
+    """k[layer], v[layer]: [num_blocks * page_size, n_kv, head_dim]; slot s holds one token's K/V.
+    Every layer's K and V are views of one buffer [2 * layers, slots, n_kv, head_dim], so a transfer
+    engine registers the whole pool as one region (buffer)."""
 
-    def __init__(self, layers: range, num_blocks: int, page_size: int, n_kv: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        layers: range,
+        num_blocks: int,
+        page_size: int,
+        n_kv: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         slots = num_blocks * page_size
         self.num_blocks, self.page_size = num_blocks, page_size
-        self.buffer = torch.zeros(2 * len(layers), slots, n_kv, head_dim, dtype=dtype, device=device)
+        self.buffer = torch.zeros(
+            2 * len(layers), slots, n_kv, head_dim, dtype=dtype, device=device
+        )
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
             layer: (self.buffer[2 * i], self.buffer[2 * i + 1]) for i, layer in enumerate(layers)
         }

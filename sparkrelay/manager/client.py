@@ -1,5 +1,5 @@
-"""The asyncio side of the engine: HTTP handlers submit engine requests and read their outputs here, whichever
-thread or process owns the Engine (loop.py runs it; messages.py are the messages).
+"""The asyncio side of the engine: HTTP handlers submit engine requests and read their outputs here,
+whichever thread or process owns the Engine (loop.py runs it; messages.py are the messages).
 
     asyncio side (HTTP handlers)                        the engine's owner (EngineLoop, one thread)
     ----------------------------                        -------------------------------------------
@@ -23,14 +23,31 @@ import signal
 import threading
 from typing import AsyncIterator, Optional
 
-from sparkrelay.scheduler.request import RequestError, RequestOutput, SamplingParams
 from sparkrelay.manager.loop import EngineLoop, abort_output
-from sparkrelay.manager.messages import (AbortRequest, AddItems, Added, EngineInfo, Fatal, FlushCache, Flushed,
-                                               GenerationItem, Progress, Shutdown)
+from sparkrelay.manager.messages import (
+    AbortRequest,
+    Added,
+    AddItems,
+    EngineInfo,
+    Fatal,
+    FlushCache,
+    Flushed,
+    GenerationItem,
+    Progress,
+    Shutdown,
+)
+from sparkrelay.scheduler.request import RequestError, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineClient", "EngineFailed", "EngineStopped", "GenerationItem", "OutputStream"]
+__all__ = [
+    "AsyncEngine",
+    "EngineClient",
+    "EngineFailed",
+    "EngineStopped",
+    "GenerationItem",
+    "OutputStream",
+]
 
 
 class EngineStopped(RuntimeError):
@@ -78,11 +95,14 @@ class OutputStream:
 
 class EngineClient:
     """Requests in, outputs out, over the typed messages; a transport subclass says how they travel
-    (`_start_transport`, `_send`, `stop`, `_transport_alive`). Start it from the event loop that consumes outputs."""
+    (`_start_transport`, `_send`, `stop`, `_transport_alive`). Start it from the event loop that
+    consumes outputs."""
 
     def __init__(self, info: EngineInfo, tokenizer):
         self.info, self.tokenizer = info, tokenizer
-        self._queues: dict[str, asyncio.Queue] = {}  # every field here is touched on the event loop thread only
+        self._queues: dict[
+            str, asyncio.Queue
+        ] = {}  # every field here is touched on the event loop thread only
         self._adds: dict[int, asyncio.Future] = {}
         self._flushes: dict[int, asyncio.Future] = {}
         self._batches = itertools.count(1)
@@ -130,8 +150,11 @@ class EngineClient:
             raise
         return stream
 
-    async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request; aborts it in the engine if the consumer stops early or is cancelled."""
+    async def generate(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request; aborts it in the engine if the consumer stops early or is
+        cancelled."""
         stream = await self.submit([GenerationItem(rid, prompt_ids, params)])
         try:
             async for out in stream:
@@ -140,7 +163,8 @@ class EngineClient:
             stream.close()
 
     async def flush_cache(self) -> Optional[str]:
-        """Empty the engine's prefix cache: None when it did, else why not (requests in flight, engine stopped)."""
+        """Empty the engine's prefix cache: None when it did, else why not (requests in flight,
+        engine stopped)."""
         if not self.is_alive:
             return self._stopped or "the engine is not running"
         call = next(self._batches)
@@ -178,7 +202,9 @@ class EngineClient:
                 if q is not None:
                     q.put_nowait(out)
         elif isinstance(msg, (Added, Flushed)):
-            futures, key = (self._adds, msg.batch) if isinstance(msg, Added) else (self._flushes, msg.call)
+            futures, key = (
+                (self._adds, msg.batch) if isinstance(msg, Added) else (self._flushes, msg.call)
+            )
             future = futures.pop(key, None)
             if future is not None and not future.done():
                 future.set_result(msg)
@@ -187,7 +213,8 @@ class EngineClient:
             os.kill(os.getpid(), signal.SIGTERM)  # as SGLang's server does when its scheduler dies
 
     def _engine_gone(self, reason: str) -> None:
-        """Nothing more will come from the engine: every waiting add and every open stream ends with a 503."""
+        """Nothing more will come from the engine: every waiting add and every open stream ends with
+        a 503."""
         self._stopped = self._stopped or reason
         for future in self._adds.values():
             if not future.done():
@@ -224,7 +251,8 @@ def _raise_for(added: Added) -> None:
 
 
 class AsyncEngine(EngineClient):
-    """The Engine stepped by an EngineLoop in a thread of this process (tests, and anyone embedding the app)."""
+    """The Engine stepped by an EngineLoop in a thread of this process (tests, and anyone embedding
+    the app)."""
 
     def __init__(self, engine):
         super().__init__(EngineInfo.of(engine), engine.tokenizer)
@@ -235,7 +263,9 @@ class AsyncEngine(EngineClient):
 
     def _start_transport(self) -> None:
         if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._engine_loop.run, name="sparkrelay-engine", daemon=True)
+            self._thread = threading.Thread(
+                target=self._engine_loop.run, name="sparkrelay-engine", daemon=True
+            )
             self._thread.start()
 
     def _send(self, cmd) -> None:

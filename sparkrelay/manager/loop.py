@@ -1,13 +1,15 @@
-"""The loop that owns an Engine: the only caller of its methods, on one thread (the scheduler process's main thread,
-or the in-process engine thread), fed by typed commands and reporting typed events (messages.py).
+"""The loop that owns an Engine: the only caller of its methods, on one thread (the scheduler
+process's main thread, or the in-process engine thread), fed by typed commands and reporting typed
+events (messages.py).
 
     put(AddItems | AbortRequest | FlushCache | Shutdown)  (any thread) -> inbox, Engine.wake()
     run():  drain the inbox -> add_request / abort / flush_cache -> step() while there is work
             -> emit(Added | Flushed | Progress | Fatal)
 
-It blocks on the inbox when idle (running `engine.check()` once it has been idle for IDLE_CHECK_AFTER_S); between
-steps it hands the freed heap back to the OS now and then (host.py). An exception from `step()` is logged;
-every in-flight request then gets an abort output with status 500 and the loop keeps serving.
+It blocks on the inbox when idle (running `engine.check()` once it has been idle for
+IDLE_CHECK_AFTER_S); between steps it hands the freed heap back to the OS now and then (host.py). An
+exception from `step()` is logged; every in-flight request then gets an abort output with status 500
+and the loop keeps serving.
 """
 
 from __future__ import annotations
@@ -18,16 +20,24 @@ import time
 from typing import Callable, Optional
 
 from sparkrelay.host import HeapTrimmer
+from sparkrelay.manager.messages import (
+    AbortRequest,
+    Added,
+    AddItems,
+    Fatal,
+    FlushCache,
+    Flushed,
+    Progress,
+    Shutdown,
+)
 from sparkrelay.scheduler.request import RequestError, RequestOutput
-from sparkrelay.manager.messages import (AbortRequest, AddItems, Added, Fatal, FlushCache, Flushed, Progress,
-                                               Shutdown)
 
 logger = logging.getLogger(__name__)
 
 IDLE_TICK_S = 1.0  # an idle loop wakes this often to notice a dead pipeline stage
-# The idle invariant check runs once the loop has had nothing to do for this long, not the moment it goes idle: run
-# at once it took a core exactly while the request that had just left the engine was still on its way (a PD
-# prefill goes idle while its decode commits the first token).
+# The idle invariant check runs once the loop has had nothing to do for this long, not the moment it
+# goes idle: run at once it took a core exactly while the request that had just left the engine was
+# still on its way (a PD prefill goes idle while its decode commits the first token).
 IDLE_CHECK_AFTER_S = 0.1
 STATS_EVERY_S = 0.05
 
@@ -54,7 +64,8 @@ class EngineLoop:
         self.engine.wake()
 
     def run(self) -> None:
-        """Serve commands until Shutdown (every live request then gets a 503 abort) or a fatal engine error."""
+        """Serve commands until Shutdown (every live request then gets a 503 abort) or a fatal
+        engine error."""
         self._emit(Progress((), self._stats()))
         check_due = True
         while True:
@@ -62,7 +73,9 @@ class EngineLoop:
             check_due = check_due or busy
             if self._fatal():
                 return
-            cmds = self._drain(block=not busy, timeout=IDLE_CHECK_AFTER_S if check_due else IDLE_TICK_S)
+            cmds = self._drain(
+                block=not busy, timeout=IDLE_CHECK_AFTER_S if check_due else IDLE_TICK_S
+            )
             if check_due and not busy and not cmds:
                 self._idle_check()
                 check_due = False
@@ -76,8 +89,9 @@ class EngineLoop:
                 self._heap.maybe_trim()
 
     def _fatal(self) -> bool:
-        """A dead pipeline stage: fail every request in flight and report Fatal; the server then shuts down, as
-        SGLang's does when a scheduler rank dies (a PD decode peer sees the prefill's bootstrap server go away)."""
+        """A dead pipeline stage: fail every request in flight and report Fatal; the server then
+        shuts down, as SGLang's does when a scheduler rank dies (a PD decode peer sees the prefill's
+        bootstrap server go away)."""
         error = self.engine.fatal_error() if hasattr(self.engine, "fatal_error") else None
         if error is None:
             return False
@@ -119,7 +133,8 @@ class EngineLoop:
             for it in cmd.items:
                 self.engine.add_request(it.rid, it.prompt_ids, it.params, it.bootstrap)
                 added.append(it.rid)
-        except Exception as e:  # RequestError -> 400; anything else -> 500, both reported to the caller
+        # RequestError -> 400; anything else -> 500, both reported to the caller
+        except Exception as e:
             for rid in added:
                 self.engine.abort(rid)
             if isinstance(e, RequestError):
@@ -134,7 +149,10 @@ class EngineLoop:
             if self.engine.flush_cache():
                 logger.info("the prefix cache was flushed")
                 return Flushed(cmd.call)
-            return Flushed(cmd.call, "requests are running or waiting: the cache was not flushed (retry when idle)")
+            return Flushed(
+                cmd.call,
+                "requests are running or waiting: the cache was not flushed (retry when idle)",
+            )
         except Exception as e:
             logger.exception("flushing the prefix cache failed")
             return Flushed(cmd.call, f"internal error: {type(e).__name__}: {e}")
@@ -158,8 +176,8 @@ class EngineLoop:
             self._emit(Progress(tuple(outputs), stats))
 
     def _stats_due(self) -> bool:
-        """Stats go out when the engine goes idle, and at most every STATS_EVERY_S while it is busy (they cost
-        the engine thread a dict per step, and a frame across the process boundary)."""
+        """Stats go out when the engine goes idle, and at most every STATS_EVERY_S while it is busy
+        (they cost the engine thread a dict per step, and a frame across the process boundary)."""
         return not self.engine.has_work() or time.monotonic() - self._stats_at >= STATS_EVERY_S
 
     def _abort_all(self, message: str, status_code: int) -> None:
@@ -173,8 +191,8 @@ class EngineLoop:
         self._emit(Progress(tuple(outputs), self._stats()))
 
     def _idle_check(self) -> None:
-        """Invariants while idle (no block in use, tables consistent); the result goes out with the stats (and so
-        to /server_info)."""
+        """Invariants while idle (no block in use, tables consistent); the result goes out with the
+        stats (and so to /server_info)."""
         try:
             self.engine.check()
             self.check_error = None
@@ -190,4 +208,7 @@ class EngineLoop:
         except Exception:
             logger.exception("engine.stats() failed")
             stats = {}
-        return stats | {"check_error": self.check_error, "num_step_failures": self.num_step_failures}
+        return stats | {
+            "check_error": self.check_error,
+            "num_step_failures": self.num_step_failures,
+        }

@@ -1,15 +1,17 @@
-"""The typed messages between the HTTP server and the engine's owner (a thread, or the scheduler process).
+"""The typed messages between the HTTP server and the engine's owner (a thread, or the scheduler
+process).
 
     server -> engine:  AddItems (all or none), AbortRequest, FlushCache, Shutdown
     engine -> server:  Ready (EngineInfo) or StartFailed, once; Added (the answer to one AddItems); Flushed (the
                        answer to one FlushCache); Progress (a step's outputs and the stats after it); Fatal (the
                        engine cannot go on)
 
-Between processes each message is one codec frame (sparkrelay/codec.py): a msgpack map of its fields, nested
-dataclasses as the lists of their fields, every top-level field checked by its rule on receipt and every nested
-one by its own constructor; `decode` raises MessageError for anything else. On a byte stream (the scheduler
-process's outputs) each frame goes behind its length: `framed`, `FrameReader`. Nothing here is pickled. In one
-process (the engine thread) the dataclasses are handed over as they are.
+Between processes each message is one codec frame (sparkrelay/codec.py): a msgpack map of its
+fields, nested dataclasses as the lists of their fields, every top-level field checked by its rule
+on receipt and every nested one by its own constructor; `decode` raises MessageError for anything
+else. On a byte stream (the scheduler process's outputs) each frame goes behind its length:
+`framed`, `FrameReader`. Nothing here is pickled. In one process (the engine thread) the dataclasses
+are handed over as they are.
 """
 
 from __future__ import annotations
@@ -20,10 +22,27 @@ import uuid
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-from sparkrelay.codec import (FrameError, Message, a_list, a_map, int_in, ints, opt_str, read_message, record, records,
-                              str_max)
-from sparkrelay.scheduler.request import (FAKE_BOOTSTRAP_HOST, MAX_TOP_LOGPROBS, Bootstrap, Logprobs, RequestOutput,
-                                          SamplingParams)
+from sparkrelay.codec import (
+    FrameError,
+    Message,
+    a_list,
+    a_map,
+    int_in,
+    ints,
+    opt_str,
+    read_message,
+    record,
+    records,
+    str_max,
+)
+from sparkrelay.scheduler.request import (
+    FAKE_BOOTSTRAP_HOST,
+    MAX_TOP_LOGPROBS,
+    Bootstrap,
+    Logprobs,
+    RequestOutput,
+    SamplingParams,
+)
 
 
 class MessageError(FrameError):
@@ -32,7 +51,8 @@ class MessageError(FrameError):
 
 @dataclass(frozen=True)
 class GenerationItem:
-    """One engine request: n > 1 and batch inputs are split into several items before they get here."""
+    """One engine request: n > 1 and batch inputs are split into several items before they get
+    here."""
 
     rid: str
     prompt_ids: list[int]
@@ -41,9 +61,10 @@ class GenerationItem:
 
     @classmethod
     def health_check(cls, prompt_ids: list[int], disaggregation_mode: str) -> "GenerationItem":
-        """/health_generate's request, a real greedy generation. On a PD server it carries SGLang's fake bootstrap
-        host (a random room), so no peer is contacted: a prefill computes the prompt and sends nothing; a decode
-        takes zero KV and a fake first token, then decodes one more token (hence 2 tokens, EOS ignored)."""
+        """/health_generate's request, a real greedy generation. On a PD server it carries SGLang's
+        fake bootstrap host (a random room), so no peer is contacted: a prefill computes the prompt
+        and sends nothing; a decode takes zero KV and a fake first token, then decodes one more
+        token (hence 2 tokens, EOS ignored)."""
         rid = f"health-{uuid.uuid4().hex}"
         if disaggregation_mode == "null":
             return cls(rid, prompt_ids, SamplingParams(max_new_tokens=1, temperature=0.0))
@@ -54,7 +75,8 @@ class GenerationItem:
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """What the HTTP layer reads of the engine it serves (/server_info, /model_info, request limits)."""
+    """What the HTTP layer reads of the engine it serves (/server_info, /model_info, request
+    limits)."""
 
     context_length: int
     max_total_tokens: int
@@ -66,14 +88,20 @@ class EngineInfo:
     @classmethod
     def of(cls, engine) -> "EngineInfo":
         proposer = engine.proposer
-        return cls(engine.context_length, engine.max_total_tokens, dict(engine.model_info),
-                   str(engine.dtype).removeprefix("torch."), None if proposer is None else proposer.max_drafts,
-                   engine.runner.rendezvous_port)
+        return cls(
+            engine.context_length,
+            engine.max_total_tokens,
+            dict(engine.model_info),
+            str(engine.dtype).removeprefix("torch."),
+            None if proposer is None else proposer.max_drafts,
+            engine.runner.rendezvous_port,
+        )
 
 
 class EngineMessage(Message):
-    """A message between the HTTP server and the engine's owner: local (a socketpair or an ipc:// socket in a
-    private folder), so its limits are the largest batch and output a server makes, not a network's."""
+    """A message between the HTTP server and the engine's owner: local (a socketpair or an ipc://
+    socket in a private folder), so its limits are the largest batch and output a server makes, not
+    a network's."""
 
     KEY: ClassVar[str] = ""
     MAX_BYTES: ClassVar[int] = 1 << 30
@@ -86,13 +114,31 @@ class EngineMessage(Message):
 
 _ID = int_in(0, (1 << 63) - 1)
 _TEXT = str_max(1 << 24)
-_ITEM = dict(rid=_TEXT, prompt_ids=ints(1 << 24), params=record(SamplingParams), bootstrap=record(Bootstrap, True))
-_LOGPROBS = dict(input_start=int_in(-1, 1 << 40), top=int_in(0, MAX_TOP_LOGPROBS), input_ids=ints(1 << 24),
-                 output=a_list(1 << 24), output_top=a_list(1 << 24), input=a_list(1 << 24), input_top=a_list(1 << 24))
-_OUTPUT = dict(rid=_TEXT, new_ids=ints(1 << 24), output_ids=ints(1 << 24), logprobs=record(Logprobs, True, **_LOGPROBS))
+_ITEM = dict(
+    rid=_TEXT,
+    prompt_ids=ints(1 << 24),
+    params=record(SamplingParams),
+    bootstrap=record(Bootstrap, True),
+)
+_LOGPROBS = dict(
+    input_start=int_in(-1, 1 << 40),
+    top=int_in(0, MAX_TOP_LOGPROBS),
+    input_ids=ints(1 << 24),
+    output=a_list(1 << 24),
+    output_top=a_list(1 << 24),
+    input=a_list(1 << 24),
+    input_top=a_list(1 << 24),
+)
+_OUTPUT = dict(
+    rid=_TEXT,
+    new_ids=ints(1 << 24),
+    output_ids=ints(1 << 24),
+    logprobs=record(Logprobs, True, **_LOGPROBS),
+)
 
 
 # ---- server -> engine
+
 
 @dataclass(frozen=True)
 class AddItems(EngineMessage):
@@ -121,6 +167,7 @@ class Shutdown(EngineMessage):
 
 # ---- engine -> server
 
+
 @dataclass(frozen=True)
 class Ready(EngineMessage):
     RULES: ClassVar[tuple] = (("info", record(EngineInfo)),)
@@ -135,10 +182,16 @@ class StartFailed(EngineMessage):
 
 @dataclass(frozen=True)
 class Added(EngineMessage):
-    RULES: ClassVar[tuple] = (("batch", _ID), ("error", opt_str(1 << 24)), ("status", int_in(400, 599)))
+    RULES: ClassVar[tuple] = (
+        ("batch", _ID),
+        ("error", opt_str(1 << 24)),
+        ("status", int_in(400, 599)),
+    )
     batch: int
     error: Optional[str] = None  # None: every item was added; else none was
-    status: int = 400  # 400: the request cannot be served as asked (RequestError); 500: the engine failed
+    status: int = (
+        400  # 400: the request cannot be served as asked (RequestError); 500: the engine failed
+    )
 
 
 @dataclass(frozen=True)
@@ -150,7 +203,10 @@ class Flushed(EngineMessage):
 
 @dataclass(frozen=True)
 class Progress(EngineMessage):
-    RULES: ClassVar[tuple] = (("outputs", records(RequestOutput, 1 << 20, **_OUTPUT)), ("stats", a_map))
+    RULES: ClassVar[tuple] = (
+        ("outputs", records(RequestOutput, 1 << 20, **_OUTPUT)),
+        ("stats", a_map),
+    )
     outputs: tuple[RequestOutput, ...] = ()
     stats: dict = field(default_factory=dict)  # Engine.stats() | check_error, num_step_failures
 
@@ -161,7 +217,18 @@ class Fatal(EngineMessage):
     error: str
 
 
-MESSAGES = (AddItems, AbortRequest, FlushCache, Shutdown, Ready, StartFailed, Added, Flushed, Progress, Fatal)
+MESSAGES = (
+    AddItems,
+    AbortRequest,
+    FlushCache,
+    Shutdown,
+    Ready,
+    StartFailed,
+    Added,
+    Flushed,
+    Progress,
+    Fatal,
+)
 _BY_KIND = {cls.__name__: cls for cls in MESSAGES}
 
 

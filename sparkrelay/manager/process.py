@@ -1,4 +1,5 @@
-"""The scheduler process: the Engine built and stepped on one thread of its own process, behind the HTTP server.
+"""The scheduler process: the Engine built and stepped on one thread of its own process, behind the
+HTTP server.
 
     HTTP process (uvicorn, tokenizer, EngineProcess)          scheduler process (engine_main)
     ------------------------------------------------          -------------------------------
@@ -6,22 +7,25 @@
     out  socketpair end  <--Ready | StartFailed, Added, Progress, Fatal--  the other end: EngineLoop.run on the main
          (read on the event loop)                                          thread writes each message as it comes
 
-Why a process: the thread that builds the engine is the one that steps it, so PyTorch runs one OpenMP team; an engine
-built on one thread and stepped on another ran two, and libgomp then cut its spin-waiting, which slowed served
-decode well below the offline engine's (speed notes of docs/architecture.md). The HTTP process does no tensor work.
+Why a process: the thread that builds the engine is the one that steps it, so PyTorch runs one
+OpenMP team; an engine built on one thread and stepped on another ran two, and libgomp then cut its
+spin-waiting, which slowed served decode well below the offline engine's (speed notes of
+docs/architecture.md). The HTTP process does no tensor work.
 
-Why fork: the HTTP process needs transformers for its tokenizer, which imports torch; a spawned scheduler process
-imported them all again at every start, on top of the model (a small host restarting a server beside busy ones
-felt it). It is forked once torch, transformers and the model code are imported and the tokenizer
-is loaded, before this process has any thread, ZMQ context or OpenMP team (torch starts its threads at the first
-parallel op), and it closes the HTTP socket it inherits. The command socket is an ipc:// file in a private
-folder (0700); frames are msgpack (messages.py), never pickles. The scheduler process ends when told to, or
-when the HTTP process is gone (its sentinel); the HTTP process shuts down when the scheduler process dies.
+Why fork: the HTTP process needs transformers for its tokenizer, which imports torch; a spawned
+scheduler process imported them all again at every start, on top of the model (a small host
+restarting a server beside busy ones felt it). It is forked once torch, transformers and the model
+code are imported and the tokenizer is loaded, before this process has any thread, ZMQ context or
+OpenMP team (torch starts its threads at the first parallel op), and it closes the HTTP socket it
+inherits. The command socket is an ipc:// file in a private folder (0700); frames are msgpack
+(messages.py), never pickles. The scheduler process ends when told to, or when the HTTP process is
+gone (its sentinel); the HTTP process shuts down when the scheduler process dies.
 
-Why the outputs take a socketpair, not ZMQ: they cross once per decode step, and the engine's two OpenMP threads
-fill both cores of a small host. Through ZMQ each message woke four threads (the sender's ZMQ I/O thread, the
-receiver's, then the event loop), and the engine's send was preempted by its own I/O thread. Written to a Unix
-socket it wakes the HTTP process's event loop and nothing else.
+Why the outputs take a socketpair, not ZMQ: they cross once per decode step, and the engine's two
+OpenMP threads fill both cores of a small host. Through ZMQ each message woke four threads (the
+sender's ZMQ I/O thread, the receiver's, then the event loop), and the engine's send was preempted
+by its own I/O thread. Written to a Unix socket it wakes the HTTP process's event loop and nothing
+else.
 """
 
 from __future__ import annotations
@@ -39,18 +43,31 @@ import time
 
 import zmq
 
+from sparkrelay import host
 from sparkrelay.config import Config
 from sparkrelay.host import socket_folder
-from sparkrelay import host
 from sparkrelay.manager.client import EngineClient, EngineStopped
 from sparkrelay.manager.loop import EngineLoop
-from sparkrelay.manager.messages import (AddItems, EngineInfo, Fatal, FrameReader, MessageError, Ready,
-                                               Shutdown, StartFailed, decode, encode, framed)
+from sparkrelay.manager.messages import (
+    AddItems,
+    EngineInfo,
+    Fatal,
+    FrameReader,
+    MessageError,
+    Ready,
+    Shutdown,
+    StartFailed,
+    decode,
+    encode,
+    framed,
+)
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 1800.0  # a real-size checkpoint read from a slow disk
-STOP_TIMEOUT_S = 15.0  # the engine closes its pipeline stages and transfer agents in this time, or is killed
+STOP_TIMEOUT_S = (
+    15.0  # the engine closes its pipeline stages and transfer agents in this time, or is killed
+)
 READ_BYTES = 1 << 20  # one read of the outputs socket
 
 
@@ -59,39 +76,62 @@ class EngineStartError(RuntimeError):
 
 
 class EngineProcess(EngineClient):
-    """The client side of the scheduler process. `launch` blocks until the engine is built (or failed)."""
+    """The client side of the scheduler process. `launch` blocks until the engine is built (or
+    failed)."""
 
-    def __init__(self, proc, folder: str, ctx: zmq.Context, cmd: zmq.Socket, out: socket.socket,
-                 frames: FrameReader, early: list, info: EngineInfo, tokenizer):
+    def __init__(
+        self,
+        proc,
+        folder: str,
+        ctx: zmq.Context,
+        cmd: zmq.Socket,
+        out: socket.socket,
+        frames: FrameReader,
+        early: list,
+        info: EngineInfo,
+        tokenizer,
+    ):
         super().__init__(info, tokenizer)
         self._proc, self._folder, self._ctx, self._cmd, self._out = proc, folder, ctx, cmd, out
-        self._frames, self._early = frames, early  # early: messages read with Ready, handled once the loop runs
-        self._reading = False  # the event loop watches the outputs socket and the process's sentinel
-        self._chunk = memoryview(bytearray(READ_BYTES))  # each read lands here: a fresh 1 MiB bytes per read would
+        self._frames, self._early = (
+            frames,
+            early,
+        )  # early: messages read with Ready, handled once the loop runs
+        self._reading = (
+            False  # the event loop watches the outputs socket and the process's sentinel
+        )
+        # each read lands here: a fresh 1 MiB bytes per read would
+        self._chunk = memoryview(bytearray(READ_BYTES))
         # cost an mmap, an mremap and a munmap per streamed token
         self._stopping = threading.Event()
 
     @classmethod
     def launch(cls, config: Config, inherited: tuple[int, ...] = ()) -> "EngineProcess":
-        """Fork the scheduler process and wait for its engine. `inherited`: file descriptors of this process the
-        scheduler process must not keep open (the HTTP socket)."""
+        """Fork the scheduler process and wait for its engine. `inherited`: file descriptors of this
+        process the scheduler process must not keep open (the HTTP socket)."""
         import sparkrelay.engine.engine  # noqa: F401  torch and the model code, imported once for both processes
         from sparkrelay.engine.setup import load_tokenizer
 
         tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.model_path)
-        folder = socket_folder("sparkrelay-engine-", "cmd")  # 0700: only this user reaches the socket
+        # 0700: only this user reaches the socket
+        folder = socket_folder("sparkrelay-engine-", "cmd")
         cmd_addr = f"ipc://{folder}/cmd"
         out, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        proc = multiprocessing.get_context("fork").Process(  # see the module docstring: why fork, and when
-            target=engine_main, name="sparkrelay-scheduler", daemon=True,
-            args=(config, cmd_addr, theirs, (*inherited, out.fileno())))
+        # see the module docstring: why fork, and when
+        proc = multiprocessing.get_context("fork").Process(
+            target=engine_main,
+            name="sparkrelay-scheduler",
+            daemon=True,
+            args=(config, cmd_addr, theirs, (*inherited, out.fileno())),
+        )
         proc.start()
         theirs.close()
         out.setblocking(False)
         ctx = zmq.Context()  # after the fork: a context's I/O threads do not survive one
         cmd = ctx.socket(zmq.PUSH)
         cmd.setsockopt(zmq.LINGER, 0)
-        cmd.setsockopt(zmq.SNDHWM, 0)  # no limit on queued commands: a send fails only when nobody is connected
+        # no limit on queued commands: a send fails only when nobody is connected
+        cmd.setsockopt(zmq.SNDHWM, 0)
         frames = FrameReader()
         try:
             cmd.bind(cmd_addr)
@@ -105,8 +145,9 @@ class EngineProcess(EngineClient):
         return cls(proc, folder, ctx, cmd, out, frames, early, info, tokenizer)
 
     def _start_transport(self) -> None:
-        """Engine messages are read on the event loop itself: a reader thread's hand-off (a wake-up and a
-        call_soon_threadsafe per message) cost the HTTP process about a third of its CPU per streamed token."""
+        """Engine messages are read on the event loop itself: a reader thread's hand-off (a wake-up
+        and a call_soon_threadsafe per message) cost the HTTP process about a third of its CPU per
+        streamed token."""
         if self._reading:
             return
         self._reading = True
@@ -117,8 +158,9 @@ class EngineProcess(EngineClient):
         self._loop.add_reader(self._proc.sentinel, self._scheduler_exited)
 
     def _send(self, cmd) -> None:
-        """On the event loop thread only. Never blocks: with the scheduler process gone (or going) there is no peer
-        to queue for; an add then fails with 503, an abort or a shutdown has nothing left to do."""
+        """On the event loop thread only. Never blocks: with the scheduler process gone (or going)
+        there is no peer to queue for; an add then fails with 503, an abort or a shutdown has
+        nothing left to do."""
         try:
             self._cmd.send(encode(cmd), zmq.NOBLOCK)
         except zmq.Again:
@@ -129,8 +171,9 @@ class EngineProcess(EngineClient):
         return self._proc.is_alive()
 
     def _receive(self) -> bool:
-        """One read of the outputs socket (the loop calls again while it stays readable); every message it
-        completes to its handler. False when there was nothing to read, or nothing more can come."""
+        """One read of the outputs socket (the loop calls again while it stays readable); every
+        message it completes to its handler. False when there was nothing to read, or nothing more
+        can come."""
         try:
             n = self._out.recv_into(self._chunk)
         except BlockingIOError:
@@ -138,7 +181,8 @@ class EngineProcess(EngineClient):
         except OSError:
             n = 0
         if not n:
-            self._loop.remove_reader(self._out.fileno())  # end of stream: readable for ever; the sentinel follows
+            # end of stream: readable for ever; the sentinel follows
+            self._loop.remove_reader(self._out.fileno())
             return False
         for msg in _messages(self._frames.feed(self._chunk[:n])):
             self._on_message(msg)
@@ -159,8 +203,8 @@ class EngineProcess(EngineClient):
         self._reading = False
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        """Shutdown to the scheduler process (its live requests end with 503), then wait for it to close its
-        engine; idempotent."""
+        """Shutdown to the scheduler process (its live requests end with 503), then wait for it to
+        close its engine; idempotent."""
         if self._stopping.is_set():
             return
         self._stopping.set()
@@ -182,13 +226,15 @@ def _wait_ready(proc, out: socket.socket, frames: FrameReader) -> tuple[EngineIn
             msgs = _messages(frames.feed(data))
             for i, msg in enumerate(msgs):
                 if isinstance(msg, Ready):
-                    return msg.info, msgs[i + 1:]
+                    return msg.info, msgs[i + 1 :]
                 if isinstance(msg, StartFailed):
                     raise EngineStartError(msg.error)
             if data:
                 continue
         if not proc.is_alive():
-            raise EngineStartError(f"the scheduler process exited with code {proc.exitcode} while loading")
+            raise EngineStartError(
+                f"the scheduler process exited with code {proc.exitcode} while loading"
+            )
     raise EngineStartError(f"the engine was not built after {START_TIMEOUT_S:.0f} s")
 
 
@@ -212,13 +258,18 @@ def _end(proc, timeout: float) -> None:
 
 # ---------------------------------------------------------------- the scheduler process
 
-def engine_main(config: Config, cmd_addr: str, out: socket.socket, inherited: tuple[int, ...]) -> None:
-    """The scheduler process's entry point: build the engine here, then serve the loop on this (main) thread.
+
+def engine_main(
+    config: Config, cmd_addr: str, out: socket.socket, inherited: tuple[int, ...]
+) -> None:
+    """The scheduler process's entry point: build the engine here, then serve the loop on this
+    (main) thread.
     out: this process's end of the outputs socketpair."""
     for fd in inherited:
         os.close(fd)
     _name_process(b"sparkrelay-sched")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the HTTP process, which sends Shutdown
+    # Ctrl+C reaches the HTTP process, which sends Shutdown
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     cmd = ctx.socket(zmq.PULL)
     cmd.connect(cmd_addr)
@@ -232,10 +283,15 @@ def engine_main(config: Config, cmd_addr: str, out: socket.socket, inherited: tu
         ctx.destroy(linger=0)
         raise SystemExit(1)
     done, loop = threading.Event(), EngineLoop(engine, emit=emit)
-    inbox = threading.Thread(target=_receive, args=(cmd, loop, done), name="sparkrelay-engine-inbox", daemon=True)
-    # SIGTERM (a process group's stop): shut down as if told to; a thread queues it, because the handler may run
-    # while this thread holds the inbox's lock
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=loop.put, args=(Shutdown("SIGTERM"),)).start())
+    inbox = threading.Thread(
+        target=_receive, args=(cmd, loop, done), name="sparkrelay-engine-inbox", daemon=True
+    )
+    # SIGTERM (a process group's stop): shut down as if told to; a thread queues it, because the
+    # handler may run while this thread holds the inbox's lock
+    signal.signal(
+        signal.SIGTERM,
+        lambda *_: threading.Thread(target=loop.put, args=(Shutdown("SIGTERM"),)).start(),
+    )
     try:
         emit(Ready(EngineInfo.of(engine)))
         inbox.start()
@@ -252,8 +308,9 @@ def engine_main(config: Config, cmd_addr: str, out: socket.socket, inherited: tu
 
 
 def _emitter(out: socket.socket):
-    """Writes each message to the outputs socket, blocking while its buffer is full (as a ZMQ PUSH socket blocks at
-    its high-water mark): the HTTP process reads as fast as it can. Its end gone, nothing is listening: dropped."""
+    """Writes each message to the outputs socket, blocking while its buffer is full (as a ZMQ PUSH
+    socket blocks at its high-water mark): the HTTP process reads as fast as it can. Its end gone,
+    nothing is listening: dropped."""
     lost = threading.Event()
 
     def emit(msg) -> None:
@@ -263,7 +320,9 @@ def _emitter(out: socket.socket):
             out.sendall(framed(msg))
         except OSError as e:
             lost.set()
-            logger.warning("the HTTP process stopped reading engine outputs (%s); the rest are dropped", e)
+            logger.warning(
+                "the HTTP process stopped reading engine outputs (%s); the rest are dropped", e
+            )
 
     return emit
 
@@ -300,7 +359,9 @@ def _receive(cmd: zmq.Socket, loop: EngineLoop, done: threading.Event) -> None:
             except MessageError:
                 logger.exception("dropped a bad frame from the HTTP process")
         elif ready:
-            logger.warning("the HTTP process (pid %s) is gone; stopping", parent.pid if parent else "?")
+            logger.warning(
+                "the HTTP process (pid %s) is gone; stopping", parent.pid if parent else "?"
+            )
             loop.put(Shutdown("the HTTP server exited"))
             break
     cmd.close(linger=0)

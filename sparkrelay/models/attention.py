@@ -1,4 +1,5 @@
-"""Paged attention over a flat slot pool, for batches of sequences that feed different numbers of tokens.
+"""Paged attention over a flat slot pool, for batches of sequences that feed different numbers of
+tokens.
 
 Memory layout (one pool per layer, see kvcache/pool.py):
     k_pool, v_pool: [num_slots, n_kv, D]; slot s = block s // page_size, offset s % page_size.
@@ -7,17 +8,18 @@ A batch feeds T tokens in total, `q_len[b]` of them for sequence b, whose keys o
 keys gathered into a padded [B, Lk] layout, and one SDPA call with a boolean mask does the whole batch.
 
 Three shapes get a faster call from torch's CPU SDPA (figures: speed notes of docs/architecture.md):
-- a prefill of whole prompts (every sequence from position 0, all of one length: no padding, no cached prefix)
-  runs `is_causal` without a mask, which skips the masked-out half of the work;
-- a bfloat16 decode on CPU (one query per sequence) feeds the query twice and keeps the first row: torch's kernel
-  has a slow path for a single bfloat16 query that two queries avoid, with identical results; float32 has no such
-  slow path.
-- a chunk of one sequence after a long cached prefix (a pipelined prefill's later chunks, a prompt whose prefix was
-  cached) on CPU runs as two calls of torch's CPU flash kernel, which also returns each row's log-sum-exp: the
-  chunk's queries against the prefix's keys with no mask, and against its own keys with `is_causal` (square, so
-  the kernel's top-left causal mask is the right one), merged by their log-sum-exps (`split_prefix`). The kernel
-  reads a boolean mask as an additive float one over every key and skips nothing. Below SPLIT_MIN_PREFIX keys or
-  SPLIT_MIN_QUERIES queries the second call costs more than the mask saves (a DSpark block stays masked).
+- a prefill of whole prompts (every sequence from position 0, all of one length: no padding, no
+  cached prefix) runs `is_causal` without a mask, which skips the masked-out half of the work;
+- a bfloat16 decode on CPU (one query per sequence) feeds the query twice and keeps the first row:
+  torch's kernel has a slow path for a single bfloat16 query that two queries avoid, with identical
+  results; float32 has no such slow path.
+- a chunk of one sequence after a long cached prefix (a pipelined prefill's later chunks, a prompt
+  whose prefix was cached) on CPU runs as two calls of torch's CPU flash kernel, which also returns
+  each row's log-sum-exp: the chunk's queries against the prefix's keys with no mask, and against
+  its own keys with `is_causal` (square, so the kernel's top-left causal mask is the right one),
+  merged by their log-sum-exps (`split_prefix`). The kernel reads a boolean mask as an additive
+  float one over every key and skips nothing. Below SPLIT_MIN_PREFIX keys or SPLIT_MIN_QUERIES
+  queries the second call costs more than the mask saves (a DSpark block stays masked).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ SPLIT_MIN_PREFIX, SPLIT_MIN_QUERIES = 512, 64  # split_prefix from here on (modu
 
 
 def slot_index(block_tables: list[list[int]], length: int, page_size: int) -> torch.Tensor:
-    """[B, length] pool slot of positions 0..length-1 of each sequence (positions past a table point at block 0)."""
+    """[B, length] pool slot of positions 0..length-1 of each sequence (positions past a table point
+    at block 0)."""
     bt = torch.zeros(len(block_tables), max(1, -(-length // page_size)), dtype=torch.long)
     for b, table in enumerate(block_tables):
         n = min(len(table), bt.shape[1])
@@ -44,29 +47,47 @@ def slot_index(block_tables: list[list[int]], length: int, page_size: int) -> to
 class AttnMeta:
     """Built once per forward by the runner; shared by every layer."""
 
-    positions: torch.Tensor     # [T] absolute position of each fed token
+    positions: torch.Tensor  # [T] absolute position of each fed token
     slot_mapping: torch.Tensor  # [T] pool slot each fed token's K/V is written to
-    q_pad_index: torch.Tensor   # [T] row of each fed token in the flattened [B * Lq] query layout
-    kv_index: torch.Tensor      # [B, Lk] pool slot of each key (padding rows point at slot 0, masked out)
-    mask: torch.Tensor | None   # [B, 1, Lq, Lk] True where the query may attend; None when every key is visible
+    q_pad_index: torch.Tensor  # [T] row of each fed token in the flattened [B * Lq] query layout
+    # [B, Lk] pool slot of each key (padding rows point at slot 0, masked out)
+    kv_index: torch.Tensor
+    # [B, 1, Lq, Lk] True where the query may attend; None when every key is visible
+    mask: torch.Tensor | None
     batch: int
     max_q: int
-    kv_range: tuple[int, int] | None = None  # one sequence whose key slots are consecutive: read a view, no gather
-    causal: bool = False  # whole prompts of one length from position 0: SDPA's is_causal instead of `mask`
+    kv_range: tuple[int, int] | None = (
+        None  # one sequence whose key slots are consecutive: read a view, no gather
+    )
+    causal: bool = (
+        False  # whole prompts of one length from position 0: SDPA's is_causal instead of `mask`
+    )
     prefix: int = 0  # > 0: one sequence's chunk after this many cached keys, attended in two calls (split_prefix)
 
     @classmethod
-    def build(cls, starts: list[int], ends: list[int], block_tables: list[list[int]], page_size: int,
-              device: torch.device | str) -> "AttnMeta":
-        """Sequence b feeds positions [starts[b], ends[b]); its keys are positions 0..ends[b]-1, found through
-        its block table; queries are causal."""
+    def build(
+        cls,
+        starts: list[int],
+        ends: list[int],
+        block_tables: list[list[int]],
+        page_size: int,
+        device: torch.device | str,
+    ) -> "AttnMeta":
+        """Sequence b feeds positions [starts[b], ends[b]); its keys are positions 0..ends[b]-1,
+        found through its block table; queries are causal."""
         if len(starts) == 1:
             return cls.single(starts[0], ends[0], block_tables[0], page_size, device)
         return cls.batched(starts, ends, block_tables, page_size, device)
 
     @classmethod
-    def batched(cls, starts: list[int], ends: list[int], block_tables: list[list[int]], page_size: int,
-                device: torch.device | str) -> "AttnMeta":
+    def batched(
+        cls,
+        starts: list[int],
+        ends: list[int],
+        block_tables: list[list[int]],
+        page_size: int,
+        device: torch.device | str,
+    ) -> "AttnMeta":
         """build() for any number of sequences, padded to the longest."""
         batch = len(starts)
         start_t, end_t = torch.tensor(starts), torch.tensor(ends)
@@ -78,13 +99,17 @@ class AttnMeta:
             seq_of_token, positions = torch.arange(batch), start_t
         else:
             seq_of_token = torch.repeat_interleave(torch.arange(batch), q_lens)  # [T]
-            offsets = torch.arange(int(q_lens.sum())) - torch.repeat_interleave(q_lens.cumsum(0) - q_lens, q_lens)
+            offsets = torch.arange(int(q_lens.sum())) - torch.repeat_interleave(
+                q_lens.cumsum(0) - q_lens, q_lens
+            )
             positions = start_t[seq_of_token] + offsets
         slot_mapping = kv_index[seq_of_token, positions]  # [T]
         pad_index = seq_of_token * max_q + (positions - start_t[seq_of_token])
-        # query row i of sequence b sits at position min(start_b + i, end_b - 1) (padding rows repeat the last
-        # one so that no softmax row is empty; their outputs are dropped); key j is visible iff j <= that.
-        q_pos = torch.minimum(start_t[:, None] + torch.arange(max_q)[None, :], end_t[:, None] - 1)  # [B, Lq]
+        # query row i of sequence b sits at position min(start_b + i, end_b - 1) (padding rows
+        # repeat the last one so that no softmax row is empty; their outputs are dropped); key j is
+        # visible iff j <= that.
+        # [B, Lq]
+        q_pos = torch.minimum(start_t[:, None] + torch.arange(max_q)[None, :], end_t[:, None] - 1)
         mask = (j.view(1, 1, max_k) <= q_pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, Lq, Lk]
         if max_q == 1 and bool((end_t == max_k).all()):
             mask = None  # one query per sequence and no padding keys: every key is visible
@@ -93,47 +118,81 @@ class AttnMeta:
             mask = None  # Lq == Lk for every sequence: the causal mask is SDPA's own
         kv_range = None
         if batch == 1 and bool((kv_index[0, 1:] - kv_index[0, :-1] == 1).all()):
-            kv_range = (int(kv_index[0, 0]), int(kv_index[0, 0]) + max_k)  # blocks allocated back to back
+            kv_range = (
+                int(kv_index[0, 0]),
+                int(kv_index[0, 0]) + max_k,
+            )  # blocks allocated back to back
         return cls(
-            positions=positions.to(device), slot_mapping=slot_mapping.to(device),
-            q_pad_index=pad_index.to(device), kv_index=kv_index.to(device),
-            mask=None if mask is None else mask.to(device), batch=batch, max_q=max_q, kv_range=kv_range,
+            positions=positions.to(device),
+            slot_mapping=slot_mapping.to(device),
+            q_pad_index=pad_index.to(device),
+            kv_index=kv_index.to(device),
+            mask=None if mask is None else mask.to(device),
+            batch=batch,
+            max_q=max_q,
+            kv_range=kv_range,
             causal=causal,
         )
 
     @classmethod
-    def single(cls, start: int, end: int, table: list[int], page_size: int, device: torch.device | str) -> "AttnMeta":
-        """build() for one sequence (a prompt or a chunk of one, a decode row, a DSpark block), from Python ints in
-        a few tensor ops: no padding, so query row i is position start + i and sees keys 0..start + i."""
+    def single(
+        cls, start: int, end: int, table: list[int], page_size: int, device: torch.device | str
+    ) -> "AttnMeta":
+        """build() for one sequence (a prompt or a chunk of one, a decode row, a DSpark block), from
+        Python ints in a few tensor ops: no padding, so query row i is position start + i and sees
+        keys 0..start + i."""
         n = end - start
         kv_index = slot_index([table], end, page_size)  # [1, Lk]
         positions = torch.arange(start, end)  # [T]
         mask = None  # one query, or a whole prompt (causal): every key it may see is visible / SDPA's own mask
-        prefix = start if start >= SPLIT_MIN_PREFIX and n >= SPLIT_MIN_QUERIES and str(device) == "cpu" else 0
+        prefix = (
+            start
+            if start >= SPLIT_MIN_PREFIX and n >= SPLIT_MIN_QUERIES and str(device) == "cpu"
+            else 0
+        )
         if n > 1 and start > 0 and not prefix:
-            mask = (torch.arange(end).view(1, end) <= positions.view(n, 1)).view(1, 1, n, end)  # [1, 1, Lq, Lk]
+            # [1, 1, Lq, Lk]
+            mask = (torch.arange(end).view(1, end) <= positions.view(n, 1)).view(1, 1, n, end)
         pages = table[: -(-end // page_size)]
-        consecutive = len(pages) * page_size >= end and all(b == a + 1 for a, b in zip(pages, pages[1:]))
+        consecutive = len(pages) * page_size >= end and all(
+            b == a + 1 for a, b in zip(pages, pages[1:])
+        )
         kv_range = (pages[0] * page_size, pages[0] * page_size + end) if consecutive else None
         return cls(
-            positions=positions.to(device), slot_mapping=kv_index[0, start:end].to(device),
-            q_pad_index=torch.arange(n).to(device), kv_index=kv_index.to(device),
-            mask=None if mask is None else mask.to(device), batch=1, max_q=n, kv_range=kv_range,
-            causal=n > 1 and start == 0, prefix=prefix,
+            positions=positions.to(device),
+            slot_mapping=kv_index[0, start:end].to(device),
+            q_pad_index=torch.arange(n).to(device),
+            kv_index=kv_index.to(device),
+            mask=None if mask is None else mask.to(device),
+            batch=1,
+            max_q=n,
+            kv_range=kv_range,
+            causal=n > 1 and start == 0,
+            prefix=prefix,
         )
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                    meta: AttnMeta, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    meta: AttnMeta,
+    scale: float,
+) -> torch.Tensor:
     """q [T, H, D], k/v [T, n_kv, D] of the fed tokens -> attention output [T, H, D]; writes k/v into the pools."""
-    k_pool.index_copy_(0, meta.slot_mapping, k)  # index_copy_/index_select: far cheaper than advanced indexing
+    # index_copy_/index_select: far cheaper than advanced indexing
+    k_pool.index_copy_(0, meta.slot_mapping, k)
     v_pool.index_copy_(0, meta.slot_mapping, v)
     n_heads, dim = q.shape[1], q.shape[2]
     if meta.max_q == 1 and n_heads > k_pool.shape[1] and not meta.prefix:
         return grouped_decode(q, k_pool, v_pool, meta, scale)
-    twice = meta.max_q == 1 and q.dtype != torch.float32 and q.device.type == "cpu"  # see the module docstring
+    # see the module docstring
+    twice = meta.max_q == 1 and q.dtype != torch.float32 and q.device.type == "cpu"
     if meta.max_q == 1:
-        qp = q.unsqueeze(1).expand(-1, 2 if twice else 1, -1, -1)  # [B, 1 | 2, H, D]: decode, one token per sequence
+        # [B, 1 | 2, H, D]: decode, one token per sequence
+        qp = q.unsqueeze(1).expand(-1, 2 if twice else 1, -1, -1)
     elif meta.batch == 1:
         qp = q.unsqueeze(0)  # [1, T, H, D]: one sequence needs no padding
     else:
@@ -145,14 +204,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
         kp, vp = k_pool[lo:hi].unsqueeze(0), v_pool[lo:hi].unsqueeze(0)  # [1, Lk, n_kv, D] views
     else:
         flat = meta.kv_index.view(-1)
-        kp = k_pool.index_select(0, flat).view(meta.batch, -1, *k_pool.shape[1:])  # [B, Lk, n_kv, D]
+        # [B, Lk, n_kv, D]
+        kp = k_pool.index_select(0, flat).view(meta.batch, -1, *k_pool.shape[1:])
         vp = v_pool.index_select(0, flat).view(meta.batch, -1, *v_pool.shape[1:])
     if meta.prefix:
-        out = split_prefix(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), meta.prefix, scale)
+        out = split_prefix(
+            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), meta.prefix, scale
+        )
     else:
         out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-            attn_mask=meta.mask, is_causal=meta.causal, scale=scale, enable_gqa=True,
+            qp.transpose(1, 2),
+            kp.transpose(1, 2),
+            vp.transpose(1, 2),
+            attn_mask=meta.mask,
+            is_causal=meta.causal,
+            scale=scale,
+            enable_gqa=True,
         )  # [B, H, Lq (x2 when `twice`), D]
     if twice:
         out = out[:, :, :1]
@@ -160,8 +227,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
     return out if meta.max_q == 1 or meta.batch == 1 else out[meta.q_pad_index]
 
 
-def grouped_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMeta,
-                   scale: float) -> torch.Tensor:
+def grouped_decode(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMeta, scale: float
+) -> torch.Tensor:
     """Decode (one query per sequence) under GQA: q [B, H, D] -> [B, H, D]. The H / n_kv query heads that share a KV
     head are consecutive, so they attend as the g = H / n_kv queries of one head: q [B, n_kv, g, D] against
     k [B, n_kv, Lk, D], plain multi-head SDPA with no K/V repeated for the groups (enable_gqa expands them)."""
@@ -175,12 +243,16 @@ def grouped_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
         kp = k_pool.index_select(0, flat).view(b, -1, n_kv, d)  # [B, Lk, n_kv, D]
         vp = v_pool.index_select(0, flat).view(b, -1, n_kv, d)
     qg = q.view(b, n_kv, h // n_kv, d)  # [B, n_kv, g, D]
-    out = F.scaled_dot_product_attention(qg, kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=meta.mask,
-                                         scale=scale)  # [B, n_kv, g, D]; mask [B, 1, 1, Lk] or None
+    # [B, n_kv, g, D]; mask [B, 1, 1, Lk] or None
+    out = F.scaled_dot_product_attention(
+        qg, kp.transpose(1, 2), vp.transpose(1, 2), attn_mask=meta.mask, scale=scale
+    )
     return out.reshape(b, h, d)
 
 
-def split_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
+def split_prefix(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float
+) -> torch.Tensor:
     """Causal attention of one sequence's chunk after `prefix` cached keys (CPU): q [1, H, Lq, D], k/v [1, n_kv,
     prefix + Lq, D] -> [1, H, Lq, D]. The prefix part needs no mask, the chunk's own part is square and causal;
     each call gives its rows' log-sum-exp (float32 [1, H, Lq]), and the softmax over all keys weighs the two

@@ -1,9 +1,9 @@
 """Qwen3 dense decoder (CausalLM), owning a layer range, with DSpark tap capture.
 
-Module names mirror the Hugging Face checkpoint keys (`model.layers.{i}...`, `lm_head`) so that weights load as
-they are. A stage owns layers [start, end): the embedding when start == 0, the final norm and LM head when
-end == num_layers. Taps: id -1 is the embedding output, id i the raw residual-stream output of layer i
-(= transformers' `hidden_states[i + 1]`).
+Module names mirror the Hugging Face checkpoint keys (`model.layers.{i}...`, `lm_head`) so that
+weights load as they are. A stage owns layers [start, end): the embedding when start == 0, the final
+norm and LM head when end == num_layers. Taps: id -1 is the embedding output, id i the raw
+residual-stream output of layer i (= transformers' `hidden_states[i + 1]`).
 """
 
 from __future__ import annotations
@@ -16,18 +16,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparkrelay.models.attention import AttnMeta, paged_attention
-from sparkrelay.models.kernels import fast_head
-from sparkrelay.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, fuse_linears, rope_scaling, rope_theta, transposed
 from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
 from sparkrelay.models.families import family_of
-from sparkrelay.models.loader import (SHAPE_FIELDS, CheckpointError, decoder_dummy_key, decoder_key_owner, is_dummy,
-                                      load_weights, read_config)
-
+from sparkrelay.models.kernels import fast_head
+from sparkrelay.models.layers import (
+    RMSNorm,
+    Rotary,
+    SwiGLU,
+    apply_rope,
+    fuse_linears,
+    rope_scaling,
+    rope_theta,
+    transposed,
+)
+from sparkrelay.models.loader import (
+    SHAPE_FIELDS,
+    CheckpointError,
+    decoder_dummy_key,
+    decoder_key_owner,
+    is_dummy,
+    load_weights,
+    read_config,
+)
 
 
 @dataclass(frozen=True)
 class DecoderSpec:
-    """The fields of a config.json that the forward uses; `qk_norm` and the biases are the family's switches."""
+    """The fields of a config.json that the forward uses; `qk_norm` and the biases are the family's
+    switches."""
 
     vocab_size: int
     hidden_size: int
@@ -40,11 +56,11 @@ class DecoderSpec:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool                     # bias on q/k/v
-    qk_norm: bool = True                     # per-head RMSNorm on q and k (Qwen3)
-    o_bias: bool = False                     # bias on o_proj
-    mlp_bias: bool = False                   # bias on gate/up/down
-    rope_scaling: Optional[tuple] = None     # layers.rope_scaling's (kind, params) or None
+    attention_bias: bool  # bias on q/k/v
+    qk_norm: bool = True  # per-head RMSNorm on q and k (Qwen3)
+    o_bias: bool = False  # bias on o_proj
+    mlp_bias: bool = False  # bias on gate/up/down
+    rope_scaling: Optional[tuple] = None  # layers.rope_scaling's (kind, params) or None
 
     @classmethod
     def from_hf(cls, cfg: dict, architecture: Optional[str] = None) -> "DecoderSpec":
@@ -71,8 +87,13 @@ class DecoderSpec:
         )
 
     def rotary(self, device: torch.device | str) -> Rotary:
-        return Rotary(self.head_dim, self.rope_theta, self.max_position_embeddings, torch.device(device),
-                      self.rope_scaling)
+        return Rotary(
+            self.head_dim,
+            self.rope_theta,
+            self.max_position_embeddings,
+            torch.device(device),
+            self.rope_scaling,
+        )
 
 
 class Attention(nn.Module):
@@ -88,16 +109,21 @@ class Attention(nn.Module):
         if spec.qk_norm:
             self.q_norm = RMSNorm(hd, spec.rms_norm_eps)
             self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
-        self.scale = hd ** -0.5
+        self.scale = hd**-0.5
         self.qkv: nn.Module | None = None
 
     def fuse(self) -> None:
-        """After loading: one q/k/v matmul, and the q and k head norms as one norm with a per-head weight."""
+        """After loading: one q/k/v matmul, and the q and k head norms as one norm with a per-head
+        weight."""
         self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         self.o_proj = transposed(self.o_proj)
         if self.qk_norm:
-            qk_w = torch.cat([self.q_norm.weight.detach().expand(self.n_heads, -1),
-                              self.k_norm.weight.detach().expand(self.n_kv, -1)])  # [H + n_kv, D]
+            qk_w = torch.cat(
+                [
+                    self.q_norm.weight.detach().expand(self.n_heads, -1),
+                    self.k_norm.weight.detach().expand(self.n_kv, -1),
+                ]
+            )  # [H + n_kv, D]
             self.register_buffer("qk_norm_weight", qk_w.contiguous(), persistent=False)
         del self.q_proj, self.k_proj, self.v_proj
 
@@ -110,7 +136,9 @@ class Attention(nn.Module):
             q, k, v = self.qkv(x).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
         return q.view(t, self.n_heads, hd), k.view(t, self.n_kv, hd), v.view(t, self.n_kv, hd)
 
-    def qk_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def qk_rope(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         """x [T, d] -> q [T, H, D], k [T, n_kv, D] (normed, rotated), v [T, n_kv, D]."""
         if self.qkv is None:
             q, k, v = self.project(x)
@@ -119,14 +147,24 @@ class Attention(nn.Module):
             return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
         t, hd, h, n_kv = x.shape[0], self.head_dim, self.n_heads, self.n_kv
         qkv = self.qkv.forward(x)  # [T, (H + 2 n_kv) * D]
-        qk = qkv[:, : (h + n_kv) * hd].view(t, h + n_kv, hd)  # q heads then k heads, normed and rotated together
+        # q heads then k heads, normed and rotated together
+        qk = qkv[:, : (h + n_kv) * hd].view(t, h + n_kv, hd)
         if self.qk_norm:
-            qk = F.rms_norm(qk.float(), (hd,), None, self.q_norm.eps).to(qk.dtype) * self.qk_norm_weight
+            qk = (
+                F.rms_norm(qk.float(), (hd,), None, self.q_norm.eps).to(qk.dtype)
+                * self.qk_norm_weight
+            )
         q, k = apply_rope(qk, cos, sin).split([h, n_kv], dim=1)
         return q, k, qkv[:, (h + n_kv) * hd :].view(t, n_kv, hd)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-                meta: AttnMeta) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttnMeta,
+    ) -> torch.Tensor:
         q, k, v = self.qk_rope(x, cos, sin)
         out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # [T, H, D]
         return self.o_proj.forward(out.reshape(x.shape[0], self.n_heads * self.head_dim))
@@ -140,10 +178,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-                meta: AttnMeta) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttnMeta,
+    ) -> torch.Tensor:
         """h [T, d] residual stream in -> out; the returned value is the layer's raw residual-stream output."""
-        # `.forward` directly: the hot decode loop skips nn.Module.__call__'s hook handling (docs/architecture.md)
+        # `.forward` directly: the hot decode loop skips nn.Module.__call__'s hook handling
+        # (docs/architecture.md)
         h = h + self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, kv, meta)
         return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
 
@@ -160,8 +205,8 @@ class DecoderBody(nn.Module):
 
 @dataclass
 class StageOutput:
-    """hidden: [T, d] residual stream after the stage's last layer; logits: [R, V] at the rows asked for (last
-    stage only); taps: {layer_id: [T, d]} for the tap ids this stage owns."""
+    """hidden: [T, d] residual stream after the stage's last layer; logits: [R, V] at the rows asked
+    for (last stage only); taps: {layer_id: [T, d]} for the tap ids this stage owns."""
 
     hidden: torch.Tensor
     logits: Optional[torch.Tensor]
@@ -169,8 +214,13 @@ class StageOutput:
 
 
 class CausalLM(nn.Module):
-    def __init__(self, spec: DecoderSpec, start: int = 0, end: Optional[int] = None,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        start: int = 0,
+        end: Optional[int] = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
         super().__init__()
         end = spec.num_layers if end is None else end
         if not 0 <= start < end <= spec.num_layers:
@@ -178,26 +228,37 @@ class CausalLM(nn.Module):
         self.spec, self.start, self.end = spec, start, end
         self.model = DecoderBody(spec, start, end)
         self.is_last = end == spec.num_layers
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if self.is_last else None
+        self.lm_head = (
+            nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if self.is_last else None
+        )
         self.head: nn.Module | None = None  # the LM head's fast copy, set by `fuse`
         self.rotary = spec.rotary(device)
 
     def fuse(self) -> None:
-        """After loading: merge each layer's q/k/v and gate/up projections, every product in its fast layout."""
+        """After loading: merge each layer's q/k/v and gate/up projections, every product in its
+        fast layout."""
         for layer in self.model.layers.values():
             layer.self_attn.fuse()
             layer.mlp.fuse()
-        # The LM head stays an nn.Linear (tied, it is the embedding itself, and the drafter shares it by identity);
-        # `head` is its fast copy for the logits where one pays (kernels.fast_head), else None.
+        # The LM head stays an nn.Linear (tied, it is the embedding itself, and the drafter shares
+        # it by identity); `head` is its fast copy for the logits where one pays
+        # (kernels.fast_head), else None.
         self.head = fast_head(self.lm_head.weight) if self.lm_head is not None else None
 
     def owns_tap(self, layer_id: int) -> bool:
         return (layer_id == -1 and self.start == 0) or self.start <= layer_id < self.end
 
-    def forward(self, meta: AttnMeta, kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]],
-                input_ids: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
-                logits_index: Optional[torch.Tensor] = None, taps: tuple[int, ...] = ()) -> StageOutput:
-        """input_ids [T] (first stage) or hidden [T, d] (later stages); logits only at rows `logits_index` [R]."""
+    def forward(
+        self,
+        meta: AttnMeta,
+        kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        input_ids: Optional[torch.Tensor] = None,
+        hidden: Optional[torch.Tensor] = None,
+        logits_index: Optional[torch.Tensor] = None,
+        taps: tuple[int, ...] = (),
+    ) -> StageOutput:
+        """input_ids [T] (first stage) or hidden [T, d] (later stages); logits only at rows
+        `logits_index` [R]."""
         h = self.model.embed_tokens(input_ids) if self.start == 0 else hidden
         owned = tuple(i for i in taps if self.owns_tap(i))
         h, tapped = self.body(h, meta, kv_caches, owned)
@@ -207,8 +268,13 @@ class CausalLM(nn.Module):
             logits = self.lm_head(rows) if self.head is None else self.head.forward(rows)
         return StageOutput(hidden=h, logits=logits, taps=dict(zip(owned, tapped)))
 
-    def body(self, h: torch.Tensor, meta: AttnMeta, kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]],
-             taps: tuple[int, ...]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def body(
+        self,
+        h: torch.Tensor,
+        meta: AttnMeta,
+        kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        taps: tuple[int, ...],
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The owned layers: h [T, d] -> (h [T, d], the residual stream at each of `taps`, in that order).
         Plain tensors in and out, so that it compiles cleanly (`--enable-torch-compile`)."""
         captured = {-1: h}
@@ -220,16 +286,23 @@ class CausalLM(nn.Module):
         return h, tuple(captured[i] for i in taps)
 
 
-def load_causal_lm(path: str, start: int = 0, end: Optional[int] = None, dtype: torch.dtype = torch.float32,
-                   device: str = "cpu", load_format: str = "auto") -> CausalLM:
-    """Build the stage [start, end) of the checkpoint at `path` (a Hugging Face folder or a GGUF file) and load its
-    weights (checked complete), or give it the dummy weights of its config's shapes (`load_format` "dummy": the
-    same values in every stage and process)."""
+def load_causal_lm(
+    path: str,
+    start: int = 0,
+    end: Optional[int] = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    load_format: str = "auto",
+) -> CausalLM:
+    """Build the stage [start, end) of the checkpoint at `path` (a Hugging Face folder or a GGUF
+    file) and load its weights (checked complete), or give it the dummy weights of its config's
+    shapes (`load_format` "dummy": the same values in every stage and process)."""
     dummy = is_dummy(load_format)
     hf = dummy_config(path, SHAPE_FIELDS) if dummy else read_config(path, SHAPE_FIELDS)
     try:
         spec = DecoderSpec.from_hf(hf)
-    except ValueError as e:  # an unserved architecture; an unsupported RoPE kind stays NotImplementedError
+    # an unserved architecture; an unsupported RoPE kind stays NotImplementedError
+    except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
     with torch.device("meta"):
         model = CausalLM(spec, start, end, device=device)
@@ -240,7 +313,9 @@ def load_causal_lm(path: str, start: int = 0, end: Optional[int] = None, dtype: 
     if dummy:
         fill_dummy(model, init_std(hf), decoder_dummy_key(spec.tie_word_embeddings))
     else:
-        rename, elsewhere = decoder_key_owner(spec.num_layers, model.start, model.end, spec.tie_word_embeddings)
+        rename, elsewhere = decoder_key_owner(
+            spec.num_layers, model.start, model.end, spec.tie_word_embeddings
+        )
         load_weights(model, path, rename, elsewhere, dtype, load_format)
     model.fuse()
     return model.eval()

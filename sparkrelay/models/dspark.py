@@ -1,8 +1,9 @@
-"""Qwen3 DSpark drafter (DeepSpec `Qwen3DSparkModel`); DFlash checkpoints (markov_rank 0, no confidence head) too.
+"""Qwen3 DSpark drafter (DeepSpec `Qwen3DSparkModel`); DFlash checkpoints (markov_rank 0, no
+confidence head) too.
 
-Semantics: docs/dspark.md §1. Module names are the checkpoint keys of §1.3, so DeepSpec checkpoints load
-as they are. Every method is a pure tensor function batched over R requests; the caller owns the draft KV cache
-(per draft layer, K/V of the context projections of committed positions, §1.7):
+Semantics: docs/dspark.md §1. Module names are the checkpoint keys of §1.3, so DeepSpec checkpoints
+load as they are. Every method is a pure tensor function batched over R requests; the caller owns
+the draft KV cache (per draft layer, K/V of the context projections of committed positions, §1.7):
 
     target taps F [N, n_taps*d] --project_context--> C [N, d] --context_kv--> per layer (k, v) [N, n_kv, hd]
     block ids [R, B] + padded context K/V [R, Lc, n_kv, hd] --block_forward--> h [R, B, d]
@@ -19,48 +20,63 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparkrelay.models.decoder import DecoderLayer, DecoderSpec
+from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
 from sparkrelay.models.kernels import fast_head, frozen_linear
 from sparkrelay.models.layers import RMSNorm, apply_rope, fuse_linears, transposed
-from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
-from sparkrelay.models.loader import SHAPE_FIELDS, CheckpointError, is_dummy, load_weights, read_config
-from sparkrelay.models.decoder import DecoderLayer, DecoderSpec
+from sparkrelay.models.loader import (
+    SHAPE_FIELDS,
+    CheckpointError,
+    is_dummy,
+    load_weights,
+    read_config,
+)
 
 ARCHITECTURE = "Qwen3DSparkModel"
-DRAFT_LAYERS = "Qwen3ForCausalLM"  # the family of the draft layers (DeepSpec's Qwen3 drafter): q/k head norms
+DRAFT_LAYERS = (
+    "Qwen3ForCausalLM"  # the family of the draft layers (DeepSpec's Qwen3 drafter): q/k head norms
+)
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
 
 
 @dataclass(frozen=True)
 class DSparkSpec:
-    """The draft config.json (§1.2): `body` holds the layer shapes (num_layers = draft layers), the rest the DSpark fields."""
+    """The draft config.json (§1.2): `body` holds the layer shapes (num_layers = draft layers), the
+    rest the DSpark fields."""
 
     body: DecoderSpec
     block_size: int
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
     markov_rank: int
-    markov_head_type: Optional[str]          # None when markov_rank == 0 (DFlash)
+    markov_head_type: Optional[str]  # None when markov_rank == 0 (DFlash)
     enable_confidence_head: bool
     confidence_head_with_markov: bool
     num_target_layers: int
-    num_anchors: Optional[int]               # training only
+    num_anchors: Optional[int]  # training only
 
     @classmethod
     def from_hf(cls, cfg: dict, target_spec: DecoderSpec) -> "DSparkSpec":
-        missing = [k for k in ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers") if k not in cfg]
+        missing = [
+            k
+            for k in ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers")
+            if k not in cfg
+        ]
         if missing:
             raise ValueError(f"draft config.json lacks the DSpark field(s) {missing}")
         rank = int(cfg.get("markov_rank", 0))
         conf = bool(cfg.get("enable_confidence_head", False))
         spec = cls(
-            body=DecoderSpec.from_hf(cfg, DRAFT_LAYERS),  # Qwen3 layers, whatever the target's family
+            # Qwen3 layers, whatever the target's family
+            body=DecoderSpec.from_hf(cfg, DRAFT_LAYERS),
             block_size=int(cfg["block_size"]),
             target_layer_ids=tuple(int(i) for i in cfg["target_layer_ids"]),
             mask_token_id=int(cfg["mask_token_id"]),
             markov_rank=rank,
             markov_head_type=cfg.get("markov_head_type", "vanilla") if rank > 0 else None,
             enable_confidence_head=conf,
-            confidence_head_with_markov=conf and bool(cfg.get("confidence_head_with_markov", rank > 0)),
+            confidence_head_with_markov=conf
+            and bool(cfg.get("confidence_head_with_markov", rank > 0)),
             num_target_layers=int(cfg["num_target_layers"]),
             num_anchors=cfg.get("num_anchors"),
         )
@@ -71,34 +87,52 @@ class DSparkSpec:
         """Start-up checks against the target; each error names the field and the value(s)."""
         n, ids = self.num_target_layers, list(self.target_layer_ids)
         if n != target.num_layers:
-            raise ValueError(f"num_target_layers {n} != the target's num_hidden_layers {target.num_layers}")
+            raise ValueError(
+                f"num_target_layers {n} != the target's num_hidden_layers {target.num_layers}"
+            )
         bad = [i for i in ids if not (i == -1 or 0 <= i < n)]
         if not ids or bad:
             raise ValueError(f"target_layer_ids {ids}: id(s) {bad} outside {{-1}} ∪ [0, {n - 1}]")
         if n - 1 in ids:
-            raise ValueError(f"target_layer_ids {ids}: {n - 1} is the target's last layer (num_target_layers {n}), "
-                             "whose Hugging Face hidden state is post-norm, never a raw tap (docs/dspark.md §1.8)")
+            raise ValueError(
+                f"target_layer_ids {ids}: {n - 1} is the target's last layer (num_target_layers {n}), "
+                "whose Hugging Face hidden state is post-norm, never a raw tap (docs/dspark.md §1.8)"
+            )
         if any(a >= b for a, b in zip(ids, ids[1:])):
             raise ValueError(f"target_layer_ids {ids} is not strictly increasing")
-        for field in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "rope_theta",
-                      "rope_scaling"):
+        for field in (
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+            "rope_theta",
+            "rope_scaling",
+        ):
             mine, theirs = getattr(self.body, field), getattr(target, field)
             if mine != theirs:
                 raise ValueError(f"{field} {mine} of the drafter != the target's {theirs}")
         if self.block_size < 1:
             raise ValueError(f"block_size {self.block_size} must be >= 1")
         if not 0 <= self.mask_token_id < self.body.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} outside [0, vocab_size {self.body.vocab_size})")
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} outside [0, vocab_size {self.body.vocab_size})"
+            )
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank {self.markov_rank} must be >= 0")
         if self.markov_head_type is not None and self.markov_head_type not in MARKOV_HEADS:
-            raise ValueError(f"markov_head_type {self.markov_head_type!r} is not one of {MARKOV_HEADS}")
+            raise ValueError(
+                f"markov_head_type {self.markov_head_type!r} is not one of {MARKOV_HEADS}"
+            )
         if self.confidence_head_with_markov and self.markov_rank == 0:
-            raise ValueError("confidence_head_with_markov True needs a Markov head, but markov_rank is 0")
+            raise ValueError(
+                "confidence_head_with_markov True needs a Markov head, but markov_rank is 0"
+            )
 
 
 class MarkovHead(nn.Module):
-    """Low-rank token-transition logit bias β_k = W2 · m_k (§1.6); m_k = W1[x_{k-1}] (vanilla), gated, or RNN."""
+    """Low-rank token-transition logit bias β_k = W2 · m_k (§1.6); m_k = W1[x_{k-1}] (vanilla),
+    gated, or RNN."""
 
     def __init__(self, kind: str, vocab: int, rank: int, dim: int) -> None:
         super().__init__()
@@ -110,20 +144,24 @@ class MarkovHead(nn.Module):
         elif kind == "rnn":
             self.joint_proj = nn.Linear(2 * rank + dim, 3 * rank)
 
-    def step(self, h: torch.Tensor, prev: torch.Tensor, state: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def step(
+        self, h: torch.Tensor, prev: torch.Tensor, state: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """h [..., d], prev [...] -> β [..., V] and the RNN state [..., r] (None for the other kinds)."""
         e = self.markov_w1(prev)  # [..., r]
         if self.kind == "gated":
             e = torch.sigmoid(self.gate_proj(torch.cat([h, e.to(h.dtype)], -1))) * e
         elif self.kind == "rnn":
             s = torch.zeros_like(e) if state is None else state
-            gate, cand, out = self.joint_proj(torch.cat([s, e, h.to(e.dtype)], -1)).chunk(3, dim=-1)  # 3 x [..., r]
+            # 3 x [..., r]
+            gate, cand, out = self.joint_proj(torch.cat([s, e, h.to(e.dtype)], -1)).chunk(3, dim=-1)
             g = torch.sigmoid(gate)
             state, e = g * s + (1 - g) * torch.tanh(cand), torch.tanh(out)
         return self.markov_w2(e), state
 
     def fuse(self) -> None:
-        """After loading: W2 [V, r] in its fast layout (it is read B times per draft round, once per slot)."""
+        """After loading: W2 [V, r] in its fast layout (it is read B times per draft round, once per
+        slot)."""
         self.markov_w2 = frozen_linear(self.markov_w2.weight)
 
     def teacher_forced(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -144,37 +182,58 @@ class ConfidenceHead(nn.Module):
 
 
 class DraftLayer(DecoderLayer):
-    """A Qwen3 layer whose B block queries attend, without a causal mask, over [context K/V ; block K/V] (§1.5)."""
+    """A Qwen3 layer whose B block queries attend, without a causal mask, over [context K/V ; block
+    K/V] (§1.5)."""
 
     def fuse(self) -> None:
-        """After loading: the fused products of the layer, and a K/V-only product for the context rows (a copy of the
-        k/v weights, [2 * n_kv * hd, d]: a packed weight has no column slice to read)."""
+        """After loading: the fused products of the layer, and a K/V-only product for the context
+        rows (a copy of the k/v weights, [2 * n_kv * hd, d]: a packed weight has no column slice to
+        read)."""
         self.kv_proj = fuse_linears(self.self_attn.k_proj, self.self_attn.v_proj)
         self.self_attn.fuse()
         self.mlp.fuse()
 
-    def block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-              mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """x [R, B, d]; cos/sin [R*B, 1, hd]; ctx_k/ctx_v [R, Lc, n_kv, hd]; mask [R, 1, 1, Lc+B] or None."""
+    def block(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        mask: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """x [R, B, d]; cos/sin [R*B, 1, hd]; ctx_k/ctx_v [R, Lc, n_kv, hd]; mask [R, 1, 1, Lc+B] or
+        None."""
         r, b, d = x.shape
         attn = self.self_attn
-        q, k, v = attn.qk_rope(self.input_layernorm(x).reshape(r * b, d), cos, sin)  # normed + rotated, [R*B, H | n_kv, hd]
+        # normed + rotated, [R*B, H | n_kv, hd]
+        q, k, v = attn.qk_rope(self.input_layernorm(x).reshape(r * b, d), cos, sin)
         q = q.reshape(r, b, attn.n_heads, attn.head_dim)
         k = k.reshape(r, b, attn.n_kv, attn.head_dim)
-        k = torch.cat([ctx_k, k], dim=1)  # [R, Lc+B, n_kv, hd]: context keys first, then the block's
+        # [R, Lc+B, n_kv, hd]: context keys first, then the block's
+        k = torch.cat([ctx_k, k], dim=1)
         v = torch.cat([ctx_v, v.view(r, b, attn.n_kv, attn.head_dim)], dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                             scale=attn.scale, enable_gqa=True)  # [R, H, B, hd]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            scale=attn.scale,
+            enable_gqa=True,
+        )  # [R, H, B, hd]
         x = x + attn.o_proj(out.transpose(1, 2).reshape(r, b, attn.n_heads * attn.head_dim))
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def context_kv(self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def context_kv(
+        self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """C [N, d] -> k [N, n_kv, hd] (k_norm, RoPE), v [N, n_kv, hd]; C bypasses input_layernorm (§1.4)."""
         attn, n = self.self_attn, c.shape[0]
         if attn.qkv is None:
             k, v = attn.k_proj(c), attn.v_proj(c)
         else:
-            k, v = self.kv_proj.forward(c).chunk(2, dim=-1)  # [N, 2 * n_kv * hd] -> 2 x [N, n_kv * hd]
+            # [N, 2 * n_kv * hd] -> 2 x [N, n_kv * hd]
+            k, v = self.kv_proj.forward(c).chunk(2, dim=-1)
         k = apply_rope(attn.k_norm(k.view(n, attn.n_kv, attn.head_dim)), cos, sin)
         return k, v.view(n, attn.n_kv, attn.head_dim)
 
@@ -191,14 +250,19 @@ class Qwen3DSparkModel(nn.Module):
         self.hidden_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         r = spec.markov_rank
-        self.markov_head = MarkovHead(spec.markov_head_type, s.vocab_size, r, s.hidden_size) if r > 0 else None
+        self.markov_head = (
+            MarkovHead(spec.markov_head_type, s.vocab_size, r, s.hidden_size) if r > 0 else None
+        )
         conf_dim = s.hidden_size + (r if spec.confidence_head_with_markov else 0)
         self.confidence_head = ConfidenceHead(conf_dim) if spec.enable_confidence_head else None
         self.rotary = s.rotary(device)
-        self.head: nn.Module | None = None  # the LM head's fast copy, unless the target's is used (load_dspark)
+        self.head: nn.Module | None = (
+            None  # the LM head's fast copy, unless the target's is used (load_dspark)
+        )
 
     def fuse(self) -> None:
-        """After loading: every draft layer's products, fc and the Markov head's W2 in their fast layouts."""
+        """After loading: every draft layer's products, fc and the Markov head's W2 in their fast
+        layouts."""
         for layer in self.layers:
             layer.fuse()
         self.fc = transposed(self.fc)
@@ -209,14 +273,23 @@ class Qwen3DSparkModel(nn.Module):
         """features [N, n_taps*d] (taps concatenated in target_layer_ids order) -> C [N, d]."""
         return self.hidden_norm(self.fc(features))
 
-    def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """C [N, d] at absolute positions [N] -> per draft layer (k [N, n_kv, hd] post k_norm + RoPE, v [N, n_kv, hd])."""
+    def context_kv(
+        self, c: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """C [N, d] at absolute positions [N] -> per draft layer (k [N, n_kv, hd] post k_norm + RoPE,
+        v [N, n_kv, hd])."""
         cos, sin = self.rotary.table(positions, c.dtype)
         return [layer.context_kv(c, cos, sin) for layer in self.layers]
 
-    def block_forward(self, block_ids: torch.Tensor, block_positions: torch.Tensor, ctx_k: list[torch.Tensor],
-                      ctx_v: list[torch.Tensor], ctx_len: Optional[torch.Tensor],
-                      mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def block_forward(
+        self,
+        block_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        ctx_k: list[torch.Tensor],
+        ctx_v: list[torch.Tensor],
+        ctx_len: Optional[torch.Tensor],
+        mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """block_ids, block_positions [R, B]; ctx_k/ctx_v per layer [R, Lc, n_kv, hd], rows >= ctx_len [R] are padding
         (masked) -> h [R, B, d] after the final norm. Block queries see the valid context and the whole block.
         Training passes its own `mask` [R, 1, B, Lc+B] instead of ctx_len (many blocks of one sequence as one row)."""
@@ -226,7 +299,9 @@ class Qwen3DSparkModel(nn.Module):
         lc = ctx_k[0].shape[1] if ctx_k else 0
         if mask is None and bool((ctx_len < lc).any()):
             ctx_ok = torch.arange(lc, device=x.device)[None, :] < ctx_len[:, None]  # [R, Lc]
-            mask = torch.cat([ctx_ok, ctx_ok.new_ones(r, b)], dim=1)[:, None, None, :]  # [R, 1, 1, Lc+B]
+            mask = torch.cat([ctx_ok, ctx_ok.new_ones(r, b)], dim=1)[
+                :, None, None, :
+            ]  # [R, 1, 1, Lc+B]
         for layer, k, v in zip(self.layers, ctx_k, ctx_v):
             x = layer.block(x, cos, sin, k, v, mask)
         return self.norm(x)
@@ -241,18 +316,32 @@ class Qwen3DSparkModel(nn.Module):
             return h.new_zeros(*prev.shape, self.spec.body.vocab_size)
         return self.markov_head.teacher_forced(h, prev)
 
-    def markov_sample(self, u: torch.Tensor, anchors: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
-                      generator: Optional[torch.Generator] = None, h: Optional[torch.Tensor] = None,
-                      generators: Optional[list[Optional[torch.Generator]]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequential sampling over the B slots (§2.2 step 3): Z_k = U_k + β(prev); prev_0 = anchor, prev_k = draft k-1.
+    def markov_sample(
+        self,
+        u: torch.Tensor,
+        anchors: torch.Tensor,
+        temperature: torch.Tensor,
+        greedy: torch.Tensor,
+        generator: Optional[torch.Generator] = None,
+        h: Optional[torch.Tensor] = None,
+        generators: Optional[list[Optional[torch.Generator]]] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequential sampling over the B slots (§2.2 step 3): Z_k = U_k + β(prev); prev_0 = anchor,
+        prev_k = draft k-1.
 
         u [R, B, V]; anchors [R]; temperature [R] (ignored where greedy [R] is True); h [R, B, d] (needed by the gated
         and RNN heads); noise from `generators[row]` when given, else `generator`.
         -> drafts [R, B] (long), Z [R, B, V] float32 (the draft distribution is softmax(Z_k / T)).
         """
         if self.markov_head is not None and self.markov_head.kind != "vanilla" and h is None:
-            raise ValueError(f"markov_head_type {self.markov_head.kind!r} needs the hidden states h")
-        temp = torch.where(greedy, torch.ones_like(temperature), temperature).clamp_min(1e-5)[:, None].float()
+            raise ValueError(
+                f"markov_head_type {self.markov_head.kind!r} needs the hidden states h"
+            )
+        temp = (
+            torch.where(greedy, torch.ones_like(temperature), temperature)
+            .clamp_min(1e-5)[:, None]
+            .float()
+        )
         prev, state, drafts, zs = anchors, None, [], []
         for k in range(u.shape[1]):
             z = u[:, k].float()  # [R, V]
@@ -265,32 +354,43 @@ class Qwen3DSparkModel(nn.Module):
                 for row, gen in enumerate(generators or []):
                     if gen is not None:
                         noise[row].exponential_(generator=gen)
-                drawn = (torch.softmax(z / temp, dim=-1) / noise).argmax(-1)  # exponential race: a draw from softmax
+                # exponential race: a draw from softmax
+                drawn = (torch.softmax(z / temp, dim=-1) / noise).argmax(-1)
                 prev = torch.where(greedy, prev, drawn)
             drafts.append(prev)
             zs.append(z)
         return torch.stack(drafts, dim=1), torch.stack(zs, dim=1)
 
     def confidence(self, h: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
-        """h [R, B, d], prev_tokens [R, B] (anchor, then drafts 0..B-2) -> logits [R, B]; sigmoid = P(accept | prefix)."""
+        """h [R, B, d], prev_tokens [R, B] (anchor, then drafts 0..B-2) -> logits [R, B];
+        sigmoid = P(accept | prefix)."""
         if self.confidence_head is None:
-            raise ValueError("this drafter has no confidence head (enable_confidence_head is false)")
+            raise ValueError(
+                "this drafter has no confidence head (enable_confidence_head is false)"
+            )
         x = h
         if self.spec.confidence_head_with_markov:
-            x = torch.cat([h, self.markov_head.markov_w1(prev_tokens).to(h.dtype)], dim=-1)  # [R, B, d + r]
+            # [R, B, d + r]
+            x = torch.cat([h, self.markov_head.markov_w1(prev_tokens).to(h.dtype)], dim=-1)
         return self.confidence_head.proj(x).squeeze(-1)
 
 
 def _fits(own: torch.Tensor, tensor: Optional[torch.Tensor]) -> bool:
-    return tensor is not None and (tensor.dtype, tensor.device, tensor.shape) == (own.dtype, own.device, own.shape)
+    return tensor is not None and (tensor.dtype, tensor.device, tensor.shape) == (
+        own.dtype,
+        own.device,
+        own.shape,
+    )
 
 
 def _share(module: nn.Module, tensor: Optional[torch.Tensor], trust: bool = False) -> bool:
-    """Replace module.weight by `tensor` when they are identical (dtype, device, shape, values; `trust`: the values
-    are equal by definition, see load_dspark); True if shared."""
+    """Replace module.weight by `tensor` when they are identical (dtype, device, shape, values;
+    `trust`: the values are equal by definition, see load_dspark); True if shared."""
     if not _fits(module.weight, tensor) or not (trust or torch.equal(tensor, module.weight)):
         return False
-    module.weight = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
+    module.weight = (
+        tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
+    )
     return True
 
 
@@ -298,43 +398,65 @@ def dspark_dummy_key(target_spec: DecoderSpec):
     """Drafter parameter name -> the checkpoint key seeding its dummy values: the embedding and LM head are the
     target's (frozen copies in a released drafter), so they equal the target's dummy tensors and are shared."""
     head = "model.embed_tokens.weight" if target_spec.tie_word_embeddings else "lm_head.weight"
-    return lambda name: {"embed_tokens.weight": "model.embed_tokens.weight", "lm_head.weight": head}.get(name, name)
+    return lambda name: {
+        "embed_tokens.weight": "model.embed_tokens.weight",
+        "lm_head.weight": head,
+    }.get(name, name)
 
 
-def load_dspark(folder: str | Path, target_spec: DecoderSpec, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                share_embedding_from: Optional[torch.Tensor] = None, share_lm_head_from: Optional[torch.Tensor] = None,
-                fuse: bool = True, load_format: str = "auto") -> Qwen3DSparkModel:
-    """Build the drafter in `folder` for `target_spec` and load it (checked complete), or give it dummy weights
-    (`load_format` "dummy"). The embedding / LM head are replaced by the target's tensors when those are identical,
-    so the drafter holds no second copy (`model.shared_with_target` names the ones shared); a checkpoint that does
-    not store them (they are the target's by definition) takes them from the `share_*_from` tensors."""
+def load_dspark(
+    folder: str | Path,
+    target_spec: DecoderSpec,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    share_embedding_from: Optional[torch.Tensor] = None,
+    share_lm_head_from: Optional[torch.Tensor] = None,
+    fuse: bool = True,
+    load_format: str = "auto",
+) -> Qwen3DSparkModel:
+    """Build the drafter in `folder` for `target_spec` and load it (checked complete), or give it
+    dummy weights (`load_format` "dummy"). The embedding / LM head are replaced by the target's
+    tensors when those are identical, so the drafter holds no second copy
+    (`model.shared_with_target` names the ones shared); a checkpoint that does not store them (they
+    are the target's by definition) takes them from the `share_*_from` tensors."""
     dummy = is_dummy(load_format)
     hf = dummy_config(folder, SHAPE_FIELDS) if dummy else read_config(folder, SHAPE_FIELDS)
     archs = hf.get("architectures")
     if archs != [ARCHITECTURE]:
-        raise CheckpointError(f"{folder}: architectures {archs!r} is not [{ARCHITECTURE!r}] (not a Qwen3 DSpark/DFlash drafter)")
+        raise CheckpointError(
+            f"{folder}: architectures {archs!r} is not [{ARCHITECTURE!r}] (not a Qwen3 DSpark/DFlash drafter)"
+        )
     spec = DSparkSpec.from_hf(hf, target_spec)
     with torch.device("meta"):
         model = Qwen3DSparkModel(spec, device="cpu")
     model = model.to(dtype).to_empty(device=device)  # allocated once, in `dtype`
     model.rotary = spec.body.rotary(device)
     shares = {"embed_tokens": share_embedding_from, "lm_head": share_lm_head_from}
-    # dummy: the embedding and LM head are the target's (frozen copies in a released drafter), never drawn twice
+    # dummy: the embedding and LM head are the target's (frozen copies in a released drafter), never
+    # drawn twice
     trusted = {n for n, t in shares.items() if dummy and _fits(getattr(model, n).weight, t)}
     if dummy:
-        fill_dummy(model, init_std(hf), dspark_dummy_key(target_spec), skip={f"{n}.weight" for n in trusted})
+        fill_dummy(
+            model,
+            init_std(hf),
+            dspark_dummy_key(target_spec),
+            skip={f"{n}.weight" for n in trusted},
+        )
     else:
         given = frozenset(f"{n}.weight" for n, t in shares.items() if t is not None)
         loaded = load_weights(model, folder, dtype=dtype, optional=given)
         for name in ("embed_tokens", "lm_head"):
-            if f"{name}.weight" not in loaded:  # not stored: the target's, copied in if its dtype differs
+            # not stored: the target's, copied in if its dtype differs
+            if f"{name}.weight" not in loaded:
                 with torch.no_grad():
                     getattr(model, name).weight.copy_(shares[name].to(dtype))
                 trusted.add(name)
     if fuse:
         model.fuse()
     model.eval().requires_grad_(False)  # before sharing: never touch the target's own flags
-    shared = [name for name, t in shares.items() if _share(getattr(model, name), t, name in trusted)]
+    shared = [
+        name for name, t in shares.items() if _share(getattr(model, name), t, name in trusted)
+    ]
     model.shared_with_target = tuple(shared)
     if fuse and "lm_head" not in shared:
         model.head = fast_head(model.lm_head.weight)  # a shared head's fast copy is the target's

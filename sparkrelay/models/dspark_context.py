@@ -1,18 +1,22 @@
-"""The DSpark drafter's context projection alone, for a prefill server that never drafts (draft-kv handoff).
+"""The DSpark drafter's context projection alone, for a prefill server that never drafts (draft-kv
+handoff).
 
-    taps F [N, k*d] --fc--> [N, d] --hidden_norm--> C [N, d] --per draft layer: k_proj, k_norm, RoPE(pos); v_proj-->
-    (k [N, n_kv, hd], v [N, n_kv, hd])                                  (= Qwen3DSparkModel.project_context + context_kv)
+    taps F [N, k*d] --fc--> [N, d] --hidden_norm--> C [N, d]
+      --per draft layer: k_proj, k_norm, RoPE(pos); v_proj--> (k [N, n_kv, hd], v [N, n_kv, hd])
+    (= Qwen3DSparkModel.project_context + context_kv)
 
-Under pipeline parallelism the projection is cut at fc, which is linear: with fc.weight W [d, k*d] split into
-column blocks W_i [d, d] (tap i's block, at its index in target_layer_ids), fc(concat(h_1..h_k)) = Σ_i h_i W_iᵀ.
-Each stage adds its taps' share (`partial`) to a running pre-norm sum; the last stage calls `finish`, which applies
-hidden_norm once to the full sum (never to a partial sum: RMSNorm is not linear; docs/pd_protocol.md, failure
-mode 16), then each draft layer's K/V at absolute positions (failure mode 21).
+Under pipeline parallelism the projection is cut at fc, which is linear: with fc.weight W [d, k*d]
+split into column blocks W_i [d, d] (tap i's block, at its index in target_layer_ids),
+fc(concat(h_1..h_k)) = Σ_i h_i W_iᵀ. Each stage adds its taps' share (`partial`) to a running
+pre-norm sum; the last stage calls `finish`, which applies hidden_norm once to the full sum (never
+to a partial sum: RMSNorm is not linear; docs/pd_protocol.md, failure mode 16), then each draft
+layer's K/V at absolute positions (failure mode 21).
 
-Only these checkpoint tensors are read (safetensors reads tensor by tensor): fc.weight, hidden_norm.weight,
-layers.{i}.self_attn.{k_proj,v_proj}.weight (+ .bias with attention_bias) and layers.{i}.self_attn.k_norm.weight.
-The embedding, LM head, Markov and confidence heads and the draft layers' q/o projections, norms and MLPs are
-skipped by name (they are parameters of the full drafter); a key that is no drafter parameter at all is an error.
+Only these checkpoint tensors are read (safetensors reads tensor by tensor): fc.weight,
+hidden_norm.weight, layers.{i}.self_attn.{k_proj,v_proj}.weight (+ .bias with attention_bias) and
+layers.{i}.self_attn.k_norm.weight. The embedding, LM head, Markov and confidence heads and the
+draft layers' q/o projections, norms and MLPs are skipped by name (they are parameters of the full
+drafter); a key that is no drafter parameter at all is an error.
 """
 
 from __future__ import annotations
@@ -22,12 +26,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from sparkrelay.models.decoder import DecoderSpec
 from sparkrelay.models.dspark import ARCHITECTURE, DSparkSpec, Qwen3DSparkModel
+from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
 from sparkrelay.models.kernels import frozen_linear
 from sparkrelay.models.layers import RMSNorm, apply_rope, fuse_linears
-from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
-from sparkrelay.models.loader import SHAPE_FIELDS, CheckpointError, is_dummy, load_weights, read_config
-from sparkrelay.models.decoder import DecoderSpec
+from sparkrelay.models.loader import (
+    SHAPE_FIELDS,
+    CheckpointError,
+    is_dummy,
+    load_weights,
+    read_config,
+)
 
 
 class _ContextAttn(nn.Module):
@@ -45,7 +55,9 @@ class _ContextLayer(nn.Module):
     def __init__(self, s: DecoderSpec) -> None:
         super().__init__()
         self.self_attn = _ContextAttn(s)
-        self.kv_proj: nn.Module | None = None  # k_proj and v_proj as one frozen product, after `fuse`
+        self.kv_proj: nn.Module | None = (
+            None  # k_proj and v_proj as one frozen product, after `fuse`
+        )
 
 
 class ContextProjector(nn.Module):
@@ -66,21 +78,27 @@ class ContextProjector(nn.Module):
         if missing:
             raise ValueError(f"tap(s) {missing} are not among the drafter's target_layer_ids {ids}")
         w = self.fc.weight  # [d_draft, k*d]
-        return torch.cat([w[:, ids.index(i) * d : (ids.index(i) + 1) * d] for i in stage_tap_ids], dim=1)
+        return torch.cat(
+            [w[:, ids.index(i) * d : (ids.index(i) + 1) * d] for i in stage_tap_ids], dim=1
+        )
 
     def partial(self, taps_of_stage: torch.Tensor, stage_tap_ids: tuple[int, ...]) -> torch.Tensor:
         """taps_of_stage [T, k_s*d] (this stage's taps, concatenated in `stage_tap_ids` order) -> its share of
         fc(concat(all taps)), pre-norm: [T, d_draft] float32 (the sum across stages is kept in float32)."""
         key = tuple(stage_tap_ids)
         if key not in self._slices:
-            self._slices[key] = frozen_linear(self.stage_slice(key))  # [d_draft, k_s*d], in its fast layout
+            # [d_draft, k_s*d], in its fast layout
+            self._slices[key] = frozen_linear(self.stage_slice(key))
         fc_slice = self._slices[key]
         return fc_slice(taps_of_stage.to(self.fc.weight.dtype)).float()
 
-    def finish(self, partial: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def finish(
+        self, partial: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The full pre-norm sum [T, d_draft] at absolute `positions` [T] -> per draft layer
         (k [T, n_kv, hd] after k_norm and RoPE, v [T, n_kv, hd])."""
-        c = self.hidden_norm(partial.to(self.fc.weight.dtype))  # [T, d_draft]: the one normalisation
+        # [T, d_draft]: the one normalisation
+        c = self.hidden_norm(partial.to(self.fc.weight.dtype))
         cos, sin = self.rotary.table(positions, c.dtype)
         out, n = [], c.shape[0]
         for layer in self.layers:
@@ -88,31 +106,42 @@ class ContextProjector(nn.Module):
             if layer.kv_proj is None:
                 k, v = attn.k_proj(c), attn.v_proj(c)
             else:
-                k, v = layer.kv_proj(c).chunk(2, dim=-1)  # the draft layer's own fused product (DraftLayer.fuse)
+                # the draft layer's own fused product (DraftLayer.fuse)
+                k, v = layer.kv_proj(c).chunk(2, dim=-1)
             k = k.view(n, attn.n_kv, attn.head_dim)
             out.append((apply_rope(attn.k_norm(k), cos, sin), v.view(n, attn.n_kv, attn.head_dim)))
         return out
 
     def fuse(self) -> None:
-        """After loading: each layer's k/v products as one frozen layer, as the full drafter fuses them."""
+        """After loading: each layer's k/v products as one frozen layer, as the full drafter fuses
+        them."""
         for layer in self.layers:
             layer.kv_proj = fuse_linears(layer.self_attn.k_proj, layer.self_attn.v_proj)
 
 
 def _drafter_names(spec: DSparkSpec) -> set[str]:
-    """Every parameter name of the full drafter (built on the meta device: no memory, nothing read)."""
+    """Every parameter name of the full drafter (built on the meta device: no memory, nothing
+    read)."""
     with torch.device("meta"):
         return {name for name, _ in Qwen3DSparkModel(spec, device="meta").named_parameters()}
 
 
-def load_context_projector(folder: str | Path, target_spec: DecoderSpec, dtype: torch.dtype = torch.float32,
-                           device: str = "cpu", load_format: str = "auto") -> ContextProjector:
-    """Read only the context-projection tensors of the DeepSpec drafter in `folder` (checked complete), or give them
-    their dummy values (`load_format` "dummy": the same as the full drafter's, tensor by tensor name)."""
+def load_context_projector(
+    folder: str | Path,
+    target_spec: DecoderSpec,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    load_format: str = "auto",
+) -> ContextProjector:
+    """Read only the context-projection tensors of the DeepSpec drafter in `folder` (checked
+    complete), or give them their dummy values (`load_format` "dummy": the same as the full
+    drafter's, tensor by tensor name)."""
     dummy = is_dummy(load_format)
     hf = dummy_config(folder, SHAPE_FIELDS) if dummy else read_config(folder, SHAPE_FIELDS)
     if hf.get("architectures") != [ARCHITECTURE]:
-        raise CheckpointError(f"{folder}: architectures {hf.get('architectures')!r} is not [{ARCHITECTURE!r}]")
+        raise CheckpointError(
+            f"{folder}: architectures {hf.get('architectures')!r} is not [{ARCHITECTURE!r}]"
+        )
     spec = DSparkSpec.from_hf(hf, target_spec)
     with torch.device("meta"):
         model = ContextProjector(spec, device="meta")

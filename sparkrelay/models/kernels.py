@@ -1,26 +1,30 @@
-"""Frozen linear layers for a loaded model: each keeps its weight in the layout its fastest product reads.
+"""Frozen linear layers for a loaded model: each keeps its weight in the layout its fastest product
+reads.
 
-Decoding multiplies a few activation rows by every weight matrix once per step, so a step costs about the bytes
-of the weights divided by the read bandwidth, if the kernel streams the weight at that bandwidth. Of the CPU
-layouts measured (MKL's `x @ weight_t`, F.linear, MKL packed, oneDNN packed, inductor's CPP GEMM), oneDNN's packed
-one streams weights the fastest, in float32 and bfloat16, at one row and at several (figures: speed notes of
-docs/architecture.md).
+Decoding multiplies a few activation rows by every weight matrix once per step, so a step costs
+about the bytes of the weights divided by the read bandwidth, if the kernel streams the weight at
+that bandwidth. Of the CPU layouts measured (MKL's `x @ weight_t`, F.linear, MKL packed, oneDNN
+packed, inductor's CPP GEMM), oneDNN's packed one streams weights the fastest, in float32 and
+bfloat16, at one row and at several (figures: speed notes of docs/architecture.md).
 
-So on CPU every large weight is reordered once into oneDNN's blocked layout (PackedLinear, an opaque mkldnn
-tensor that `_linear_pointwise` reads as it is, for any row count). A small float32 weight (< PACK_MIN_FP32
-elements: the bundled tiny model's) keeps both layouts (SmallLinear, a few MB at most): one row goes to MKL,
-whose `x @ weight_t` dispatches faster for a small weight, several rows (a DSpark verify or draft block) to oneDNN.
-`frozen_linear` picks one. Nothing here converts or copies a weight per call.
-An LM head is kept besides its nn.Linear (tied, that is the embedding the lookup reads): `fast_head` gives it a
-second, packed copy on CPU, a faster one-row product for the memory of a second head (311 MB for a bfloat16
-[151936, 1024] head; a float32 head of that shape costs 622 MB more).
+So on CPU every large weight is reordered once into oneDNN's blocked layout (PackedLinear, an opaque
+mkldnn tensor that `_linear_pointwise` reads as it is, for any row count). A small float32 weight (<
+PACK_MIN_FP32
+elements: the bundled tiny model's) keeps both layouts (SmallLinear, a few MB at most): one row goes
+to MKL, whose `x @ weight_t` dispatches faster for a small weight, several rows (a DSpark verify or
+draft block) to oneDNN. `frozen_linear` picks one. Nothing here converts or copies a weight per
+call. An LM head is kept besides its nn.Linear (tied, that is the embedding the lookup reads):
+`fast_head` gives it a second, packed copy on CPU, a faster one-row product for the memory of a
+second head (311 MB for a bfloat16 [151936, 1024] head; a float32 head of that shape costs 622 MB
+more).
 
-oneDNN keeps what it built for each input shape in two caches, ideep's (LRU_CACHE_CAPACITY) and its own primitive
-cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY), 1,024 entries each by default. A server sees a new row count with every
-new prompt length and batch, so its memory grew with them without bound in sight. Importing this module caps both
-at ONEDNN_CACHE_ENTRIES unless the user set them, which bounds the memory at a small cost in speed when batch
-sizes keep changing (figures: speed notes of docs/architecture.md). Both are read when oneDNN first builds
-something, so this must run before the first product (it does: every layer comes from here).
+oneDNN keeps what it built for each input shape in two caches, ideep's (LRU_CACHE_CAPACITY) and its
+own primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY), 1,024 entries each by default. A server sees
+a new row count with every new prompt length and batch, so its memory grew with them without bound
+in sight. Importing this module caps both at ONEDNN_CACHE_ENTRIES unless the user set them, which
+bounds the memory at a small cost in speed when batch sizes keep changing (figures: speed notes of
+docs/architecture.md). Both are read when oneDNN first builds something, so this must run before the
+first product (it does: every layer comes from here).
 """
 
 from __future__ import annotations
@@ -31,20 +35,26 @@ from typing import Optional
 import torch
 from torch import nn
 
-PACK_MIN_FP32 = 1 << 19  # float32 weights from this many elements up are packed only (module docstring)
+# float32 weights from this many elements up are packed only (module docstring)
+PACK_MIN_FP32 = 1 << 19
 ONEDNN_CACHE_ENTRIES = 64  # per oneDNN shape cache (module docstring)
 for _var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
-    os.environ.setdefault(_var, str(ONEDNN_CACHE_ENTRIES))  # inherited by the pipeline stages' processes too
+    # inherited by the pipeline stages' processes too
+    os.environ.setdefault(_var, str(ONEDNN_CACHE_ENTRIES))
 
 
 class TLinear(nn.Module):
-    """A loaded, frozen Linear that keeps its weight transposed, [in, out]: `x @ weight_t` is faster than
-    `F.linear(x, weight)` for the one-row products of decoding (measured with MKL: docs/architecture.md)."""
+    """A loaded, frozen Linear that keeps its weight transposed, [in, out]: `x @ weight_t` is faster
+    than `F.linear(x, weight)` for the one-row products of decoding (measured with MKL:
+    docs/architecture.md)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.weight_t = nn.Parameter(weight.detach().t().contiguous(), requires_grad=False)  # [in, out]
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        # [in, out]
+        self.weight_t = nn.Parameter(weight.detach().t().contiguous(), requires_grad=False)
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        )
 
     @property
     def weight(self) -> torch.Tensor:
@@ -60,12 +70,16 @@ class TLinear(nn.Module):
 
 
 class SmallLinear(TLinear):
-    """A small frozen float32 Linear on CPU: one row through `x @ weight_t`, several through a packed copy."""
+    """A small frozen float32 Linear on CPU: one row through `x @ weight_t`, several through a
+    packed copy."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight, bias)
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 8),
-                             persistent=False)
+        self.register_buffer(
+            "packed",
+            torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 8),
+            persistent=False,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == x.shape[-1] or torch.compiler.is_compiling():
@@ -81,8 +95,12 @@ class PackedLinear(nn.Module):
         super().__init__()
         w = weight.detach().contiguous()  # [out, in]
         self.out_features, self.in_features = w.shape
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w, 1), persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.register_buffer(
+            "packed", torch.ops.mkldnn._reorder_linear_weight(w, 1), persistent=False
+        )
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        )
 
     @property
     def weight(self) -> torch.Tensor:
@@ -94,14 +112,18 @@ class PackedLinear(nn.Module):
         return self.packed.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # inductor lowers this op only for weights it packed itself (freezing)
+        # inductor lowers this op only for weights it packed itself (freezing)
+        if torch.compiler.is_compiling():
             return packed_linear(x, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 @torch.library.custom_op("sparkrelay::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """PackedLinear's product as one opaque op for torch.compile (eager calls skip its dispatch cost)."""
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """PackedLinear's product as one opaque op for torch.compile (eager calls skip its dispatch
+    cost)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -111,7 +133,8 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> to
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN's packed product is the fast one for bfloat16 and float32 weights on CPU (module docstring)."""
+    """oneDNN's packed product is the fast one for bfloat16 and float32 weights on CPU (module
+    docstring)."""
     usable = weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
     return usable and weight.dtype in (torch.bfloat16, torch.float32)
 
@@ -125,5 +148,6 @@ def frozen_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.
 
 
 def fast_head(weight: torch.Tensor) -> nn.Module | None:
-    """A frozen copy of the LM head `weight` [V, d] for the logits, or None off CPU (F.linear on it is as fast)."""
+    """A frozen copy of the LM head `weight` [V, d] for the logits, or None off CPU (F.linear on it
+    is as fast)."""
     return frozen_linear(weight) if weight.device.type == "cpu" else None

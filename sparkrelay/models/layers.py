@@ -26,7 +26,8 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """gate_proj / up_proj as in the checkpoint; `fuse()` merges them into one [2 * inter, dim] matmul after loading."""
+    """gate_proj / up_proj as in the checkpoint; `fuse()` merges them into one [2 * inter, dim]
+    matmul after loading."""
 
     def __init__(self, dim: int, inter: int, bias: bool = False) -> None:
         super().__init__()
@@ -53,19 +54,30 @@ def transposed(linear: nn.Linear) -> nn.Module:
 
 
 def fuse_linears(*linears: nn.Linear) -> nn.Module:
-    """One frozen layer whose output is the concatenation of the given ones' outputs (fewer, larger kernels)."""
-    weight = torch.cat([l.weight for l in linears], dim=0)
-    bias = torch.cat([l.bias for l in linears], dim=0) if linears[0].bias is not None else None
+    """One frozen layer whose output is the concatenation of the given ones' outputs (fewer, larger
+    kernels)."""
+    weight = torch.cat([lin.weight for lin in linears], dim=0)
+    bias = torch.cat([lin.bias for lin in linears], dim=0) if linears[0].bias is not None else None
     return frozen_linear(weight, bias)
 
 
 class Rotary:
-    """RoPE with a precomputed cos/sin table, indexed by absolute position; `scaling` (rope_scaling's result) rescales
-    the frequencies (linear, Llama 3), as transformers' rope init functions do."""
+    """RoPE with a precomputed cos/sin table, indexed by absolute position; `scaling`
+    (rope_scaling's result) rescales the frequencies (linear, Llama 3), as transformers' rope init
+    functions do."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, device: torch.device,
-                 scaling: tuple | None = None) -> None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        max_positions: int,
+        device: torch.device,
+        scaling: tuple | None = None,
+    ) -> None:
+        inv_freq = 1.0 / (
+            theta
+            ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+        )
         inv_freq = scaled_inv_freq(inv_freq, scaling)
         pos = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)  # [P, D/2]
@@ -75,15 +87,21 @@ class Rotary:
         sin = emb.sin()
         self.sin = torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), dim=-1)
         self.max_positions = max_positions
-        self.by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {torch.float32: (self.cos, self.sin)}
+        self.by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {
+            torch.float32: (self.cos, self.sin)
+        }
 
-    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def table(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for `positions` [T] -> each [T, 1, D] (broadcast over heads), read from a table already in
         `dtype` (converted once, on first use: no conversion per step)."""
         if dtype not in self.by_dtype:
             self.by_dtype[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
         cos, sin = self.by_dtype[dtype]
-        return cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
+        return cos.index_select(0, positions).unsqueeze(1), sin.index_select(
+            0, positions
+        ).unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -104,27 +122,39 @@ ROPE_KINDS = ("default", "linear", "llama3")
 
 
 def rope_scaling(hf_config: dict) -> tuple | None:
-    """(kind, sorted (name, value) pairs) from `rope_scaling` or `rope_parameters`, None for plain RoPE; a kind
-    outside ROPE_KINDS is refused by name."""
-    params = dict(hf_config.get("rope_scaling") or {}) or dict(hf_config.get("rope_parameters") or {})
+    """(kind, sorted (name, value) pairs) from `rope_scaling` or `rope_parameters`, None for plain
+    RoPE; a kind outside ROPE_KINDS is refused by name."""
+    params = dict(hf_config.get("rope_scaling") or {}) or dict(
+        hf_config.get("rope_parameters") or {}
+    )
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     if kind not in ROPE_KINDS:
-        raise NotImplementedError(f"rope_type {kind!r} is not supported (supported: {', '.join(ROPE_KINDS)})")
+        raise NotImplementedError(
+            f"rope_type {kind!r} is not supported (supported: {', '.join(ROPE_KINDS)})"
+        )
     if kind == "default":
         return None
     params.pop("rope_theta", None)
-    return kind, tuple(sorted((k, float(v)) for k, v in params.items() if isinstance(v, (int, float))))
+    return kind, tuple(
+        sorted((k, float(v)) for k, v in params.items() if isinstance(v, (int, float)))
+    )
 
 
 def scaled_inv_freq(inv_freq: torch.Tensor, scaling: tuple | None) -> torch.Tensor:
-    """inv_freq [D/2] under `scaling`: linear divides every frequency by `factor`; Llama 3 divides the low ones
-    (wavelength beyond original_max_position_embeddings / low_freq_factor), keeps the high ones and blends between."""
+    """inv_freq [D/2] under `scaling`: linear divides every frequency by `factor`; Llama 3 divides
+    the low ones (wavelength beyond original_max_position_embeddings / low_freq_factor), keeps the
+    high ones and blends between."""
     if scaling is None:
         return inv_freq
     kind, p = scaling[0], dict(scaling[1])
     if kind == "linear":
         return inv_freq / p["factor"]
-    factor, low, high, old = p["factor"], p["low_freq_factor"], p["high_freq_factor"], p["original_max_position_embeddings"]
+    factor, low, high, old = (
+        p["factor"],
+        p["low_freq_factor"],
+        p["high_freq_factor"],
+        p["original_max_position_embeddings"],
+    )
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
     smooth = (old / wavelen - low) / (high - low)

@@ -1,8 +1,9 @@
-"""Read Hugging Face safetensors checkpoints as they are (or a GGUF file, as the same keys), with a completeness check.
+"""Read Hugging Face safetensors checkpoints as they are (or a GGUF file, as the same keys), with a
+completeness check.
 
-Every parameter of the module must be found with the right shape, and every tensor in the files must be
-either loaded or explicitly owned by another pipeline stage (`elsewhere(key)`); anything else is an error that
-names the keys.
+Every parameter of the module must be found with the right shape, and every tensor in the files must
+be either loaded or explicitly owned by another pipeline stage (`elsewhere(key)`); anything else is
+an error that names the keys.
 """
 
 from __future__ import annotations
@@ -17,21 +18,30 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from sparkrelay.config import LOAD_FORMATS  # auto = a folder's safetensors or a .gguf file, by the path
+# auto = a folder's safetensors or a .gguf file, by the path
+from sparkrelay.config import (
+    LOAD_FORMATS,
+)
 from sparkrelay.models.gguf_file import GGUFError, gguf_config, gguf_tensors, is_gguf
 
-
 # The config.json fields every Qwen3-shaped model (target or drafter) needs; the rest have defaults.
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 
 
 class CheckpointError(ValueError):
-    """The checkpoint does not match the model: names the missing, unexpected or mis-shaped tensors."""
+    """The checkpoint does not match the model: names the missing, unexpected or mis-shaped
+    tensors."""
 
 
 def read_config(folder: str | Path, require: tuple[str, ...] = ()) -> dict:
-    """The folder's config.json (a GGUF file's metadata as one); a field of `require` that it lacks is an error
-    naming the file and the fields."""
+    """The folder's config.json (a GGUF file's metadata as one); a field of `require` that it lacks
+    is an error naming the file and the fields."""
     if is_gguf(folder):
         try:
             return dict(gguf_config(str(folder)))
@@ -48,15 +58,19 @@ def read_config(folder: str | Path, require: tuple[str, ...] = ()) -> dict:
 
 
 def is_dummy(load_format: str) -> bool:
-    """True for `--load-format dummy` (random weights, no files read); the safetensors formats give False."""
+    """True for `--load-format dummy` (random weights, no files read); the safetensors formats give
+    False."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r} is not one of {LOAD_FORMATS}")
     return load_format == "dummy"
 
 
-def checkpoint_tensors(path: str | Path, load_format: str = "auto") -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """(key, loader) for every tensor at `path`: a folder's *.safetensors, or a GGUF file's tensors under their Hugging
-    Face keys (`--load-format gguf` insists on the latter). A loader reads its tensor only when called."""
+def checkpoint_tensors(
+    path: str | Path, load_format: str = "auto"
+) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(key, loader) for every tensor at `path`: a folder's *.safetensors, or a GGUF file's tensors
+    under their Hugging Face keys (`--load-format gguf` insists on the latter). A loader reads its
+    tensor only when called."""
     if load_format == "gguf" and not is_gguf(path):
         raise CheckpointError(f"--load-format gguf: {path} is not a .gguf file")
     if is_gguf(path):
@@ -74,8 +88,10 @@ def checkpoint_tensors(path: str | Path, load_format: str = "auto") -> Iterator[
 def safetensors_files(folder: str | Path) -> list[Path]:
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"no *.safetensors files in {folder} (--load-format dummy runs random weights at the "
-                              "shapes of its config.json)")
+        raise CheckpointError(
+            f"no *.safetensors files in {folder} (--load-format dummy runs random weights at the "
+            "shapes of its config.json)"
+        )
     return files
 
 
@@ -85,14 +101,22 @@ def _summary(keys: list[str], limit: int = 8) -> str:
     return ", ".join(keys[:limit]) + more
 
 
-def load_weights(module: nn.Module, folder: str | Path, rename: Callable[[str], Optional[str]] = lambda k: k,
-                 elsewhere: Callable[[str], bool] = lambda k: False, dtype: torch.dtype = torch.float32,
-                 load_format: str = "auto", optional: frozenset[str] = frozenset()) -> set[str]:
-    """Copy the checkpoint's tensors (checkpoint_tensors) into `module`'s parameters; returns the names loaded.
+def load_weights(
+    module: nn.Module,
+    folder: str | Path,
+    rename: Callable[[str], Optional[str]] = lambda k: k,
+    elsewhere: Callable[[str], bool] = lambda k: False,
+    dtype: torch.dtype = torch.float32,
+    load_format: str = "auto",
+    optional: frozenset[str] = frozenset(),
+) -> set[str]:
+    """Copy the checkpoint's tensors (checkpoint_tensors) into `module`'s parameters; returns the
+    names loaded.
 
-    rename(key) maps a checkpoint key to a parameter name, or None to skip a key on purpose (e.g. a tied
-    lm_head); elsewhere(key) is True for keys another pipeline stage loads; a parameter in `optional` may be absent
-    (the caller fills it, e.g. a drafter's embedding shared with the target).
+    rename(key) maps a checkpoint key to a parameter name, or None to skip a key on purpose (e.g. a
+    tied lm_head); elsewhere(key) is True for keys another pipeline stage loads; a parameter in
+    `optional` may be absent (the caller fills it, e.g. a drafter's embedding shared with the
+    target).
     """
     params = dict(module.named_parameters())
     loaded: set[str] = set()
@@ -120,14 +144,18 @@ def load_weights(module: nn.Module, folder: str | Path, rename: Callable[[str], 
     if bad_shape:
         problems.append(f"shape mismatch: {_summary(bad_shape)}")
     if problems:
-        raise CheckpointError(f"checkpoint {folder} does not match the model: " + "; ".join(problems))
+        raise CheckpointError(
+            f"checkpoint {folder} does not match the model: " + "; ".join(problems)
+        )
     return loaded
 
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def decoder_key_owner(num_layers: int, start: int, end: int, tied: bool) -> tuple[Callable, Callable]:
+def decoder_key_owner(
+    num_layers: int, start: int, end: int, tied: bool
+) -> tuple[Callable, Callable]:
     """(rename, elsewhere) for a decoder stage owning layers [start, end)."""
     is_last = end == num_layers
 
@@ -135,7 +163,9 @@ def decoder_key_owner(num_layers: int, start: int, end: int, tied: bool) -> tupl
         if key == "lm_head.weight" and tied:
             return None  # tied: the LM head is the embedding matrix
         if key == "model.embed_tokens.weight" and tied and is_last and start != 0:
-            return "lm_head.weight"  # a last stage without the embedding still needs it as its LM head
+            return (
+                "lm_head.weight"  # a last stage without the embedding still needs it as its LM head
+            )
         return key
 
     def elsewhere(key: str) -> bool:

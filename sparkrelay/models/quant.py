@@ -1,14 +1,16 @@
-"""Weight-only int8 (`--torchao-config int8wo`, SGLang's flag): each frozen linear keeps int8 weights with one scale
-per output channel, and multiplies activations in their own dtype by them without a dequantized copy.
+"""Weight-only int8 (`--torchao-config int8wo`, SGLang's flag): each frozen linear keeps int8
+weights with one scale per output channel, and multiplies activations in their own dtype by them
+without a dequantized copy.
 
     w [out, in] ≈ q [out, in] int8 * s [out],  s = max |w[o, :]| / 127 (symmetric, round to nearest)
     y = x @ wᵀ ≈ (x @ qᵀ) * s                  torch.ops.aten._weight_int8pack_mm(x [T, in], q, s) -> [T, out]
 
-torchao's own int8 weight-only (0.18.0) dequantizes per call and was slower than bfloat16 F.linear, so torch's
-kernel is used: it reads half the bytes of bfloat16 and wins at one row, but it is compute-bound and its cost grows
-with the rows. From DEQUANT_ROWS rows on (prefill, wide verifies), dequantizing the weight for the call (a
-temporary) and F.linear is faster. Figures: speed notes of docs/architecture.md.
-The LM head and the embeddings stay in the model dtype (packed bf16 head: kernels.fast_head).
+torchao's own int8 weight-only (0.18.0) dequantizes per call and was slower than bfloat16 F.linear,
+so torch's kernel is used: it reads half the bytes of bfloat16 and wins at one row, but it is
+compute-bound and its cost grows with the rows. From DEQUANT_ROWS rows on (prefill, wide verifies),
+dequantizing the weight for the call (a temporary) and F.linear is faster. Figures: speed notes of
+docs/architecture.md. The LM head and the embeddings stay in the model dtype (packed bf16 head:
+kernels.fast_head).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ DEQUANT_ROWS = 64  # rows from which dequantize + F.linear beats the int8 kernel
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [out, in] -> (q [out, in] int8, scales [out] float32), symmetric per output channel."""
-    w = weight.detach().float().contiguous()  # a TLinear's weight is a transposed view; the kernel wants rows
+    # a TLinear's weight is a transposed view; the kernel wants rows
+    w = weight.detach().float().contiguous()
     scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127  # [out]
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scales
@@ -40,8 +43,11 @@ class Int8Linear(nn.Module):
         q, scales = quantize_per_channel(weight)
         self.out_features, self.in_features = q.shape
         self.register_buffer("qweight", q, persistent=False)  # [out, in] int8
-        self.register_buffer("scales", scales.to(dtype), persistent=False)  # [out], the activation dtype
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        # [out], the activation dtype
+        self.register_buffer("scales", scales.to(dtype), persistent=False)
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        )
 
     @property
     def weight(self) -> torch.Tensor:
@@ -57,7 +63,8 @@ class Int8Linear(nn.Module):
         if rows.shape[0] >= DEQUANT_ROWS:
             y = F.linear(rows, self.weight)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.qweight, self.scales)  # [T, out]
+            # [T, out]
+            y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.qweight, self.scales)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
@@ -66,22 +73,31 @@ class Int8Linear(nn.Module):
 def quantize_int8wo(model: nn.Module, skip: tuple[str, ...] = ("head",)) -> int:
     """Replace every frozen linear of `model` (after `fuse`: the layers' q/k/v, o, gate/up, down; a drafter's fc and
     context K/V) by an Int8Linear, except children named in `skip` (the LM head's fast copy). -> how many."""
-    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if isinstance(child, (TLinear, PackedLinear)) and name not in skip]
+    found = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, (TLinear, PackedLinear)) and name not in skip
+    ]
     for parent, name, child in found:
         setattr(parent, name, Int8Linear(child.weight, child.bias, child.dtype))
     return len(found)
 
 
 def apply_torchao_config(model: nn.Module, config: str) -> None:
-    """`--torchao-config` on a loaded, fused model: "" leaves it as it is; "int8wo" quantizes its linears (cpu)."""
+    """`--torchao-config` on a loaded, fused model: "" leaves it as it is; "int8wo" quantizes its
+    linears (cpu)."""
     if config not in TORCHAO_CONFIGS:
         raise ConfigError(f"--torchao-config {config!r} is not one of {TORCHAO_CONFIGS}")
     if not config:
         return
     device = next(model.parameters()).device
     if device.type != "cpu":
-        raise ConfigError(f"--torchao-config {config}: torch's int8 weight-packed product runs on cpu only, "
-                          f"not on {device}")
+        raise ConfigError(
+            f"--torchao-config {config}: torch's int8 weight-packed product runs on cpu only, "
+            f"not on {device}"
+        )
     if not quantize_int8wo(model):
-        raise ConfigError(f"--torchao-config {config}: the model has no fused linear layers to quantize")
+        raise ConfigError(
+            f"--torchao-config {config}: the model has no fused linear layers to quantize"
+        )

@@ -1,6 +1,7 @@
 """Every send and receive of the pipeline (docs/pd_protocol.md, failure modes 18, 31).
 
-Topology: rank k sends descriptors and payloads to rank k+1; the last rank sends the sampled tokens to rank 0.
+Topology: rank k sends descriptors and payloads to rank k+1; the last rank sends the sampled tokens
+to rank 0.
 
     rank 0 --(descriptor, payload)--> rank 1 --> ... --> rank N-1 --(tokens + logprobs float64 [B + E, W])--> rank 0
 
@@ -14,14 +15,15 @@ posted exactly once; the receiver learns every size from the header first (and t
 so the sizes on both ends always agree, and messages between a pair of ranks arrive in posting order.
 
 Two wires carry them (`connect`):
-- `SocketWire`, on CPU and whenever the stages share memory (CUDA stages on one GPU stage through the host): ZMQ
-  PUSH/PULL on ipc:// files in a private folder; each rank binds one PULL socket, its only sender being the rank
-  before it (rank 0's: the last rank). A send is copied into ZMQ's queue and flows at once, eagerly. Not gloo: it
-  moves a message only after a rendezvous between both processes' network threads, so a stage sat idle between
-  chunks whose payload had long been sent (speed notes of docs/architecture.md).
-- `GroupWire`: NCCL's point-to-point ops when every stage has its own GPU (cuda:rank), on a process group built
-  directly on the TCPStore (not torch.distributed's global default group), so an engine process can hold several
-  pipelines over its life (tests do).
+- `SocketWire`, on CPU and whenever the stages share memory (CUDA stages on one GPU stage through
+  the host): ZMQ PUSH/PULL on ipc:// files in a private folder; each rank binds one PULL socket, its
+  only sender being the rank before it (rank 0's: the last rank). A send is copied into ZMQ's queue
+  and flows at once, eagerly. Not gloo: it moves a message only after a rendezvous between both
+  processes' network threads, so a stage sat idle between chunks whose payload had long been sent
+  (speed notes of docs/architecture.md).
+- `GroupWire`: NCCL's point-to-point ops when every stage has its own GPU (cuda:rank), on a process
+  group built directly on the TCPStore (not torch.distributed's global default group), so an engine
+  process can hold several pipelines over its life (tests do).
 """
 
 from __future__ import annotations
@@ -37,24 +39,38 @@ import torch.distributed as dist
 import zmq
 
 from sparkrelay.pipeline.capture import PayloadShape, StagePayload
-from sparkrelay.pipeline.descriptor import FLOAT_FIELDS, HEADER_LEN, STEP, MicroBatch, decode, encode, sizes
+from sparkrelay.pipeline.descriptor import (
+    FLOAT_FIELDS,
+    HEADER_LEN,
+    STEP,
+    MicroBatch,
+    decode,
+    encode,
+    sizes,
+)
 from sparkrelay.pipeline.launch import LOOPBACK_IFNAME
 
-STEP_TIMEOUT = datetime.timedelta(seconds=600)  # rank 0 gives up on a step's reply after this (a hung, live peer)
+# rank 0 gives up on a step's reply after this (a hung, live peer)
+STEP_TIMEOUT = datetime.timedelta(seconds=600)
 POLL_S = 0.1  # a wait on a SocketWire checks the pipeline's health this often
 
 
 class PeerLost(RuntimeError):
-    """A send or receive failed: a rank is gone (or hung past STEP_TIMEOUT). The pipeline cannot go on."""
+    """A send or receive failed: a rank is gone (or hung past STEP_TIMEOUT). The pipeline cannot go
+    on."""
 
 
 class Wire(Protocol):
     def send(self, tensor: torch.Tensor, peer: int) -> Optional[dist.Work]:
-        """Post `tensor` (contiguous, on the wire's device) to `peer`; a Work to wait on while it is still read."""
+        """Post `tensor` (contiguous, on the wire's device) to `peer`; a Work to wait on while it is
+        still read."""
 
-    def recv(self, buf: torch.Tensor, peer: int, health: Callable[[], None], deadline: Optional[float]) -> None:
-        """Fill `buf` with `peer`'s next message (exactly its size); raise PeerLost when `health` raises or when
-        time.monotonic() passes `deadline` (None: wait as long as it takes, e.g. an idle stage)."""
+    def recv(
+        self, buf: torch.Tensor, peer: int, health: Callable[[], None], deadline: Optional[float]
+    ) -> None:
+        """Fill `buf` with `peer`'s next message (exactly its size); raise PeerLost when `health`
+        raises or when time.monotonic() passes `deadline` (None: wait as long as it takes, e.g. an
+        idle stage)."""
 
     def close(self) -> None: ...
 
@@ -63,9 +79,12 @@ def connect(store: dist.Store, rank: int, world: int, backend: str, ipc_dir: str
     """This rank's wire (module docstring): `backend` "nccl" -> GroupWire (blocks until all ranks have joined),
     "ipc" -> SocketWire in `ipc_dir`."""
     if backend == "nccl":
-        # NCCL's bootstrap and socket transport listen on the interface it picks (not the loopback) unless told
+        # NCCL's bootstrap and socket transport listen on the interface it picks (not the loopback)
+        # unless told
         os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_IFNAME)
-        return GroupWire(dist.ProcessGroupNCCL(dist.PrefixStore("sparkrelay-pp", store), rank, world))
+        return GroupWire(
+            dist.ProcessGroupNCCL(dist.PrefixStore("sparkrelay-pp", store), rank, world)
+        )
     return SocketWire(ipc_dir, rank, world)
 
 
@@ -84,22 +103,28 @@ class SocketWire:
         self._out: dict[int, zmq.Socket] = {}
         for peer in peers:
             sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)  # never blocks: a dead peer is found by the receiver's health checks
+            # never blocks: a dead peer is found by the receiver's health checks
+            sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 1000)  # the shutdown descriptor still leaves
             sock.connect(ipc_address(ipc_dir, peer))
             self._out[peer] = sock
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
-        self._out[peer].send(_bytes_of(tensor), copy=True)  # copied now: the tensor may change once this returns
+        # copied now: the tensor may change once this returns
+        self._out[peer].send(_bytes_of(tensor), copy=True)
 
-    def recv(self, buf: torch.Tensor, peer: int, health: Callable[[], None], deadline: Optional[float]) -> None:
+    def recv(
+        self, buf: torch.Tensor, peer: int, health: Callable[[], None], deadline: Optional[float]
+    ) -> None:
         while not self._inbox.poll(POLL_S * 1000):
             try:
                 health()
             except RuntimeError as e:
                 raise PeerLost(str(e)) from e
             if deadline is not None and time.monotonic() > deadline:
-                raise PeerLost(f"no message from rank {peer} in {STEP_TIMEOUT.total_seconds():.0f} s")
+                raise PeerLost(
+                    f"no message from rank {peer} in {STEP_TIMEOUT.total_seconds():.0f} s"
+                )
         want = buf.numel() * buf.element_size()
         got = self._inbox.recv_into(_bytes_of(buf)) if want else len(self._inbox.recv())
         if got != want:
@@ -116,9 +141,12 @@ class GroupWire:
     def send(self, tensor: torch.Tensor, peer: int) -> dist.Work:
         return _post(self.group.send, tensor, peer)
 
-    def recv(self, buf: torch.Tensor, peer: int, health: Callable[[], None], deadline: Optional[float]) -> None:
+    def recv(
+        self, buf: torch.Tensor, peer: int, health: Callable[[], None], deadline: Optional[float]
+    ) -> None:
         work = _post(self.group.recv, buf, peer)
-        while not work.is_completed():  # NCCL would wait forever on a dead peer: poll the watchdog instead
+        # NCCL would wait forever on a dead peer: poll the watchdog instead
+        while not work.is_completed():
             try:
                 health()
             except RuntimeError as e:
@@ -143,25 +171,36 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 
 class Channel:
-    """One rank's end of the pipeline, over `wire` (connect). `shape_in`: the payload this rank receives (None on
-    rank 0); `health` raises RuntimeError when the pipeline is down (every wait polls it: rank 0's is the
-    watchdog; a worker's default never raises, its parent-watch ends it when rank 0 is gone)."""
+    """One rank's end of the pipeline, over `wire` (connect). `shape_in`: the payload this rank
+    receives (None on rank 0); `health` raises RuntimeError when the pipeline is down (every wait
+    polls it: rank 0's is the watchdog; a worker's default never raises, its parent-watch ends it
+    when rank 0 is gone)."""
 
-    def __init__(self, wire: Wire, rank: int, world: int, backend: str, device: torch.device,
-                 shape_in: Optional[PayloadShape] = None, health: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        wire: Wire,
+        rank: int,
+        world: int,
+        backend: str,
+        device: torch.device,
+        shape_in: Optional[PayloadShape] = None,
+        health: Callable[[], None] = lambda: None,
+    ) -> None:
         self.rank, self.world, self.backend = rank, world, backend
         self.device, self.shape_in, self.health, self._wire = device, shape_in, health, wire
         self.wire = device if backend == "nccl" else torch.device("cpu")
         self.next, self.prev, self.last = rank + 1, rank - 1, world - 1
-        self._pending: list[tuple[Optional[dist.Work], torch.Tensor]] = []  # posted sends, the tensors they read
+        self._pending: list[
+            tuple[Optional[dist.Work], torch.Tensor]
+        ] = []  # posted sends, the tensors they read
 
     def close(self) -> None:
         self._wire.close()
 
-    # -- rank k -> rank k+1 ---------------------------------------------------------------------------------
+    # -- rank k -> rank k+1 ------------------------------------------------------------------------
     def send_step(self, mb: MicroBatch, payload: Optional[StagePayload]) -> None:
-        """Post the descriptor and (STEP) the payload to the next rank, as a header and one frame; `flush` waits
-        for them."""
+        """Post the descriptor and (STEP) the payload to the next rank, as a header and one frame;
+        `flush` waits for them."""
         header, body, floats = encode(mb)
         parts = [body, floats]
         if mb.kind == STEP and payload is not None and mb.num_tokens:
@@ -184,42 +223,51 @@ class Channel:
         shape = self.shape_in
         layout = [(torch.int64, (length,)), (torch.float64, (b, FLOAT_FIELDS))]
         if with_rows:
-            layout += [(shape.dtype, (t, shape.hidden)), (shape.dtype, (t, shape.taps)),
-                       (torch.float32, (t, shape.partial))]
+            layout += [
+                (shape.dtype, (t, shape.hidden)),
+                (shape.dtype, (t, shape.taps)),
+                (torch.float32, (t, shape.partial)),
+            ]
         nbytes = sum(_padded(dtype, dims) for dtype, dims in layout)
         frame = torch.empty(nbytes, dtype=torch.uint8)
         frame = self._recv(frame, True) if nbytes else frame
-        body, floats, *rows = _unframe(frame, layout)  # body, floats: the CPU; rows: the stage's device
+        # body, floats: the CPU; rows: the stage's device
+        body, floats, *rows = _unframe(frame, layout)
         mb = decode(header, body.cpu(), floats.cpu())
         if not with_rows:
             return mb, None
-        hidden, taps, partial = (r if r.numel() else None for r in rows)  # [T, d], [T, k_prev*d], [T, d]
+        # [T, d], [T, k_prev*d], [T, d]
+        hidden, taps, partial = (r if r.numel() else None for r in rows)
         return mb, StagePayload(hidden, taps, partial)
 
-    # -- last rank -> rank 0 ----------------------------------------------------------------------------------
+    # -- last rank -> rank 0 -----------------------------------------------------------------------
     def send_tokens(self, rows: torch.Tensor) -> None:
-        """Last rank: the micro-batch's reply, float64 [B + E, W] (descriptor.reply_shape): per sequence column 0
-        the token (-1: no sample) then its logprobs; then E rows of scored prompt positions (zero-cost: E = 0 and
-        W = 1 unless some sequence asked for logprobs). Posted, not waited for: rank 0 posts its receives only once
-        it has fed the step's last micro-batch, and meanwhile this stage goes on with the next one (a blocking send
-        here would serialise the chunks of a pipelined prefill); sends that completed are dropped, `flush` waits."""
+        """Last rank: the micro-batch's reply, float64 [B + E, W] (descriptor.reply_shape): per
+        sequence column 0 the token (-1: no sample) then its logprobs; then E rows of scored prompt
+        positions (zero-cost: E = 0 and W = 1 unless some sequence asked for logprobs). Posted, not
+        waited for: rank 0 posts its receives only once it has fed the step's last micro-batch, and
+        meanwhile this stage goes on with the next one (a blocking send here would serialise the
+        chunks of a pipelined prefill); sends that completed are dropped, `flush` waits."""
         t = rows.to(torch.float64).to(self.wire).contiguous()
-        self._pending = [(w, buf) for w, buf in self._pending if w is not None and not w.is_completed()]
+        self._pending = [
+            (w, buf) for w, buf in self._pending if w is not None and not w.is_completed()
+        ]
         self._pending.append((self._wire.send(t, 0), t))
 
     def recv_tokens(self, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """Rank 0: each micro-batch's reply ([B_i + E_i, W_i] float64, descriptor.reply_shape of its descriptor),
-        in micro-batch order."""
+        """Rank 0: each micro-batch's reply ([B_i + E_i, W_i] float64, descriptor.reply_shape of its
+        descriptor), in micro-batch order."""
         bufs = [torch.empty(b, w, dtype=torch.float64, device=self.wire) for b, w in shapes]
         deadline = time.monotonic() + STEP_TIMEOUT.total_seconds()
         for b in bufs:
             self._wire.recv(b, self.last, self.health, deadline)
         return [b.cpu() for b in bufs]
 
-    # -- helpers -------------------------------------------------------------------------------------------------
+    # -- helpers -----------------------------------------------------------------------------------
     def _recv(self, buf: torch.Tensor, on_device: bool = False, idle: bool = False) -> torch.Tensor:
         """Receive into `buf` from the previous rank -> the stage's device (payload) or the CPU (descriptor).
-        idle: the next descriptor, which may be long in coming (an idle server); else within STEP_TIMEOUT."""
+        idle: the next descriptor, which may be long in coming (an idle server); else within
+        STEP_TIMEOUT."""
         buf = buf.to(self.wire)
         deadline = None if idle else time.monotonic() + STEP_TIMEOUT.total_seconds()
         self._wire.recv(buf, self.prev, self.health, deadline)
@@ -240,7 +288,8 @@ def _nbytes(dtype: torch.dtype, dims: tuple[int, ...]) -> int:
 
 
 def _padded(dtype: torch.dtype, dims: tuple[int, ...]) -> int:
-    """Bytes a tensor of `dtype` and shape `dims` takes in a frame: rounded up to 8, so every part starts aligned."""
+    """Bytes a tensor of `dtype` and shape `dims` takes in a frame: rounded up to 8, so every part
+    starts aligned."""
     return -(-_nbytes(dtype, dims) // 8) * 8
 
 
@@ -254,8 +303,11 @@ def _frame(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
 
-def _unframe(frame: torch.Tensor, layout: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
-    """The inverse of `_frame`: views of `frame` (uint8 [N]) with each layout entry's dtype and shape."""
+def _unframe(
+    frame: torch.Tensor, layout: list[tuple[torch.dtype, tuple[int, ...]]]
+) -> list[torch.Tensor]:
+    """The inverse of `_frame`: views of `frame` (uint8 [N]) with each layout entry's dtype and
+    shape."""
     out, at = [], 0
     for dtype, dims in layout:
         out.append(frame[at : at + _nbytes(dtype, dims)].view(dtype).view(dims))

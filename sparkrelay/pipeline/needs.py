@@ -1,5 +1,6 @@
-"""What the engine's PD role asks of the runner, in one record: the role states it, the engine and the pipeline
-read it, and neither tests --disaggregation-mode (an aggregated engine has the default record)."""
+"""What the engine's PD role asks of the runner, in one record: the role states it, the engine and
+the pipeline read it, and neither tests --disaggregation-mode (an aggregated engine has the default
+record)."""
 
 from __future__ import annotations
 

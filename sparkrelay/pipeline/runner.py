@@ -6,10 +6,12 @@ One step on rank 0 (inside the engine thread), N = pp_size:
     for each micro-batch:  stage 0 forward -> post (descriptor, payload) to rank 1    (stages 1.. overlap with 0)
     then:                  receive each micro-batch's tokens from rank N-1 -> RunResult in batch order
 
-Stages 1..N-1 are worker processes (pipeline/worker.py), started and watched by pipeline/launch.py; every send and
-receive is in pipeline/comm.py. With pp_size 1 (the prefill role always uses this runner) stage 0 is the whole
-model: no torch.distributed, no subprocess. Rank 0's stage 0 shares the engine's loaded model and KV pool.
-Decode batches (one token per running request) take the same path, so aggregated serving runs with PP.
+Stages 1..N-1 are worker processes (pipeline/worker.py), started and watched by pipeline/launch.py;
+every send and receive is in pipeline/comm.py. With pp_size 1 (the prefill role always uses this
+runner) stage 0 is the whole
+model: no torch.distributed, no subprocess. Rank 0's stage 0 shares the engine's loaded model and KV
+pool. Decode batches (one token per running request) take the same path, so aggregated serving runs
+with PP.
 """
 
 from __future__ import annotations
@@ -30,30 +32,30 @@ import torch
 
 from sparkrelay.config import Config, ConfigError
 from sparkrelay.host import socket_folder
-from sparkrelay.scheduler.request import Request
-from sparkrelay.scheduler.scheduler import Batch, ScheduledSeq
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.decoder import CausalLM
 from sparkrelay.pipeline.comm import Channel, PeerLost, connect
 from sparkrelay.pipeline.descriptor import SHUTDOWN, STEP, MicroBatch, SeqDesc, reply_shape
 from sparkrelay.pipeline.launch import Workers, rendezvous_store
-from sparkrelay.pipeline.partition import pp_partition
 from sparkrelay.pipeline.needs import RunnerNeeds
+from sparkrelay.pipeline.partition import pp_partition
 from sparkrelay.pipeline.stage import build_stage, model_view, pool_view
 from sparkrelay.runner.logprobs import from_rows
 from sparkrelay.runner.model_runner import RunResult, prompt_rows
+from sparkrelay.scheduler.request import Request
+from sparkrelay.scheduler.scheduler import Batch, ScheduledSeq
 
-
-# Chunk pipelining (PipelineRunner._plan): a cut prefill step's chunks hold at least CHUNK_TOKENS tokens, and there
-# are at most CHUNKS_PER_STAGE per stage. Each chunk pays a fixed cost on every stage (its layers' weights read
-# again, attention set-up), and the pipeline fills and drains with one chunk: too small a chunk pays the fixed cost
-# too often, too large a one fills and drains slowly; 256 gave the lowest PD TTFT measured (speed notes of
-# docs/architecture.md).
+# Chunk pipelining (PipelineRunner._plan): a cut prefill step's chunks hold at least CHUNK_TOKENS
+# tokens, and there are at most CHUNKS_PER_STAGE per stage. Each chunk pays a fixed cost on every
+# stage (its layers' weights read again, attention set-up), and the pipeline fills and drains with
+# one chunk: too small a chunk pays the fixed cost too often, too large a one fills and drains
+# slowly; 256 gave the lowest PD TTFT measured (speed notes of docs/architecture.md).
 CHUNK_TOKENS, CHUNKS_PER_STAGE = 256, 4
 
 
 def shared_threads(pp: int) -> int:
-    """Torch threads of a stage while the others may be busy: the host's cores split between the pp stages."""
+    """Torch threads of a stage while the others may be busy: the host's cores split between the pp
+    stages."""
     return max(1, (os.cpu_count() or 1) // pp)
 
 
@@ -63,7 +65,8 @@ def default_room(req: Request) -> int:
 
 
 def split_balanced(sizes: list[int], parts: int) -> list[list[int]]:
-    """Indices 0..len(sizes)-1 cut into min(parts, len) non-empty contiguous runs of about equal total size."""
+    """Indices 0..len(sizes)-1 cut into min(parts, len) non-empty contiguous runs of about equal
+    total size."""
     n, total = min(parts, len(sizes)), sum(sizes)
     runs, cur, acc = [], [], 0
     for i, size in enumerate(sizes):
@@ -96,11 +99,18 @@ def cut_tokens(sizes: list[int], parts: int) -> list[list[tuple[int, int, int]]]
 
 
 class PipelineRunner:
-    """needs: what the engine's role asks of the stages (capture, sink factory, status address; pipeline/needs.py),
-    none for an aggregated pipeline. room_of: a request's bootstrap room (0: none)."""
+    """needs: what the engine's role asks of the stages (capture, sink factory, status address;
+    pipeline/needs.py), none for an aggregated pipeline. room_of: a request's bootstrap room (0:
+    none)."""
 
-    def __init__(self, config: Config, model: CausalLM, pool: KVPool, needs: RunnerNeeds = RunnerNeeds(),
-                 room_of: Callable[[Request], int] = default_room) -> None:
+    def __init__(
+        self,
+        config: Config,
+        model: CausalLM,
+        pool: KVPool,
+        needs: RunnerNeeds = RunnerNeeds(),
+        room_of: Callable[[Request], int] = default_room,
+    ) -> None:
         pp, num_layers = config.parallel.pp_size, model.spec.num_layers
         try:
             self.partition = pp_partition(num_layers, pp)
@@ -111,11 +121,20 @@ class PipelineRunner:
         self.pp, self.room_of = pp, room_of
         self.device = next(iter(pool.layers.values()))[0].device
         first = self.partition[0]
-        self.stage = build_stage(0, self.partition, model_view(model, *first), pool_view(pool, *first), self.capture,
-                                 config, sink_factory, self.device, status_address)
+        self.stage = build_stage(
+            0,
+            self.partition,
+            model_view(model, *first),
+            pool_view(pool, *first),
+            self.capture,
+            config,
+            sink_factory,
+            self.device,
+            status_address,
+        )
         self.workers: Optional[Workers] = None
         self.channel: Optional[Channel] = None
-        self._ids: dict[str, tuple[int, int]] = {}   # rid -> (req_index, room)
+        self._ids: dict[str, tuple[int, int]] = {}  # rid -> (req_index, room)
         self._released: list[tuple[int, int]] = []
         self._req_counter, self._steps = itertools.count(), itertools.count()
         self._lock = threading.Lock()
@@ -127,18 +146,38 @@ class PipelineRunner:
         self._atexit = functools.partial(_close_ref, weakref.ref(self))
         atexit.register(self._atexit)
 
-    # -- start-up ----------------------------------------------------------------------------------------------
-    def _start_workers(self, config: Config, model: CausalLM, pool: KVPool, sink_factory: Optional[str],
-                       status_address: str) -> None:
+    # -- start-up ----------------------------------------------------------------------------------
+    def _start_workers(
+        self,
+        config: Config,
+        model: CausalLM,
+        pool: KVPool,
+        sink_factory: Optional[str],
+        status_address: str,
+    ) -> None:
         cuda = self.device.type == "cuda"
-        backend = "nccl" if cuda and config.model.device == "cuda" and torch.cuda.device_count() >= self.pp else "ipc"
+        backend = (
+            "nccl"
+            if cuda and config.model.device == "cuda" and torch.cuda.device_count() >= self.pp
+            else "ipc"
+        )
         self._store = rendezvous_store(config.parallel.dist_init_port, self.pp)  # on 127.0.0.1 only
-        self._ipc_dir = socket_folder("sparkrelay-pp-", f"rank{self.pp - 1}")  # 0700: the stages' sockets (comm.py)
-        launch = {"config": config.flat(), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-                  "partition": self.partition, "num_blocks": pool.num_blocks, "capture": self.capture.to_dict(),
-                  "sink_factory": sink_factory, "status_address": status_address, "backend": backend,
-                  "ipc_dir": self._ipc_dir, "parent_pid": os.getpid(), "threads": shared_threads(self.pp),
-                  "alone_threads": torch.get_num_threads()}
+        # 0700: the stages' sockets (comm.py)
+        self._ipc_dir = socket_folder("sparkrelay-pp-", f"rank{self.pp - 1}")
+        launch = {
+            "config": config.flat(),
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "partition": self.partition,
+            "num_blocks": pool.num_blocks,
+            "capture": self.capture.to_dict(),
+            "sink_factory": sink_factory,
+            "status_address": status_address,
+            "backend": backend,
+            "ipc_dir": self._ipc_dir,
+            "parent_pid": os.getpid(),
+            "threads": shared_threads(self.pp),
+            "alone_threads": torch.get_num_threads(),
+        }
         self.workers = Workers(self.pp, self._store.port, json.dumps(launch))
         try:
             self.workers.wait_ready(self._store)
@@ -156,10 +195,11 @@ class PipelineRunner:
         """pids of stages 1..N-1 (empty with pp_size 1)."""
         return self.workers.pids if self.workers is not None else []
 
-    # -- the ModelRunner interface ----------------------------------------------------------------------------
+    # -- the ModelRunner interface -----------------------------------------------------------------
     def release(self, rid: str) -> None:
-        """Forget a finished or aborted request. Stage 0 (this process) drops it now, so its transfer agent fails
-        an unsent room towards the decode at once; stages 1..N-1 hear of it with the next descriptor."""
+        """Forget a finished or aborted request. Stage 0 (this process) drops it now, so its
+        transfer agent fails an unsent room towards the decode at once; stages 1..N-1 hear of it
+        with the next descriptor."""
         ident = self._ids.pop(rid, None)
         if ident is not None:
             self._released.append(ident)
@@ -171,7 +211,8 @@ class PipelineRunner:
 
     @property
     def failure(self) -> Optional[str]:
-        """Why the pipeline is down (a stage died or a send/receive failed), or None while it is up."""
+        """Why the pipeline is down (a stage died or a send/receive failed), or None while it is
+        up."""
         if self._broken is None and self.workers is not None and self.workers.failure is not None:
             self._broken = self.workers.failure
         return self._broken
@@ -181,7 +222,8 @@ class PipelineRunner:
         with self._lock:
             self._check_up()
             seqs = batch.seqs
-            pieces = self._plan(batch)  # per micro-batch: (sequence index, the piece of it this micro-batch feeds)
+            # per micro-batch: (sequence index, the piece of it this micro-batch feeds)
+            pieces = self._plan(batch)
             step, released = next(self._steps), self._take_released()
             tokens: list[torch.Tensor] = []  # per micro-batch [B_i + E_i, W_i] (Stage.run)
             mbs = []
@@ -191,7 +233,8 @@ class PipelineRunner:
                 mb = MicroBatch(STEP, step, i, len(pieces), descs, released if i == 0 else [])
                 mbs.append(mb)
                 ids = [t for _, p in run for t in p.req.all_ids[p.start : p.end]]
-                local = dataclasses.replace(mb, released=[])  # stage 0 dropped them in release() already
+                # stage 0 dropped them in release() already
+                local = dataclasses.replace(mb, released=[])
                 out = self.stage.run(local, input_ids=torch.tensor(ids, device=self.device))  # [T]
                 if self.channel is None:
                     tokens.append(out)
@@ -209,33 +252,42 @@ class PipelineRunner:
             return self._result(seqs, [j for run in pieces for j, _ in run], mbs, tokens)
 
     def _plan(self, batch: Batch) -> list[list[tuple[int, ScheduledSeq]]]:
-        """The step's micro-batches. With several stages, a prefill step of at least 2 * CHUNK_TOKENS tokens is cut
-        into up to CHUNKS_PER_STAGE * pp chunks of about equal tokens, cutting inside a prompt where needed (a
-        request's chunks run in order on every stage, each after the previous one's KV is in place), so that
-        stage s computes chunk k while stage s - 1 computes chunk k + 1. Otherwise whole sequences are split into
-        up to pp contiguous runs."""
+        """The step's micro-batches. With several stages, a prefill step of at least 2 *
+        CHUNK_TOKENS tokens is cut into up to CHUNKS_PER_STAGE * pp chunks of about equal tokens,
+        cutting inside a prompt where needed (a request's chunks run in order on every stage, each
+        after the previous one's KV is in place), so that stage s computes chunk k while stage s - 1
+        computes chunk k + 1. Otherwise whole sequences are split into up to pp contiguous runs."""
         seqs = batch.seqs
         sizes = [s.end - s.start for s in seqs]
         parts = min(CHUNKS_PER_STAGE * self.pp, sum(sizes) // CHUNK_TOKENS)
         if self.pp == 1 or batch.kind != "prefill" or parts <= min(self.pp, len(seqs)):
             return [[(j, seqs[j]) for j in run] for run in split_balanced(sizes, self.pp)]
-        return [[(j, dataclasses.replace(seqs[j], start=seqs[j].start + lo, end=seqs[j].start + hi))
-                 for j, lo, hi in run] for run in cut_tokens(sizes, parts)]
+        return [
+            [
+                (j, dataclasses.replace(seqs[j], start=seqs[j].start + lo, end=seqs[j].start + hi))
+                for j, lo, hi in run
+            ]
+            for run in cut_tokens(sizes, parts)
+        ]
 
     def close(self) -> None:
-        """Send the shutdown descriptor (with pending releases), join the workers (kill what lingers). Idempotent."""
+        """Send the shutdown descriptor (with pending releases), join the workers (kill what
+        lingers). Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             atexit.unregister(self._atexit)
-            released = self._take_released()  # stage 0 dropped them in release(); the others hear it now
+            # stage 0 dropped them in release(); the others hear it now
+            released = self._take_released()
             self.stage.close()
             if self.workers is None:
                 return
             if self._broken is None and self.workers.failure is None:
                 try:
-                    self.channel.send_step(MicroBatch(SHUTDOWN, next(self._steps), 0, 1, [], released), None)
+                    self.channel.send_step(
+                        MicroBatch(SHUTDOWN, next(self._steps), 0, 1, [], released), None
+                    )
                     self.channel.flush()
                 except PeerLost:
                     pass  # a stage died meanwhile: stop() below kills and reaps the rest
@@ -244,20 +296,35 @@ class PipelineRunner:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self.channel = self._store = None
 
-    # -- helpers -------------------------------------------------------------------------------------------------
+    # -- helpers -----------------------------------------------------------------------------------
     def _desc(self, s: ScheduledSeq, score_first: int = -1, score_count: int = 0) -> SeqDesc:
-        """The sequence's descriptor row; it scores prompt positions [score_first, score_first + score_count)."""
+        """The sequence's descriptor row; it scores prompt positions [score_first, score_first +
+        score_count)."""
         req, p = s.req, s.req.params
         if req.rid not in self._ids:
             self._ids[req.rid] = (next(self._req_counter), self.room_of(req))
         index, room = self._ids[req.rid]
-        history = req.all_ids[: s.end] if s.sample and p.penalized else []  # the last stage penalises with it
-        return SeqDesc(index, room, s.start, s.end, len(req.prompt_ids), s.sample, list(req.block_ids), p, history,
-                       p.logprobs_k, score_first, req.prompt_ids[score_first : score_first + score_count])
+        # the last stage penalises with it
+        history = req.all_ids[: s.end] if s.sample and p.penalized else []
+        return SeqDesc(
+            index,
+            room,
+            s.start,
+            s.end,
+            len(req.prompt_ids),
+            s.sample,
+            list(req.block_ids),
+            p,
+            history,
+            p.logprobs_k,
+            score_first,
+            req.prompt_ids[score_first : score_first + score_count],
+        )
 
     @staticmethod
-    def _result(seqs: list[ScheduledSeq], owners: list[int], mbs: list[MicroBatch],
-                rows: list[torch.Tensor]) -> RunResult:
+    def _result(
+        seqs: list[ScheduledSeq], owners: list[int], mbs: list[MicroBatch], rows: list[torch.Tensor]
+    ) -> RunResult:
         """Each micro-batch's reply [B_i + E_i, W_i] -> tokens (and logprob entries, prompt ones included) in batch
         order. owners: the batch index of each piece, in micro-batch order; only a sequence's last piece samples,
         and its pieces' scored prompt positions follow one another."""
@@ -274,14 +341,23 @@ class PipelineRunner:
                     sampled[j] = (row, d)
                 if n:
                     prompt.setdefault(j, (d.score_first, []))[1].extend(
-                        from_rows(r[cursor : cursor + n], [d.logprobs] * n))
+                        from_rows(r[cursor : cursor + n], [d.logprobs] * n)
+                    )
                     cursor += n
-        assert all((j in sampled) == s.sample for j, s in enumerate(seqs)), "a stage sampled the wrong sequences"
-        res = RunResult([[int(sampled[j][0][0])] if j in sampled else [] for j in range(len(seqs))],
-                        [s.end for s in seqs])
+        assert all((j in sampled) == s.sample for j, s in enumerate(seqs)), (
+            "a stage sampled the wrong sequences"
+        )
+        res = RunResult(
+            [[int(sampled[j][0][0])] if j in sampled else [] for j in range(len(seqs))],
+            [s.end for s in seqs],
+        )
         if any(d.logprobs >= 0 for mb in mbs for d in mb.seqs):
-            res.logprobs = [from_rows([sampled[j][0][1:]], [sampled[j][1].logprobs])
-                            if j in sampled and sampled[j][1].logprobs >= 0 else [] for j in range(len(seqs))]
+            res.logprobs = [
+                from_rows([sampled[j][0][1:]], [sampled[j][1].logprobs])
+                if j in sampled and sampled[j][1].logprobs >= 0
+                else []
+                for j in range(len(seqs))
+            ]
             res.prompt_logprobs = [prompt.get(j) for j in range(len(seqs))]
         return res
 
@@ -299,7 +375,8 @@ class PipelineRunner:
 
     @contextmanager
     def _comm(self) -> Iterator[None]:
-        """A failed send or receive means a stage is gone: name it, kill the rest, refuse further steps."""
+        """A failed send or receive means a stage is gone: name it, kill the rest, refuse further
+        steps."""
         try:
             yield
         except PeerLost as e:

@@ -1,15 +1,17 @@
-"""`python -m sparkrelay.pipeline.worker --rank R --world-size N --port P`: pipeline stage R (1 <= R < N).
+"""`python -m sparkrelay.pipeline.worker --rank R --world-size N --port P`: pipeline stage R (1 <= R
+< N).
 
 Started by rank 0 (pipeline/launch.py), with its launch record, JSON, in SPARKRELAY_PP_LAUNCH:
-    config (Config.flat()), dtype, partition, num_blocks, capture (CaptureSpec.to_dict()), sink_factory,
-    status_address, backend, threads, alone_threads, parent_pid.
+    config (Config.flat()), dtype, partition, num_blocks, capture (CaptureSpec.to_dict()),
+    sink_factory, status_address, backend, threads, alone_threads, parent_pid.
 Life: connect to rank 0's TCPStore on 127.0.0.1:P -> load layers [start, end) of the target (load_causal_lm) and a
 KVPool for them with rank 0's num_blocks and page size (block tables come in each descriptor) -> set `ready/R`
 (or `error/R` with the message) -> join the process group -> serve micro-batches until a SHUTDOWN descriptor
 (passed on first). An error of its own exits with code 1 (rank 0's watchdog names the stage); losing a peer
 exits with PEER_LOST_EXIT (3), which the watchdog does not take for the root cause; the parent's death exits too.
-Threads: threads = cpu_count // pp_size (at least 1) while other stages may be busy, and alone_threads (rank 0's
-own setting) for a step's last micro-batch on the last stage, when the others are done (Stage.share_cores).
+Threads: threads = cpu_count // pp_size (at least 1) while other stages may be busy, and
+alone_threads (rank 0's own setting) for a step's last micro-batch on the last stage, when the
+others are done (Stage.share_cores).
 """
 
 from __future__ import annotations
@@ -27,19 +29,20 @@ import torch
 import torch.distributed as dist
 
 from sparkrelay.config import Config
+from sparkrelay.host import HeapTrimmer, reuse_freed_memory
 from sparkrelay.kvcache.pool import KVPool
-from sparkrelay.models.quant import apply_torchao_config
 from sparkrelay.models.decoder import load_causal_lm
+from sparkrelay.models.quant import apply_torchao_config
 from sparkrelay.pipeline.capture import CaptureSpec, PayloadShape
 from sparkrelay.pipeline.comm import Channel, PeerLost, connect
 from sparkrelay.pipeline.descriptor import SHUTDOWN
-from sparkrelay.host import HeapTrimmer, reuse_freed_memory
 from sparkrelay.pipeline.launch import LAUNCH_ENV, LOAD_TIMEOUT_S, PEER_LOST_EXIT, RENDEZVOUS_HOST
 from sparkrelay.pipeline.stage import Stage, build_stage
 
 
 def watch_parent(parent_pid: int) -> None:
     """Exit when the engine process that started this worker is gone (re-parented)."""
+
     def loop() -> None:
         while os.getppid() == parent_pid:
             time.sleep(0.5)
@@ -56,21 +59,39 @@ def load(rank: int, launch: dict) -> tuple[Stage, PayloadShape, torch.device]:
         torch.cuda.set_device(device)  # NCCL binds this rank to its own GPU
     partition = [tuple(b) for b in launch["partition"]]
     start, end = partition[rank]
-    model = load_causal_lm(config.model.model_path, start, end, dtype, str(device), config.model.load_format)
+    model = load_causal_lm(
+        config.model.model_path, start, end, dtype, str(device), config.model.load_format
+    )
     apply_torchao_config(model, config.model.torchao_config)
     s = model.spec
-    pool = KVPool(range(start, end), launch["num_blocks"], config.cache.page_size, s.num_kv_heads, s.head_dim,
-                  dtype, device)
+    pool = KVPool(
+        range(start, end),
+        launch["num_blocks"],
+        config.cache.page_size,
+        s.num_kv_heads,
+        s.head_dim,
+        dtype,
+        device,
+    )
     capture = CaptureSpec.from_dict(launch["capture"])
-    stage = build_stage(rank, partition, model, pool, capture, config, launch["sink_factory"], device,
-                        launch["status_address"])
+    stage = build_stage(
+        rank,
+        partition,
+        model,
+        pool,
+        capture,
+        config,
+        launch["sink_factory"],
+        device,
+        launch["status_address"],
+    )
     return stage, PayloadShape.into_stage(rank, capture, partition, s.hidden_size, dtype), device
 
 
 @torch.inference_mode()
 def serve(stage: Stage, channel: Channel) -> None:
-    """Receive, run, pass on, in micro-batch order, until SHUTDOWN; the freed heap goes back to the OS between
-    micro-batches (host.py)."""
+    """Receive, run, pass on, in micro-batch order, until SHUTDOWN; the freed heap goes back to the
+    OS between micro-batches (host.py)."""
     heap = HeapTrimmer()
     while True:
         mb, inp = channel.recv_step()
@@ -98,12 +119,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     launch = json.loads(os.environ[LAUNCH_ENV])
     level = str(launch["config"].get("log_level", "info")).upper()
-    logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s stage {args.rank} %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level, format=f"%(asctime)s %(levelname)s stage {args.rank} %(name)s: %(message)s"
+    )
     watch_parent(launch["parent_pid"])
     reuse_freed_memory()
     torch.set_num_threads(launch["threads"])
-    store = dist.TCPStore(RENDEZVOUS_HOST, args.port, args.world_size, is_master=False,
-                          timeout=datetime.timedelta(seconds=LOAD_TIMEOUT_S))
+    store = dist.TCPStore(
+        RENDEZVOUS_HOST,
+        args.port,
+        args.world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=LOAD_TIMEOUT_S),
+    )
     try:
         stage, shape, device = load(args.rank, launch)
     except BaseException as e:
@@ -115,8 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     channel = Channel(wire, args.rank, args.world_size, launch["backend"], device, shape)
     try:
         serve(stage, channel)
-    except PeerLost as e:  # another rank died or rank 0 went away: rank 0's watchdog reports the root cause
-        print(f"sparkrelay pipeline stage {args.rank}: stopping, a peer is gone: {e}", file=sys.stderr, flush=True)
+    # another rank died or rank 0 went away: rank 0's watchdog reports the root cause
+    except PeerLost as e:
+        print(
+            f"sparkrelay pipeline stage {args.rank}: stopping, a peer is gone: {e}",
+            file=sys.stderr,
+            flush=True,
+        )
         return PEER_LOST_EXIT
     finally:
         channel.close()

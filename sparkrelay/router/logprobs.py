@@ -1,8 +1,9 @@
-"""Prompt logprobs through PD: the prefill scores the prompt (logprob_start_len >= 0), the decode only the output.
+"""Prompt logprobs through PD: the prefill scores the prompt (logprob_start_len >= 0), the decode
+only the output.
 
-With `return_logprob: true` on /generate the router waits for the prefill's answer too (it always does) and puts
-the prefill's `input_token_logprobs` / `input_top_logprobs` in front of the decode's (empty) ones, as SGLang's PD
-router merges them:
+With `return_logprob: true` on /generate the router waits for the prefill's answer too (it always
+does) and puts the prefill's `input_token_logprobs` / `input_top_logprobs` in front of the decode's
+(empty) ones, as SGLang's PD router merges them:
     plain:    one JSON object (or a list, one per batch item, in order) -> the same with the lists merged
     streamed: every `data: {...}` event of the decode's SSE stream (item `index` when batched) gets the prefill's
               lists, so every chunk carries all prompt logprobs, as the aggregated server's cumulative chunks do
@@ -15,7 +16,9 @@ import json
 from typing import AsyncIterator, Optional
 
 INPUT_FIELDS = ("input_token_logprobs", "input_top_logprobs")
-Inputs = dict[int, dict[str, list]]  # batch item index (0 when not batched) -> the prefill's input fields
+Inputs = dict[
+    int, dict[str, list]
+]  # batch item index (0 when not batched) -> the prefill's input fields
 
 
 def wants_merge(path: str, body: dict) -> bool:
@@ -23,7 +26,8 @@ def wants_merge(path: str, body: dict) -> bool:
 
 
 def _events(data: bytes) -> list[dict]:
-    """The JSON objects of an SSE body's `data:` events ([DONE] and anything unparsable left out)."""
+    """The JSON objects of an SSE body's `data:` events ([DONE] and anything unparsable left
+    out)."""
     out = []
     for event in data.decode("utf-8", "replace").split("\n\n"):
         line = event.strip()
@@ -38,8 +42,8 @@ def _events(data: bytes) -> list[dict]:
 
 
 def prefill_inputs(body: bytes, stream: bool) -> Inputs:
-    """The prefill's prompt logprobs per batch item: its JSON answer, or the last event of each item of its SSE
-    answer (meta_info is cumulative, so the last one has them all)."""
+    """The prefill's prompt logprobs per batch item: its JSON answer, or the last event of each item
+    of its SSE answer (meta_info is cumulative, so the last one has them all)."""
     if stream:
         items = {obj.get("index", 0): obj for obj in _events(body)}
     else:
@@ -57,7 +61,8 @@ def prefill_inputs(body: bytes, stream: bool) -> Inputs:
 
 
 def _merge(obj: dict, inputs: Optional[dict[str, list]]) -> dict:
-    """obj's meta_info input lists := the prefill's, then the decode's own (empty: the decode scores no prompt)."""
+    """obj's meta_info input lists := the prefill's, then the decode's own (empty: the decode scores
+    no prompt)."""
     meta = obj.get("meta_info")
     if inputs and isinstance(meta, dict):
         for k, v in inputs.items():
@@ -67,13 +72,16 @@ def _merge(obj: dict, inputs: Optional[dict[str, list]]) -> dict:
 
 
 def merge_json(body: bytes, inputs: Inputs) -> bytes:
-    """The decode's plain answer (an object, or a list of them) with the prefill's prompt logprobs."""
+    """The decode's plain answer (an object, or a list of them) with the prefill's prompt
+    logprobs."""
     try:
         parsed = json.loads(body)
     except ValueError:
         return body
     if isinstance(parsed, list):
-        parsed = [_merge(o, inputs.get(i)) if isinstance(o, dict) else o for i, o in enumerate(parsed)]
+        parsed = [
+            _merge(o, inputs.get(i)) if isinstance(o, dict) else o for i, o in enumerate(parsed)
+        ]
     elif isinstance(parsed, dict):
         parsed = _merge(parsed, inputs.get(0))
     return json.dumps(parsed).encode()
@@ -90,11 +98,15 @@ def _merge_event(event: bytes, inputs: Inputs) -> bytes:
     if not isinstance(obj, dict):
         return event
     index = obj.get("index", 0)
-    return b"data: " + json.dumps(_merge(obj, inputs.get(index) if isinstance(index, int) else None)).encode()
+    return (
+        b"data: "
+        + json.dumps(_merge(obj, inputs.get(index) if isinstance(index, int) else None)).encode()
+    )
 
 
 async def merge_stream(chunks: AsyncIterator[bytes], inputs: Inputs) -> AsyncIterator[bytes]:
-    """The decode's SSE bytes, event by event (events end with a blank line), each with the prefill's lists."""
+    """The decode's SSE bytes, event by event (events end with a blank line), each with the
+    prefill's lists."""
     pending = b""
     async for chunk in chunks:
         pending += chunk

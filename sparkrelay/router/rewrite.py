@@ -1,9 +1,9 @@
 """Pure helpers of the PD router: worker specs, bootstrap fields, batch detection and error bodies.
 
 Nothing here does I/O. The wire facts follow sglang-router (docs/pd_protocol.md §4): the router adds
-`bootstrap_host` (the prefill URL's hostname), `bootstrap_port` (the number given after the prefill URL, else
-null) and a random 63-bit `bootstrap_room` to the client's JSON object; for a batch each becomes an array with
-one distinct room per element.
+`bootstrap_host` (the prefill URL's hostname), `bootstrap_port` (the number given after the prefill
+URL, else null) and a random 63-bit `bootstrap_room` to the client's JSON object; for a batch each
+becomes an array with one distinct room per element.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ GENERATE, COMPLETIONS, CHAT = "/generate", "/v1/completions", "/v1/chat/completi
 
 
 class BadRequest(ValueError):
-    """A client request the router cannot route: not a JSON object, or an empty batch. Becomes a 400."""
+    """A client request the router cannot route: not a JSON object, or an empty batch. Becomes a
+    400."""
 
 
 @dataclass(frozen=True)
@@ -38,15 +39,20 @@ class RouterConfig:
     prefill: tuple[PrefillWorker, ...]
     decode: tuple[str, ...]
     request_timeout_secs: float = 1800.0
-    max_retries: int = 2  # extra attempts after the first, each with a new (P, D) pair and a new room
+    max_retries: int = (
+        2  # extra attempts after the first, each with a new (P, D) pair and a new room
+    )
 
     def __post_init__(self) -> None:
-        assert self.prefill and self.decode, "PD routing needs at least one prefill and one decode worker"
+        assert self.prefill and self.decode, (
+            "PD routing needs at least one prefill and one decode worker"
+        )
         assert self.max_retries >= 0 and self.request_timeout_secs > 0
 
 
 def worker_url(url: str) -> str:
-    """Validate an http(s) worker URL and drop any trailing slash; ValueError names what is wrong."""
+    """Validate an http(s) worker URL and drop any trailing slash; ValueError names what is
+    wrong."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{url!r} is not an http(s)://host[:port] URL")
@@ -64,9 +70,12 @@ def bootstrap_host(url: str) -> str:
 
 
 def parse_prefill(values: list[str]) -> PrefillWorker:
-    """`URL [BOOTSTRAP_PORT]` as given to --prefill; 'none' means no port. ValueError on a bad value."""
+    """`URL [BOOTSTRAP_PORT]` as given to --prefill; 'none' means no port. ValueError on a bad
+    value."""
     if not 1 <= len(values) <= 2:
-        raise ValueError(f"takes URL [BOOTSTRAP_PORT], got {len(values)} values: {' '.join(values)}")
+        raise ValueError(
+            f"takes URL [BOOTSTRAP_PORT], got {len(values)} values: {' '.join(values)}"
+        )
     url = worker_url(values[0])
     if len(values) == 1 or values[1].lower() == "none":
         return PrefillWorker(url, None)
@@ -83,8 +92,11 @@ def new_room(randbelow: Callable[[int], int] = secrets.randbelow) -> int:
     return randbelow(MAX_ROOM) + 1
 
 
-def draw_rooms(n: int, used: set[int], randbelow: Callable[[int], int] = secrets.randbelow) -> list[int]:
-    """n rooms, distinct from each other and from `used` (rooms of earlier attempts); adds them to `used`."""
+def draw_rooms(
+    n: int, used: set[int], randbelow: Callable[[int], int] = secrets.randbelow
+) -> list[int]:
+    """n rooms, distinct from each other and from `used` (rooms of earlier attempts); adds them to
+    `used`."""
     rooms: list[int] = []
     while len(rooms) < n:
         room = new_room(randbelow)
@@ -124,7 +136,8 @@ def _list_batch(value: Any, field: str) -> Optional[int]:
 
 
 def batch_size(path: str, body: dict) -> Optional[int]:
-    """The number of requests in a batch, or None for a single request (sglang-router's detection)."""
+    """The number of requests in a batch, or None for a single request (sglang-router's
+    detection)."""
     n = _batch_size(path, body)
     if n is not None and n > MAX_BATCH:
         raise BadRequest(f"a batch of {n} sequences is more than the router's limit of {MAX_BATCH}")
@@ -148,15 +161,26 @@ def _batch_size(path: str, body: dict) -> Optional[int]:
     return None
 
 
-def with_bootstrap(body: dict, worker: PrefillWorker, rooms: list[int], batch: Optional[int]) -> dict:
-    """A copy of `body` with the three bootstrap fields; arrays of length `batch` when it is a batch."""
+def with_bootstrap(
+    body: dict, worker: PrefillWorker, rooms: list[int], batch: Optional[int]
+) -> dict:
+    """A copy of `body` with the three bootstrap fields; arrays of length `batch` when it is a
+    batch."""
     if batch is None:
         assert len(rooms) == 1
-        return {**body, "bootstrap_host": worker.host, "bootstrap_port": worker.bootstrap_port,
-                "bootstrap_room": rooms[0]}
+        return {
+            **body,
+            "bootstrap_host": worker.host,
+            "bootstrap_port": worker.bootstrap_port,
+            "bootstrap_room": rooms[0],
+        }
     assert len(rooms) == batch
-    return {**body, "bootstrap_host": [worker.host] * batch, "bootstrap_port": [worker.bootstrap_port] * batch,
-            "bootstrap_room": rooms}
+    return {
+        **body,
+        "bootstrap_host": [worker.host] * batch,
+        "bootstrap_port": [worker.bootstrap_port] * batch,
+        "bootstrap_room": rooms,
+    }
 
 
 def error_body(message: str, kind: str, code: int) -> dict:
@@ -164,7 +188,8 @@ def error_body(message: str, kind: str, code: int) -> dict:
 
 
 def decode_error(status: int, body: bytes) -> dict:
-    """Decode's non-2xx body as `{"error": {...}}`: kept when it already is one, else its message lifted."""
+    """Decode's non-2xx body as `{"error": {...}}`: kept when it already is one, else its message
+    lifted."""
     try:
         parsed = json.loads(body)
     except ValueError:

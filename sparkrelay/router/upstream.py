@@ -1,8 +1,9 @@
-"""One upstream exchange of the PD router: a Reply per worker, sending without raising, and waiting for both sides.
+"""One upstream exchange of the PD router: a Reply per worker, sending without raising, and waiting
+for both sides.
 
-Which failures are retried: only a transport failure or a 500/502/503/504 whose body does not say it is
-deterministic (a handoff schema mismatch fails the same way with any room). A 4xx from either side is the
-request's own fault (or a configuration mismatch) and is relayed at once.
+Which failures are retried: only a transport failure or a 500/502/503/504 whose body does not say it
+is deterministic (a handoff schema mismatch fails the same way with any room). A 4xx from either
+side is the request's own fault (or a configuration mismatch) and is relayed at once.
 """
 
 from __future__ import annotations
@@ -14,22 +15,32 @@ from typing import AsyncIterator, Callable, Optional
 
 import aiohttp
 
-TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)  # what aiohttp raises when the exchange breaks
+TRANSPORT_ERRORS = (
+    aiohttp.ClientError,
+    asyncio.TimeoutError,
+)  # what aiohttp raises when the exchange breaks
 RETRYABLE = frozenset({500, 502, 503, 504})
-DETERMINISTIC_MARKERS = ("schema mismatch",)  # words in an error body that no new room or worker pair can cure
-GRACE_SECS = 1.0  # after a retryable failure, how long the other side may take to say it was deterministic
+# words in an error body that no new room or worker pair can cure
+DETERMINISTIC_MARKERS = ("schema mismatch",)
+GRACE_SECS = (
+    1.0  # after a retryable failure, how long the other side may take to say it was deterministic
+)
 
 
 @dataclass
 class Reply:
-    """One upstream answer. status None: transport error or cancelled. `stream` is an open 2xx SSE body."""
+    """One upstream answer. status None: transport error or cancelled. `stream` is an open 2xx SSE
+    body."""
+
     status: Optional[int]
     body: bytes = b""
     media_type: str = "application/json"
     error: str = ""
     cancelled: bool = False
     stream: Optional[aiohttp.ClientResponse] = None
-    first: bytes = b""  # a peeked stream's first chunk (`peek`), relayed before the rest of `chunks`
+    first: bytes = (
+        b""  # a peeked stream's first chunk (`peek`), relayed before the rest of `chunks`
+    )
     chunks: Optional[AsyncIterator[bytes]] = None
 
     @property
@@ -42,11 +53,13 @@ class Reply:
 
     @property
     def retryable(self) -> bool:
-        """A failure that another attempt (new room, next pair) may cure: transport, or a 5xx not known to repeat."""
+        """A failure that another attempt (new room, next pair) may cure: transport, or a 5xx not
+        known to repeat."""
         if self.status is None:
             return not self.cancelled
-        return self.status in RETRYABLE and not any(m in self.body.decode("utf-8", "replace").lower()
-                                                    for m in DETERMINISTIC_MARKERS)
+        return self.status in RETRYABLE and not any(
+            m in self.body.decode("utf-8", "replace").lower() for m in DETERMINISTIC_MARKERS
+        )
 
     def describe(self) -> str:
         return self.error if self.status is None else f"HTTP {self.status}"
@@ -59,22 +72,24 @@ class Reply:
             return None
         if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
             return parsed["error"]
-        if isinstance(parsed, dict) and isinstance(parsed.get("message") or parsed.get("detail"), str):
+        if isinstance(parsed, dict) and isinstance(
+            parsed.get("message") or parsed.get("detail"), str
+        ):
             return {"message": parsed.get("message") or parsed.get("detail")}
         return None
 
     @property
     def flowing(self) -> bool:
-        """A peeked 2xx stream whose first chunk is whole SSE data events, none an error: the decode has the prompt's
-        KV and streams its tokens."""
+        """A peeked 2xx stream whose first chunk is whole SSE data events, none an error: the decode
+        has the prompt's KV and streams its tokens."""
         if not self.ok or not self.first.endswith(b"\n\n"):
             return False
         events = [e.strip() for e in self.first.split(b"\n\n") if e.strip()]
         return bool(events) and all(e.startswith(b"data:") and not _is_error(e[5:]) for e in events)
 
     async def close(self) -> None:
-        """Done with a stream: read to its end, its connection goes back to the pool; else the connection is
-        closed, so the worker sees its client go (and aborts the request)."""
+        """Done with a stream: read to its end, its connection goes back to the pool; else the
+        connection is closed, so the worker sees its client go (and aborts the request)."""
         if self.stream is not None:
             if self.stream.content.at_eof():
                 self.stream.release()
@@ -92,15 +107,23 @@ def _is_error(data: bytes) -> bool:
 
 
 def broke(e: BaseException) -> str:
-    """A transport error, named: "ClientConnectorError: Cannot connect to host ..." (a timeout says so)."""
+    """A transport error, named: "ClientConnectorError: Cannot connect to host ..." (a timeout says
+    so)."""
     return f"{type(e).__name__}: {e or 'timed out'}"
 
 
-async def send(session: aiohttp.ClientSession, method: str, url: str, content: Optional[bytes] = None,
-               headers: Optional[dict] = None, stream: bool = False,
-               on_status: Optional[Callable[[int], None]] = None) -> Reply:
-    """Never raises on transport errors; with `stream`, a 2xx answer comes back unread in Reply.stream.
-    on_status(status) is called once the answer's headers are in, before its body is read."""
+async def send(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    content: Optional[bytes] = None,
+    headers: Optional[dict] = None,
+    stream: bool = False,
+    on_status: Optional[Callable[[int], None]] = None,
+) -> Reply:
+    """Never raises on transport errors; with `stream`, a 2xx answer comes back unread in
+    Reply.stream. on_status(status) is called once the answer's headers are in, before its body is
+    read."""
     try:
         resp = await session.request(method, url, data=content, headers=headers)
     except TRANSPORT_ERRORS as e:
@@ -120,8 +143,9 @@ async def send(session: aiohttp.ClientSession, method: str, url: str, content: O
 
 
 async def peek(reply: Reply) -> Reply:
-    """Read a 2xx stream's first chunk into reply.first (reply.chunks goes on after it); a transport error closes
-    the stream and becomes a failed Reply. Cancelled meanwhile, the stream is closed."""
+    """Read a 2xx stream's first chunk into reply.first (reply.chunks goes on after it); a transport
+    error closes the stream and becomes a failed Reply. Cancelled meanwhile, the stream is
+    closed."""
     if not reply.ok or reply.stream is None:
         return reply
     reply.chunks = reply.stream.content.iter_any()
@@ -140,8 +164,12 @@ def outcome(task: asyncio.Task) -> Reply:
     return Reply(None, error="cancelled", cancelled=True) if task.cancelled() else task.result()
 
 
-async def both(p_task: asyncio.Task, d_task: asyncio.Task, grace: float = GRACE_SECS,
-               prefill_ok: Optional[Callable[[], bool]] = None) -> tuple[Optional[Reply], Reply]:
+async def both(
+    p_task: asyncio.Task,
+    d_task: asyncio.Task,
+    grace: float = GRACE_SECS,
+    prefill_ok: Optional[Callable[[], bool]] = None,
+) -> tuple[Optional[Reply], Reply]:
     """Wait for both sides. A failure cancels the other side (it would wait for KV that never comes); after a
     retryable failure the other side gets `grace` seconds first, so a deterministic cause it reports is seen.
     prefill_ok (a stream the router relays as is): once the prefill has answered 2xx headers and the decode's
@@ -152,8 +180,13 @@ async def both(p_task: asyncio.Task, d_task: asyncio.Task, grace: float = GRACE_
     try:
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if prefill_ok is not None and d_task.done() and p_task in pending and outcome(d_task).flowing \
-                    and prefill_ok():
+            if (
+                prefill_ok is not None
+                and d_task.done()
+                and p_task in pending
+                and outcome(d_task).flowing
+                and prefill_ok()
+            ):
                 _detach(p_task)
                 pending = set()
                 return None, outcome(d_task)
@@ -173,12 +206,14 @@ _detached: set[asyncio.Task] = set()
 
 
 def _detach(task: asyncio.Task) -> None:
-    """Keep a task nobody awaits any more alive until it ends (send() never raises; its Reply is dropped)."""
+    """Keep a task nobody awaits any more alive until it ends (send() never raises; its Reply is
+    dropped)."""
     _detached.add(task)
     task.add_done_callback(_detached.discard)
 
 
 def should_retry(p: Optional[Reply], d: Reply) -> bool:
-    """Retry only when something failed and every failure is retryable (one deterministic failure is enough)."""
+    """Retry only when something failed and every failure is retryable (one deterministic failure is
+    enough)."""
     bad = [r for r in (p, d) if r is not None and r.failed]
     return bool(bad) and all(r.retryable for r in bad)

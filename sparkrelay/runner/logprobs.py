@@ -1,5 +1,6 @@
-"""Logprobs as SGLang and vLLM report them: the log-softmax of the target's raw logits (before temperature,
-penalties and top-k/p filtering), float32, of the chosen token and of the k most likely tokens."""
+"""Logprobs as SGLang and vLLM report them: the log-softmax of the target's raw logits (before
+temperature, penalties and top-k/p filtering), float32, of the chosen token and of the k most likely
+tokens."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 
 from sparkrelay.scheduler.request import TopLogprobs
 
-Entry = tuple[float, TopLogprobs]  # (logprob of the chosen token, top-k (logprob, id) most likely first)
+Entry = tuple[
+    float, TopLogprobs
+]  # (logprob of the chosen token, top-k (logprob, id) most likely first)
 
 
 def token_logprobs(logits: torch.Tensor, ids: list[int], ks: list[int]) -> list[Entry]:
@@ -18,7 +21,8 @@ def token_logprobs(logits: torch.Tensor, ids: list[int], ks: list[int]) -> list[
     if not ids:
         return []
     lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
-    chosen = lp.gather(1, torch.tensor(ids, device=lp.device).unsqueeze(1)).squeeze(1).tolist()  # [R]
+    # [R]
+    chosen = lp.gather(1, torch.tensor(ids, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
     k = max(ks)
     if k <= 0:
         return [(c, []) for c in chosen]
@@ -43,11 +47,14 @@ def from_rows(rows: list[list[float]], ks: list[int]) -> list[Entry]:
     return [(r[0], [(r[1 + 2 * j], int(r[2 + 2 * j])) for j in range(n)]) for r, n in zip(rows, ks)]
 
 
-Scored = tuple[int, int, int, int]  # prompt logprobs of one sequence: (index, first position, first flat row, count)
+Scored = tuple[
+    int, int, int, int
+]  # prompt logprobs of one sequence: (index, first position, first flat row, count)
 
 
-def score_rows(scored: list[Scored], targets: list[int], ks: list[int], logits: torch.Tensor,
-               num_seqs: int) -> list[Optional[tuple[int, list[Entry]]]]:
+def score_rows(
+    scored: list[Scored], targets: list[int], ks: list[int], logits: torch.Tensor, num_seqs: int
+) -> list[Optional[tuple[int, list[Entry]]]]:
     """logits [E, V] of the `scored` rows (in order), targets [E] the prompt tokens they score, ks [E] each row's
     top-k -> per sequence (first position, entries) or None."""
     out: list[Optional[tuple[int, list[Entry]]]] = [None] * num_seqs

@@ -1,12 +1,14 @@
-"""Batched sampling: repetition / frequency / presence penalties, greedy, temperature, top-k, top-p, min-p,
-per-request seeds. The one path from a batch's SamplingParams to its tokens, for the plain and speculative runners
-and the last pipeline stage alike: `penalize`, `SamplingBatch.build` and `draw`.
+"""Batched sampling: repetition / frequency / presence penalties, greedy, temperature, top-k, top-p,
+min-p, per-request seeds. The one path from a batch's SamplingParams to its tokens, for the plain
+and speculative runners and the last pipeline stage alike: `penalize`, `SamplingBatch.build` and
+`draw`.
 
-Penalties act on the raw logits before anything else (vLLM's rule, Hugging Face's for repetition); a batch whose
-requests all leave them at their defaults never calls `apply_penalties`.
+Penalties act on the raw logits before anything else (vLLM's rule, Hugging Face's for repetition); a
+batch whose requests all leave them at their defaults never calls `apply_penalties`.
 
-Sampling uses the exponential race (argmax of p / E with E ~ Exp(1) is a draw from p), so a request with its own
-seed gets its noise from its own generator and draws the same tokens whatever batch it shares.
+Sampling uses the exponential race (argmax of p / E with E ~ Exp(1) is a draw from p), so a request
+with its own seed gets its noise from its own generator and draws the same tokens whatever batch it
+shares.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from sparkrelay.scheduler.request import SamplingParams
 
 
 class SeededGenerators:
-    """Each seeded request's own generator: made from its seed at its first sampled row, kept until the request is
-    released, so its draws do not depend on the batch it shares. Keyed by the request's handle in the process that
-    samples (the rid in a runner, rank 0's req_index in a pipeline stage)."""
+    """Each seeded request's own generator: made from its seed at its first sampled row, kept until
+    the request is released, so its draws do not depend on the batch it shares. Keyed by the
+    request's handle in the process that samples (the rid in a runner, rank 0's req_index in a
+    pipeline stage)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -44,7 +47,7 @@ class SamplingBatch:
     """Per-row parameters, [R] each."""
 
     temperature: torch.Tensor
-    top_k: torch.Tensor   # 0 = off
+    top_k: torch.Tensor  # 0 = off
     top_p: torch.Tensor
     min_p: torch.Tensor
     greedy: torch.Tensor  # bool
@@ -55,27 +58,36 @@ class SamplingBatch:
         return bool(self.greedy.all())
 
     @classmethod
-    def build(cls, params: list[SamplingParams], keys: list[Hashable], gens: SeededGenerators,
-              repeats: Optional[list[int]] = None) -> "SamplingBatch":
-        """Per-row tensors [R] for requests with `params` and `keys`; with `repeats`, request i fills repeats[i]
-        consecutive rows (a DSpark verify's rows), all drawing from the request's one generator."""
+    def build(
+        cls,
+        params: list[SamplingParams],
+        keys: list[Hashable],
+        gens: SeededGenerators,
+        repeats: Optional[list[int]] = None,
+    ) -> "SamplingBatch":
+        """Per-row tensors [R] for requests with `params` and `keys`; with `repeats`, request i
+        fills repeats[i] consecutive rows (a DSpark verify's rows), all drawing from the request's
+        one generator."""
         reps = repeats or [1] * len(params)
         ps = [p for p, n in zip(params, reps) for _ in range(n)]
         dev = gens.device
-        return cls(
+        return SamplingBatch(
             temperature=torch.tensor([p.temperature for p in ps], device=dev),
             top_k=torch.tensor([max(p.top_k, 0) for p in ps], device=dev),
             top_p=torch.tensor([p.top_p for p in ps], device=dev),
             min_p=torch.tensor([p.min_p for p in ps], device=dev),
             greedy=torch.tensor([p.greedy for p in ps], device=dev),
-            generators=[gens.get(k, p.seed) for p, k, n in zip(params, keys, reps) for _ in range(n)],
+            generators=[
+                gens.get(k, p.seed) for p, k, n in zip(params, keys, reps) for _ in range(n)
+            ],
         )
 
 
 @dataclass
 class PenaltyRows:
-    """Per-row penalties and token histories, [R] each: `prompts[i]` and `outputs[i]` are the tokens that precede
-    row i's next token (the prompt, then what was generated so far, drafts assumed accepted included)."""
+    """Per-row penalties and token histories, [R] each: `prompts[i]` and `outputs[i]` are the tokens
+    that precede row i's next token (the prompt, then what was generated so far, drafts assumed
+    accepted included)."""
 
     repetition: list[float]
     frequency: list[float]
@@ -87,10 +99,12 @@ class PenaltyRows:
 def _token_counts(histories: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """Token id histories (R lists) -> counts [R, V] float32."""
     width = max((len(h) for h in histories), default=0)
-    ids = torch.full((len(histories), width), vocab, dtype=torch.int64)  # [R, W], padded with the spare id V
+    # [R, W], padded with the spare id V
+    ids = torch.full((len(histories), width), vocab, dtype=torch.int64)
     for i, h in enumerate(histories):
         ids[i, : len(h)] = torch.tensor(h, dtype=torch.int64)
-    counts = torch.zeros(len(histories), vocab + 1, device=device)  # [R, V + 1]: column V soaks up the padding
+    # [R, V + 1]: column V soaks up the padding
+    counts = torch.zeros(len(histories), vocab + 1, device=device)
     counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
     return counts[:, :vocab]
 
@@ -98,14 +112,20 @@ def _token_counts(histories: list[list[int]], vocab: int, device: torch.device) 
 def apply_penalties(logits: torch.Tensor, pr: PenaltyRows) -> torch.Tensor:
     """logits [R, V] -> penalised float32 logits [R, V] (a new tensor; `logits` is left as it was).
 
-    repetition r, on every id seen in the prompt or the output: logit / r if logit > 0 else logit * r;
-    then frequency f and presence p, on output ids only: logit -= f * count + p * (count > 0).
-    A row at the defaults (1, 0, 0) comes back equal to its input."""
+    repetition r, on every id seen in the prompt or the output: logit / r if logit > 0 else logit *
+    r; then frequency f and presence p, on output ids only: logit -= f * count + p * (count > 0). A
+    row at the defaults (1, 0, 0) comes back equal to its input."""
     vocab, dev = logits.shape[1], logits.device
     out_counts = _token_counts(pr.outputs, vocab, dev)  # [R, V]
     seen = (_token_counts(pr.prompts, vocab, dev) > 0) | (out_counts > 0)  # [R, V]
-    # [R, 1]; an extreme r (1e-300, 1e300) would be 0 or inf in float32 and turn logits into inf / nan
-    rep = torch.tensor(pr.repetition, device=dev, dtype=torch.float64).clamp(1e-30, 1e30).float().unsqueeze(1)
+    # [R, 1]; an extreme r (1e-300, 1e300) would be 0 or inf in float32 and turn logits into inf /
+    # nan
+    rep = (
+        torch.tensor(pr.repetition, device=dev, dtype=torch.float64)
+        .clamp(1e-30, 1e30)
+        .float()
+        .unsqueeze(1)
+    )
     rep = torch.where(seen, rep, torch.ones_like(rep))  # [R, V]: 1 where the id was never seen
     x = logits.float()
     x = torch.where(x > 0, x / rep, x * rep)
@@ -114,14 +134,23 @@ def apply_penalties(logits: torch.Tensor, pr: PenaltyRows) -> torch.Tensor:
     return x - freq * out_counts - pres * (out_counts > 0).float()
 
 
-def penalize(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
-             outputs: list[list[int]]) -> torch.Tensor:
+def penalize(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+) -> torch.Tensor:
     """logits [R, V] -> the same tensor when no row has a penalty, else penalised float32 logits [R, V]; row i's
     history is prompts[i] then outputs[i] (for a DSpark verify row, the drafts before it count as output)."""
     if not any(p.penalized for p in params):
         return logits
-    rows = PenaltyRows([p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
-                       [p.presence_penalty for p in params], prompts, outputs)
+    rows = PenaltyRows(
+        [p.repetition_penalty for p in params],
+        [p.frequency_penalty for p in params],
+        [p.presence_penalty for p in params],
+        prompts,
+        outputs,
+    )
     return apply_penalties(logits, rows)
 
 
@@ -146,8 +175,12 @@ def filter_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return probs
 
 
-def exponential_noise(shape: tuple[int, int], generators: list[Optional[torch.Generator]],
-                      shared: torch.Generator, device: torch.device) -> torch.Tensor:
+def exponential_noise(
+    shape: tuple[int, int],
+    generators: list[Optional[torch.Generator]],
+    shared: torch.Generator,
+    device: torch.device,
+) -> torch.Tensor:
     noise = torch.empty(shape, device=device).exponential_(generator=shared)
     for row, gen in enumerate(generators):
         if gen is not None:
@@ -166,8 +199,15 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, shared: torch.Generator) -> 
     return torch.where(sb.greedy, greedy_ids, drawn)
 
 
-def draw(logits: torch.Tensor, params: list[SamplingParams], keys: list[Hashable], gens: SeededGenerators,
-         shared: torch.Generator, prompts: list[list[int]], outputs: list[list[int]]) -> list[int]:
+def draw(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    keys: list[Hashable],
+    gens: SeededGenerators,
+    shared: torch.Generator,
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+) -> list[int]:
     """logits [R, V] (raw, left untouched) -> one token per row, drawn from the penalised logits."""
     scores = penalize(logits, params, prompts, outputs)
     if all(p.greedy for p in params):

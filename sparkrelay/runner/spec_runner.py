@@ -1,4 +1,5 @@
-"""DSpark decoding: every forward writes the drafter's context; a decode step is one propose/verify round.
+"""DSpark decoding: every forward writes the drafter's context; a decode step is one propose/verify
+round.
 
 One round for R running requests (row r: anchor = its last token, at position p_r):
   propose  -> drafts d_1..d_n (n_r after caps and confidence truncation) from the drafter
@@ -12,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from sparkrelay.scheduler.scheduler import Batch
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.decoder import StageOutput
 from sparkrelay.runner.logprobs import token_logprobs
 from sparkrelay.runner.model_runner import ModelRunner, RunResult
 from sparkrelay.runner.sampler import filter_probs, penalize
+from sparkrelay.scheduler.scheduler import Batch
 from sparkrelay.spec.proposer import DSparkProposer
 from sparkrelay.spec.verify import verify
 
@@ -31,7 +32,8 @@ class SpecRunner(ModelRunner):
         self._fed: list = []
 
     def after_forward(self, meta: AttnMeta, out: StageOutput) -> None:
-        # every fed row of a prefill is a committed prompt position: its features become draft context
+        # every fed row of a prefill is a committed prompt position: its features become draft
+        # context
         for req in self._fed:
             req.draft_ctx_start = 0  # a (re)computed prompt writes the drafter's whole context
         rows = torch.arange(meta.positions.shape[0], device=self.device)
@@ -47,16 +49,31 @@ class SpecRunner(ModelRunner):
         starts = [s.start for s in seqs]
         tables = [r.block_ids for r in reqs]
         sb = self.sampling_batch(reqs)
-        prop = self.proposer.propose([r.all_ids[-1] for r in reqs], starts, tables, self._caps(reqs, starts),
-                                     sb.temperature, sb.greedy, sb.generators, self.shared_gen,
-                                     [r.draft_ctx_start for r in reqs])
+        prop = self.proposer.propose(
+            [r.all_ids[-1] for r in reqs],
+            starts,
+            tables,
+            self._caps(reqs, starts),
+            sb.temperature,
+            sb.greedy,
+            sb.generators,
+            self.shared_gen,
+            [r.draft_ctx_start for r in reqs],
+        )
         n = prop.num_drafts.tolist()
         meta = self.attn_meta(starts, [p + 1 + k for p, k in zip(starts, n)], tables)
         drafts = prop.drafts.tolist()
         ids = [t for r, d, k in zip(reqs, drafts, n) for t in [r.all_ids[-1]] + d[:k]]
         out = self.forward(meta, ids, torch.arange(len(ids)))  # logits at every row: [T, V]
-        res = verify(prop.drafts, prop.num_drafts, prop.draft_probs,
-                     self._target_probs(reqs, n, drafts, out.logits), sb.greedy, sb.generators, self.shared_gen)
+        res = verify(
+            prop.drafts,
+            prop.num_drafts,
+            prop.draft_probs,
+            self._target_probs(reqs, n, drafts, out.logits),
+            sb.greedy,
+            sb.generators,
+            self.shared_gen,
+        )
         accepted, nxt = res.accepted.tolist(), res.next_ids.tolist()
         self._commit_context(meta, out, n, accepted)
         tokens = [d[:a] + [t] for d, a, t in zip(drafts, accepted, nxt)]
@@ -67,9 +84,12 @@ class SpecRunner(ModelRunner):
         return res
 
     @staticmethod
-    def _committed_logprobs(reqs, n: list[int], tokens: list[list[int]], logits: torch.Tensor) -> list:
-        """Logprobs of each request's committed tokens from the verify pass's raw target logits [T, V]: verify
-        row j of request r (the anchor, then d_1..) scored its committed token j; never the drafter's numbers."""
+    def _committed_logprobs(
+        reqs, n: list[int], tokens: list[list[int]], logits: torch.Tensor
+    ) -> list:
+        """Logprobs of each request's committed tokens from the verify pass's raw target logits [T,
+        V]: verify row j of request r (the anchor, then d_1..) scored its committed token j; never
+        the drafter's numbers."""
         rows, ids, ks, offset = [], [], [], 0
         for r, k, toks in zip(reqs, n, tokens):
             if r.params.return_logprob:
@@ -77,24 +97,42 @@ class SpecRunner(ModelRunner):
                 ids += toks
                 ks += [r.params.top_logprobs_num] * len(toks)
             offset += k + 1
-        entries = iter(token_logprobs(logits.index_select(0, torch.tensor(rows, device=logits.device)), ids, ks))
-        return [[next(entries) for _ in toks] if r.params.return_logprob else [] for r, toks in zip(reqs, tokens)]
+        entries = iter(
+            token_logprobs(
+                logits.index_select(0, torch.tensor(rows, device=logits.device)), ids, ks
+            )
+        )
+        return [
+            [next(entries) for _ in toks] if r.params.return_logprob else []
+            for r, toks in zip(reqs, tokens)
+        ]
 
     def _caps(self, reqs, starts: list[int]) -> list[int]:
-        """Drafts worth proposing: no more than the tokens the request may still emit, inside the context."""
-        return [max(0, min(r.params.max_new_tokens - len(r.output_ids), self.context_length - p) - 1)
-                for r, p in zip(reqs, starts)]
+        """Drafts worth proposing: no more than the tokens the request may still emit, inside the
+        context."""
+        return [
+            max(0, min(r.params.max_new_tokens - len(r.output_ids), self.context_length - p) - 1)
+            for r, p in zip(reqs, starts)
+        ]
 
-    def _target_probs(self, reqs, n: list[int], drafts: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
+    def _target_probs(
+        self, reqs, n: list[int], drafts: list[list[int]], logits: torch.Tensor
+    ) -> torch.Tensor:
         """logits [T, V] of the verify rows -> p [R, N + 1, V], penalised and filtered as each request samples
         (padded rows 0). Verify row j of request r follows d_1..d_j, so its penalty history is the request's tokens
         plus those drafts: exactly what plain decoding would have seen had they been accepted. The drafter itself
         proposes from unpenalised logits; that only lowers acceptance, never changes what is committed."""
         reps = [k + 1 for k in n]
-        if any(r.params.penalized for r in reqs):  # else the raw logits, as before penalties existed
+        # else the raw logits, as before penalties existed
+        if any(r.params.penalized for r in reqs):
             rows = [r for r, k in zip(reqs, reps) for _ in range(k)]
-            outputs = [r.output_ids + d[:j] for r, d, k in zip(reqs, drafts, reps) for j in range(k)]
-            logits = penalize(logits, [r.params for r in rows], [r.prompt_ids for r in rows], outputs)  # [T, V]
+            outputs = [
+                r.output_ids + d[:j] for r, d, k in zip(reqs, drafts, reps) for j in range(k)
+            ]
+            # [T, V]
+            logits = penalize(
+                logits, [r.params for r in rows], [r.prompt_ids for r in rows], outputs
+            )
         if all(r.params.greedy for r in reqs):
             probs = logits  # greedy verification only compares argmaxes
         else:
@@ -102,17 +140,25 @@ class SpecRunner(ModelRunner):
         # [T, V] -> [R, B + 1, V]: row r's k + 1 verify rows first, zeros after
         width = self.proposer.block_size + 1
         starts = torch.tensor([0] + reps[:-1]).cumsum(0)
-        index = (starts[:, None] + torch.arange(width)[None, :]).clamp(max=probs.shape[0] - 1)  # [R, B + 1]
+        # [R, B + 1]
+        index = (starts[:, None] + torch.arange(width)[None, :]).clamp(max=probs.shape[0] - 1)
         valid = torch.arange(width)[None, :] < torch.tensor(reps)[:, None]
         out = probs.index_select(0, index.view(-1).to(probs.device)).view(len(reqs), width, -1)
         return out * valid.to(probs.device)[:, :, None]
 
-    def _commit_context(self, meta: AttnMeta, out: StageOutput, n: list[int], accepted: list[int]) -> None:
-        """The anchor and the accepted drafts of each row are committed: their features become draft context."""
+    def _commit_context(
+        self, meta: AttnMeta, out: StageOutput, n: list[int], accepted: list[int]
+    ) -> None:
+        """The anchor and the accepted drafts of each row are committed: their features become draft
+        context."""
         rows, offset = [], 0
         for k, a in zip(n, accepted):
             rows.extend(range(offset, offset + a + 1))
             offset += k + 1
         rows_t = torch.tensor(rows, device=self.device)
-        self.proposer.write_context(out.taps, rows_t, meta.positions.index_select(0, rows_t),
-                                    meta.slot_mapping.index_select(0, rows_t))
+        self.proposer.write_context(
+            out.taps,
+            rows_t,
+            meta.positions.index_select(0, rows_t),
+            meta.slot_mapping.index_select(0, rows_t),
+        )

@@ -1,13 +1,13 @@
 """Paged KV block accounting (plain Python, no torch).
 
-A block holds `page_size` consecutive token slots. Slot `s` of the pool is token `s % page_size` of block
-`s // page_size`. Verbs come in pairs: `can_allocate/allocate` and `free`; `check()` is the invariant that tests
-run after every step and the server runs when idle.
+A block holds `page_size` consecutive token slots. Slot `s` of the pool is token `s % page_size` of
+block `s // page_size`. Verbs come in pairs: `can_allocate/allocate` and `free`; `check()` is the
+invariant that tests run after every step and the server runs when idle.
 
-A block has a reference count: one per owner table holding it, plus one while the prefix cache holds it
-(`cache_hold` / `cache_drop`). A request that matched a cached prefix shares its blocks (`share`), read only. A
-cached block no request holds (count 1) is *evictable*: it counts as available, and `allocate` asks the cache's
-evictor for such blocks when the free list runs short.
+A block has a reference count: one per owner table holding it, plus one while the prefix cache holds
+it (`cache_hold` / `cache_drop`). A request that matched a cached prefix shares its blocks
+(`share`), read only. A cached block no request holds (count 1) is *evictable*: it counts as
+available, and `allocate` asks the cache's evictor for such blocks when the free list runs short.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}
         self._cached: set[int] = set()  # blocks the prefix cache holds (one reference each)
         self.num_evictable = 0  # cached blocks held by nothing else
-        self.evictor: Optional[Callable[[int], int]] = None  # frees up to n evictable blocks; returns how many
+        self.evictor: Optional[Callable[[int], int]] = (
+            None  # frees up to n evictable blocks; returns how many
+        )
 
-    # -- queries -------------------------------------------------------------------------------------------
+    # -- queries -----------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
         return len(self._free)
@@ -68,7 +70,7 @@ class BlockManager:
         table, ps = self._tables[owner], self.page_size
         return [table[p // ps] * ps + p % ps for p in range(start, end)]
 
-    # -- verbs ---------------------------------------------------------------------------------------------
+    # -- verbs -------------------------------------------------------------------------------------
     def allocate(self, owner: str, num_tokens: int) -> list[int]:
         """Grow `owner`'s table to cover `num_tokens` slots; returns the new block ids."""
         need = self.blocks_needed(owner, num_tokens)
@@ -84,7 +86,8 @@ class BlockManager:
         return new
 
     def share(self, owner: str, blocks: list[int]) -> None:
-        """Append cached `blocks` (a matched prefix) to `owner`'s table, which must be empty: read only for it."""
+        """Append cached `blocks` (a matched prefix) to `owner`'s table, which must be empty: read
+        only for it."""
         assert not self._tables.get(owner), f"{owner} already owns blocks"
         for b in blocks:
             assert b in self._cached, f"block {b} is not cached"
@@ -92,14 +95,16 @@ class BlockManager:
         self._tables[owner] = list(blocks)
 
     def free(self, owner: str) -> int:
-        """Release every block of `owner` (a no-op for an unknown owner); returns how many were freed."""
+        """Release every block of `owner` (a no-op for an unknown owner); returns how many were
+        freed."""
         table = self._tables.pop(owner, [])
         for b in table:
             self._dec(b)
         return len(table)
 
     def cache_hold(self, block: int) -> None:
-        """The prefix cache takes a reference to `block` (a block some owner holds, with valid KV)."""
+        """The prefix cache takes a reference to `block` (a block some owner holds, with valid
+        KV)."""
         assert block not in self._cached and self._ref[block] > 0, f"block {block} cannot be cached"
         self._ref[block] += 1
         self._cached.add(block)
@@ -134,13 +139,15 @@ class BlockManager:
             self.num_evictable += 1
 
     def rename(self, owner: str, new_owner: str) -> None:
-        """`owner`'s blocks now belong to `new_owner` (which must own none); a no-op for an unknown owner."""
+        """`owner`'s blocks now belong to `new_owner` (which must own none); a no-op for an unknown
+        owner."""
         assert new_owner not in self._tables, f"{new_owner} already owns blocks"
         if owner in self._tables:
             self._tables[new_owner] = self._tables.pop(owner)
 
     def check(self) -> None:
-        """Invariant: free + used == total, no block both free and owned, ref counts match the tables."""
+        """Invariant: free + used == total, no block both free and owned, ref counts match the
+        tables."""
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"
         counts = [0] * self.num_blocks
@@ -151,9 +158,12 @@ class BlockManager:
             counts[b] += 1
         assert counts == self._ref, "ref counts disagree with the block tables and the prefix cache"
         evictable = sum(1 for b in self._cached if counts[b] == 1)
-        assert evictable == self.num_evictable, f"{self.num_evictable} evictable counted, {evictable} found"
+        assert evictable == self.num_evictable, (
+            f"{self.num_evictable} evictable counted, {evictable} found"
+        )
         assert all(c >= 0 for c in counts)
         used = {b for b, c in enumerate(counts) if c > 0}
         assert not (used & free), f"blocks both free and in use: {sorted(used & free)[:8]}"
         assert len(used) + len(free) == self.num_blocks, (
-            f"free {len(free)} + used {len(used)} != total {self.num_blocks}")
+            f"free {len(free)} + used {len(used)} != total {self.num_blocks}"
+        )

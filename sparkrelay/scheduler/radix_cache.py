@@ -1,8 +1,8 @@
 """The prefix (radix) cache over paged KV, with SGLang's semantics (plain Python, no torch).
 
-A tree of pages: each node is one full page of `page_size` token ids (its key) under the page before it, and holds
-the block whose KV those tokens produced after exactly that prefix. A block's KV depends on every token before it,
-so a node is reachable only through its whole prefix.
+A tree of pages: each node is one full page of `page_size` token ids (its key) under the page before
+it, and holds the block whose KV those tokens produced after exactly that prefix. A block's KV
+depends on every token before it, so a node is reachable only through its whole prefix.
 
     match(tokens, limit)   the longest cached run of full pages that is a prefix of tokens[:limit]
     insert(tokens, table, num_valid, draft_from)
@@ -12,13 +12,15 @@ so a node is reachable only through its whole prefix.
                            BlockManager calls when an allocation runs short)
     flush()                everything, when no request holds a cached block
 
-Reference counts are the BlockManager's: a request using a cached prefix holds each of its blocks (share), so a
-node in use is never evicted; since a request holds a prefix, a node's ancestors are in use whenever it is.
+Reference counts are the BlockManager's: a request using a cached prefix holds each of its blocks
+(share), so a node in use is never evicted; since a request holds a prefix, a node's ancestors are
+in use whenever it is.
 
-DSpark: the drafter's KV lives in the same slots as the target's (spec/proposer.py), so a cached page carries it,
-when it was written. A PD decode in `tail` mode has no drafter context before the tail: those pages are cached with
-`draft=False`, and a cache that serves a drafter (`needs_draft`) stops a match at the first such page, so a hit never
-gives the drafter less context than a recompute would.
+DSpark: the drafter's KV lives in the same slots as the target's (spec/proposer.py), so a cached
+page carries it, when it was written. A PD decode in `tail` mode has no drafter context before the
+tail: those pages are cached with `draft=False`, and a cache that serves a drafter (`needs_draft`)
+stops a match at the first such page, so a hit never gives the drafter less context than a recompute
+would.
 """
 
 from __future__ import annotations
@@ -61,10 +63,11 @@ class RadixCache:
         for i in range(n // ps):
             yield i, tuple(tokens[i * ps : (i + 1) * ps])
 
-    # -- lookups -------------------------------------------------------------------------------------------------
+    # -- lookups -----------------------------------------------------------------------------------
     def match(self, tokens: list[int], limit: int, needs_draft: Optional[bool] = None) -> list[int]:
-        """Blocks of the longest cached prefix of tokens[:limit], in page order (touched as just used). needs_draft
-        (default: the cache's): stop at the first page without the drafter's context."""
+        """Blocks of the longest cached prefix of tokens[:limit], in page order (touched as just
+        used). needs_draft (default: the cache's): stop at the first page without the drafter's
+        context."""
         node, out, now = self.root, [], next(self._clock)
         draft = self.needs_draft if needs_draft is None else needs_draft
         for _, key in self._pages(tokens, max(0, limit)):
@@ -76,10 +79,13 @@ class RadixCache:
             node = child
         return out
 
-    # -- verbs -----------------------------------------------------------------------------------------------------
-    def insert(self, tokens: list[int], table: list[int], num_valid: int, draft_from: int = 0) -> int:
-        """Cache the full pages of tokens[:num_valid] whose KV is in `table` (the owner's blocks, in page order);
-        positions >= draft_from have the drafter's context. Returns how many pages the tree gained."""
+    # -- verbs -------------------------------------------------------------------------------------
+    def insert(
+        self, tokens: list[int], table: list[int], num_valid: int, draft_from: int = 0
+    ) -> int:
+        """Cache the full pages of tokens[:num_valid] whose KV is in `table` (the owner's blocks, in
+        page order); positions >= draft_from have the drafter's context. Returns how many pages the
+        tree gained."""
         node, now, added, ps = self.root, next(self._clock), 0, self.page_size
         for i, key in self._pages(tokens, min(num_valid, len(table) * ps)):
             draft = i * ps >= draft_from
@@ -92,7 +98,8 @@ class RadixCache:
                 self._nodes += 1
                 added += 1
             elif draft and not child.draft and child.block != table[i]:
-                self._replace(child, table[i])  # this request's copy has the drafter's context: keep that one
+                # this request's copy has the drafter's context: keep that one
+                self._replace(child, table[i])
             child.last_access = now
             node = child
         return added
@@ -103,9 +110,13 @@ class RadixCache:
         node.block, node.draft = block, True
 
     def evict(self, n: int) -> int:
-        """Free up to `n` blocks: least recently used leaves that only the cache holds, their parents as they become
-        such leaves. Returns how many were freed."""
-        heap = [(nd.last_access, id(nd), nd) for nd in self._leaves() if self.blocks.is_evictable(nd.block)]
+        """Free up to `n` blocks: least recently used leaves that only the cache holds, their
+        parents as they become such leaves. Returns how many were freed."""
+        heap = [
+            (nd.last_access, id(nd), nd)
+            for nd in self._leaves()
+            if self.blocks.is_evictable(nd.block)
+        ]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < n:
@@ -114,7 +125,11 @@ class RadixCache:
             freed += 1
             self.num_evicted += 1
             parent = nd.parent
-            if parent is not self.root and not parent.children and self.blocks.is_evictable(parent.block):
+            if (
+                parent is not self.root
+                and not parent.children
+                and self.blocks.is_evictable(parent.block)
+            ):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
@@ -133,7 +148,7 @@ class RadixCache:
         self.blocks.cache_drop(nd.block)
         self._nodes -= 1
 
-    # -- walking and the invariant -----------------------------------------------------------------------------------
+    # -- walking and the invariant -----------------------------------------------------------------
     def _walk(self):
         stack = list(self.root.children.values())
         while stack:
@@ -145,8 +160,11 @@ class RadixCache:
         return (nd for nd in self._walk() if not nd.children)
 
     def check(self) -> None:
-        """Invariant: the tree's blocks are exactly the blocks the BlockManager counts as cached, each once."""
+        """Invariant: the tree's blocks are exactly the blocks the BlockManager counts as cached,
+        each once."""
         held = [nd.block for nd in self._walk()]
         assert len(held) == self._nodes, f"{self._nodes} nodes counted, {len(held)} in the tree"
         assert len(set(held)) == len(held), "a block is cached at two nodes"
-        assert set(held) == self.blocks.cached_blocks(), "the tree and the BlockManager disagree on the cached blocks"
+        assert set(held) == self.blocks.cached_blocks(), (
+            "the tree and the BlockManager disagree on the cached blocks"
+        )

@@ -1,4 +1,5 @@
-"""Finish conditions after each sampled token: stop token ids / EOS, stop strings, max_new_tokens, context."""
+"""Finish conditions after each sampled token: stop token ids / EOS, stop strings, max_new_tokens,
+context."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ class StopChecker:
         p, last = req.params, req.output_ids[-1]
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))
         if last in stop_ids:
-            req.output_text = self.decode(req, req.output_ids if p.no_stop_trim else req.output_ids[:-1])
+            req.output_text = self.decode(
+                req, req.output_ids if p.no_stop_trim else req.output_ids[:-1]
+            )
             req.finish({"type": "stop", "matched": last})
             return
         previous = len(req.output_text)

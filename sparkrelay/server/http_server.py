@@ -4,8 +4,9 @@ Life of an HTTP generation request:
   1. FastAPI validates the JSON into a protocol model (bad shape -> 400 via the validation handler).
   2. protocol.*_items turns it into engine items (bad values -> RequestError -> 400).
   3. EngineClient.submit adds them atomically in the engine's loop (engine's RequestError -> 400).
-  4. Outputs stream back; a streaming response sends SSE chunks, a plain one waits while watching for
-     a client disconnect. Leaving early in any way closes the stream, which aborts unfinished requests.
+  4. Outputs stream back; a streaming response sends SSE chunks, a plain one waits while watching
+     for a client disconnect. Leaving early in any way closes the stream, which aborts unfinished
+     requests.
 """
 
 from __future__ import annotations
@@ -27,18 +28,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import sparkrelay
 from sparkrelay.config import Config
-from sparkrelay.scheduler.request import RequestError, RequestOutput
-from sparkrelay.server import protocol as P
 from sparkrelay.manager.client import EngineClient, EngineFailed, EngineStopped
 from sparkrelay.manager.messages import GenerationItem
-from sparkrelay.server.common import (ServerError, ServerState, error_response, stream_error_response,
-                                      wants_stream_error)
+from sparkrelay.scheduler.request import RequestError, RequestOutput
+from sparkrelay.server import protocol as P
+from sparkrelay.server.common import (
+    ServerError,
+    ServerState,
+    error_response,
+    stream_error_response,
+    wants_stream_error,
+)
 from sparkrelay.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from sparkrelay.server.openai_api import openai_response, token_text
 
 logger = logging.getLogger(__name__)
 
-_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")  # pydantic's union branch names
+# pydantic's union branch names
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -49,7 +56,11 @@ def _validation_message(exc: RequestValidationError) -> str:
         if err.get("type") == "json_invalid":
             return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}"
         loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _UNION_TAG.match(str(x))]
-        msg = "unknown or unsupported field" if err.get("type") == "extra_forbidden" else err.get("msg", "")
+        msg = (
+            "unknown or unsupported field"
+            if err.get("type") == "extra_forbidden"
+            else err.get("msg", "")
+        )
         key = ".".join(loc) or "body"
         if key not in by_loc and len(by_loc) == 5:
             break  # five are shown; a body with a million unknown keys must not cost seconds here
@@ -62,11 +73,15 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 # ---------------------------------------------------------------- /generate
 
+
 def _generate_result(out: RequestOutput, start: float, index: Optional[int], text_of=None) -> dict:
-    """SGLang's answer; with return_logprob its meta_info holds every logprob so far (cumulative when streamed),
-    token texts from `text_of` (return_text_in_logprobs)."""
-    res = {"text": out.text, "output_ids": list(out.output_ids),
-           "meta_info": out.meta_info(time.perf_counter() - start, text_of)}
+    """SGLang's answer; with return_logprob its meta_info holds every logprob so far (cumulative
+    when streamed), token texts from `text_of` (return_text_in_logprobs)."""
+    res = {
+        "text": out.text,
+        "output_ids": list(out.output_ids),
+        "meta_info": out.meta_info(time.perf_counter() - start, text_of),
+    }
     if index is not None:
         res["index"] = index
     return res
@@ -74,30 +89,42 @@ def _generate_result(out: RequestOutput, start: float, index: Optional[int], tex
 
 async def _generate(s: ServerState, req: P.GenerateRequest, request: Request):
     start = time.perf_counter()
-    items, batch = await s.off_loop(P.generate_items, req, s.tokenizer, s.limits, lambda: uuid.uuid4().hex)
+    items, batch = await s.off_loop(
+        P.generate_items, req, s.tokenizer, s.limits, lambda: uuid.uuid4().hex
+    )
     items = P.with_bootstrap(req, items)
     stream = await s.engine.submit(items)
     index = {it.rid: i for i, it in enumerate(items)}
     text_of = token_text(s.tokenizer) if req.return_text_in_logprobs else None
     if req.stream:
-        return s.streaming(stream, lambda o: [_generate_result(o, start, index[o.rid] if batch else None, text_of)],
-                           lambda: [])
+        return s.streaming(
+            stream,
+            lambda o: [_generate_result(o, start, index[o.rid] if batch else None, text_of)],
+            lambda: [],
+        )
     finals = await s.collect(stream, request)
     return await s.answer(lambda: _generate_answer(items, finals, start, batch, text_of))
 
 
-def _generate_answer(items: list[GenerationItem], finals: dict[str, RequestOutput], start: float, batch: bool,
-                     text_of) -> list | dict:
+def _generate_answer(
+    items: list[GenerationItem],
+    finals: dict[str, RequestOutput],
+    start: float,
+    batch: bool,
+    text_of,
+) -> list | dict:
     results = [_generate_result(finals[it.rid], start, None, text_of) for it in items]
     return results if batch else results[0]
 
 
 # ---------------------------------------------------------------- app
 
+
 def _install_error_handlers(app: FastAPI, s: ServerState) -> None:
     def bad_request(req: Request, message: str):
         s.metrics.num_bad_requests.inc()
-        logger.info("rejected %s %s: %s", req.method, req.url.path, message[:300])  # as often as the access log
+        # as often as the access log
+        logger.info("rejected %s %s: %s", req.method, req.url.path, message[:300])
         if wants_stream_error(req, s.config):
             return stream_error_response(400, message)
         return error_response(400, message)
@@ -133,12 +160,17 @@ def _install_error_handlers(app: FastAPI, s: ServerState) -> None:
 
 
 def _resolved_settings(s: ServerState) -> dict:
-    """The settings whose flag default means "decide at start" (None, auto), as the engine resolved them, so
-    /server_info shows the figures in force (as SGLang's does), not the unresolved flags."""
+    """The settings whose flag default means "decide at start" (None, auto), as the engine resolved
+    them, so /server_info shows the figures in force (as SGLang's does), not the unresolved
+    flags."""
     info = s.engine.info
-    out = {"context_length": info.context_length, "max_total_tokens": info.max_total_tokens,
-           "tokenizer_path": s.config.model.tokenizer_path or s.config.model.model_path,
-           "served_model_name": s.model_name, "dspark_pd_handoff": s.config.disagg.handoff}
+    out = {
+        "context_length": info.context_length,
+        "max_total_tokens": info.max_total_tokens,
+        "tokenizer_path": s.config.model.tokenizer_path or s.config.model.model_path,
+        "served_model_name": s.model_name,
+        "dspark_pd_handoff": s.config.disagg.handoff,
+    }
     for name in ("dtype", "speculative_num_draft_tokens", "dist_init_port"):
         if getattr(info, name) is not None:
             out[name] = getattr(info, name)
@@ -153,7 +185,8 @@ def _install_info_routes(app: FastAPI, s: ServerState) -> None:
     @app.get("/health_generate")
     async def health_generate(request: Request):
         ids = list(s.tokenizer.encode("Hello")) or [0]
-        item = GenerationItem.health_check(ids, s.config.disagg.disaggregation_mode)  # PD: a fake bootstrap
+        # PD: a fake bootstrap
+        item = GenerationItem.health_check(ids, s.config.disagg.disaggregation_mode)
         try:
             await asyncio.wait_for(s.collect(await s.engine.submit([item]), request), timeout=60)
         except Exception as e:
@@ -173,8 +206,12 @@ def _install_info_routes(app: FastAPI, s: ServerState) -> None:
     def model_info():
         return dict(s.engine.info.model_info)
 
-    for path, fn in (("/server_info", server_info), ("/get_server_info", server_info),
-                     ("/model_info", model_info), ("/get_model_info", model_info)):
+    for path, fn in (
+        ("/server_info", server_info),
+        ("/get_server_info", server_info),
+        ("/model_info", model_info),
+        ("/get_model_info", model_info),
+    ):
         app.add_api_route(path, fn, methods=["GET"])
 
     async def flush_cache():
@@ -182,8 +219,11 @@ def _install_info_routes(app: FastAPI, s: ServerState) -> None:
         error = await s.engine.flush_cache()
         if error is None:
             return Response("Cache flushed.\n", media_type="text/plain")
-        return Response(f"Cache not flushed: {error}\n", status_code=400 if s.engine.is_alive else 503,
-                        media_type="text/plain")
+        return Response(
+            f"Cache not flushed: {error}\n",
+            status_code=400 if s.engine.is_alive else 503,
+            media_type="text/plain",
+        )
 
     app.add_api_route("/flush_cache", flush_cache, methods=["GET", "POST"])
 
@@ -193,8 +233,14 @@ def _install_info_routes(app: FastAPI, s: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": s.model_name, "object": "model", "created": int(time.time()), "owned_by": "sparkrelay",
-                "root": s.config.model.model_path, "max_model_len": s.limits.context_length}
+        card = {
+            "id": s.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "sparkrelay",
+            "root": s.config.model.model_path,
+            "max_model_len": s.limits.context_length,
+        }
         return {"object": "list", "data": [card]}
 
 
@@ -202,12 +248,15 @@ def _load_json(body: bytes):
     """The body's JSON, checked to hold only valid Unicode."""
     try:
         data = json.loads(body)
-        json.dumps(data, ensure_ascii=False).encode()  # a lone surrogate (JSON "\ud800") cannot be tokenized
+        # a lone surrogate (JSON "\ud800") cannot be tokenized
+        json.dumps(data, ensure_ascii=False).encode()
     except RecursionError as e:
         raise RequestError("malformed JSON body: nested too deeply") from e
     except UnicodeEncodeError as e:
-        raise RequestError(f"invalid request: a string holds a lone UTF-16 surrogate "
-                           f"{e.object[e.start:e.end]!r}, which is not valid Unicode") from e
+        raise RequestError(
+            f"invalid request: a string holds a lone UTF-16 surrogate "
+            f"{e.object[e.start : e.end]!r}, which is not valid Unicode"
+        ) from e
     except ValueError as e:
         raise RequestError(f"malformed JSON body: {e}") from e
     return data
@@ -221,11 +270,12 @@ def _validate(model: type[BaseModel], data) -> BaseModel:
 
 
 async def _parse(s: ServerState, model: type[BaseModel], request: Request):
-    """The JSON body as `model`, whatever the Content-Type (curl -d sends form-encoded by default). The body's size
-    is bounded by BodyLimitMiddleware; decoding and validating it take time that grows with it, so they run off
-    the event loop."""
+    """The JSON body as `model`, whatever the Content-Type (curl -d sends form-encoded by default).
+    The body's size is bounded by BodyLimitMiddleware; decoding and validating it take time that
+    grows with it, so they run off the event loop."""
     data = await s.off_loop(_load_json, await request.body())
-    request.state.stream = isinstance(data, dict) and data.get("stream") is True  # how errors are answered
+    # how errors are answered
+    request.state.stream = isinstance(data, dict) and data.get("stream") is True
     return await s.off_loop(_validate, model, data)
 
 
@@ -261,18 +311,22 @@ def _install_generation_routes(app: FastAPI, s: ServerState) -> None:
 
     @app.post("/v1/completions", openapi_extra=_body_doc(P.CompletionRequest))
     async def completions(request: Request):
-        return await openai_response(s, await _parse(s, P.CompletionRequest, request), request, chat=False)
+        return await openai_response(
+            s, await _parse(s, P.CompletionRequest, request), request, chat=False
+        )
 
     @app.post("/v1/chat/completions", openapi_extra=_body_doc(P.ChatCompletionRequest))
     async def chat_completions(request: Request):
-        return await openai_response(s, await _parse(s, P.ChatCompletionRequest, request), request, chat=True)
+        return await openai_response(
+            s, await _parse(s, P.ChatCompletionRequest, request), request, chat=True
+        )
 
     _document_bodies(app, (P.GenerateRequest, P.CompletionRequest, P.ChatCompletionRequest))
 
 
 def build_app(async_engine: EngineClient, config: Config) -> FastAPI:
-    """The HTTP app; its lifespan connects the engine (thread or process) to the serving loop and stops it at
-    shutdown."""
+    """The HTTP app; its lifespan connects the engine (thread or process) to the serving loop and
+    stops it at shutdown."""
     s = ServerState(async_engine, config)
 
     @contextlib.asynccontextmanager
@@ -289,8 +343,12 @@ def build_app(async_engine: EngineClient, config: Config) -> FastAPI:
     _install_error_handlers(app, s)
     _install_info_routes(app, s)
     _install_generation_routes(app, s)
-    app.add_middleware(BodyLimitMiddleware, max_mib=config.server.max_request_body_mb,
-                       on_reject=s.metrics.num_bad_requests.inc)
-    if config.server.api_key:  # added last, so it runs first: an unknown client learns nothing about the limit
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_mib=config.server.max_request_body_mb,
+        on_reject=s.metrics.num_bad_requests.inc,
+    )
+    # added last, so it runs first: an unknown client learns nothing about the limit
+    if config.server.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.server.api_key)
     return app

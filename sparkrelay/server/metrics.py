@@ -9,11 +9,34 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from sparkrelay.scheduler.request import RequestOutput
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 
 
 class Metrics:
@@ -22,34 +45,79 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         p = "sparkrelay:"
-        self.num_requests = Counter(p + "num_requests", "Finished engine requests.", ["finish_reason"], registry=r)
-        self.num_bad_requests = Counter(p + "num_bad_requests", "HTTP requests answered with a 4xx.", registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.cached_tokens = Counter(p + "cached_tokens", "Prompt tokens of finished requests found in the prefix "
-                                     "cache.", registry=r)
-        self.cache_hit_rate = Gauge(p + "cache_hit_rate", "Prefix cache hit rate: prompt tokens found in the cache / "
-                                    "prompt tokens looked up, since start.", registry=r)
-        self.prefix_cache_tokens = Gauge(p + "prefix_cache_tokens", "KV cache tokens the prefix cache holds (in use "
-                                         "by requests or evictable).", registry=r)
+        self.num_requests = Counter(
+            p + "num_requests", "Finished engine requests.", ["finish_reason"], registry=r
+        )
+        self.num_bad_requests = Counter(
+            p + "num_bad_requests", "HTTP requests answered with a 4xx.", registry=r
+        )
+        self.prompt_tokens = Counter(
+            p + "prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.cached_tokens = Counter(
+            p + "cached_tokens",
+            "Prompt tokens of finished requests found in the prefix cache.",
+            registry=r,
+        )
+        self.cache_hit_rate = Gauge(
+            p + "cache_hit_rate",
+            "Prefix cache hit rate: prompt tokens found in the cache / "
+            "prompt tokens looked up, since start.",
+            registry=r,
+        )
+        self.prefix_cache_tokens = Gauge(
+            p + "prefix_cache_tokens",
+            "KV cache tokens the prefix cache holds (in use by requests or evictable).",
+            registry=r,
+        )
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token.",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between output tokens.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.num_running = Gauge(p + "num_running_reqs", "Requests in the running batch.", registry=r)
-        self.num_waiting = Gauge(p + "num_queue_reqs", "Requests waiting to be scheduled.", registry=r)
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            p + "inter_token_latency_seconds",
+            "Time between output tokens.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds",
+            "Arrival to finish.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.num_running = Gauge(
+            p + "num_running_reqs", "Requests in the running batch.", registry=r
+        )
+        self.num_waiting = Gauge(
+            p + "num_queue_reqs", "Requests waiting to be scheduled.", registry=r
+        )
         self.kv_usage = Gauge(p + "token_usage", "Fraction of KV cache tokens in use.", registry=r)
         self.kv_used = Gauge(p + "kv_used_tokens", "KV cache tokens in use.", registry=r)
         self.kv_total = Gauge(p + "kv_total_tokens", "KV cache capacity in tokens.", registry=r)
-        self.spec_accept_length = Gauge(p + "spec_accept_length", "Committed tokens per speculative verify round "
-                                        "(tau), server-wide.", registry=r)
-        self.spec_verify_rate = Gauge(p + "spec_verify_rate", "Committed tokens / tokens sent to the target "
-                                      "in verify rounds.", registry=r)
-        self.spec_rounds = Gauge(p + "spec_verify_rounds", "Speculative verify rounds so far.", registry=r)
-        self.spec_accept_rate = Gauge(p + "spec_accept_rate", "Per draft position: rounds whose accepted prefix "
-                                      "reached it / rounds that proposed it.", ["position"], registry=r)
+        self.spec_accept_length = Gauge(
+            p + "spec_accept_length",
+            "Committed tokens per speculative verify round (tau), server-wide.",
+            registry=r,
+        )
+        self.spec_verify_rate = Gauge(
+            p + "spec_verify_rate",
+            "Committed tokens / tokens sent to the target in verify rounds.",
+            registry=r,
+        )
+        self.spec_rounds = Gauge(
+            p + "spec_verify_rounds", "Speculative verify rounds so far.", registry=r
+        )
+        self.spec_accept_rate = Gauge(
+            p + "spec_accept_rate",
+            "Per draft position: rounds whose accepted prefix "
+            "reached it / rounds that proposed it.",
+            ["position"],
+            registry=r,
+        )
 
     def render(self, stats: dict) -> bytes:
         self.num_running.set(stats.get("num_running", 0))

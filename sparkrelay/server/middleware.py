@@ -1,5 +1,5 @@
-"""Pure ASGI middleware (no BaseHTTPMiddleware, so streaming and disconnect detection stay untouched): the API key
-check and the request body-size limit."""
+"""Pure ASGI middleware (no BaseHTTPMiddleware, so streaming and disconnect detection stay
+untouched): the API key check and the request body-size limit."""
 
 from __future__ import annotations
 
@@ -37,16 +37,19 @@ def _declared_length(scope) -> int:
 
 
 class BodyLimitMiddleware:
-    """Answers 413 to a request whose body is larger than `max_mib` MiB. A declared Content-Length over the limit
-    is refused before any byte is read; a chunked body is counted as it arrives and refused at the first chunk that
-    passes the limit (raised from `receive` inside the handler reading it), so nothing is buffered past the limit.
-    The server (uvicorn) discards the rest of an answered request's body and keeps the connection."""
+    """Answers 413 to a request whose body is larger than `max_mib` MiB. A declared Content-Length
+    over the limit is refused before any byte is read; a chunked body is counted as it arrives and
+    refused at the first chunk that passes the limit (raised from `receive` inside the handler
+    reading it), so nothing is buffered past the limit. The server (uvicorn) discards the rest of an
+    answered request's body and keeps the connection."""
 
     def __init__(self, app, max_mib: int, on_reject: Callable[[], Any] = lambda: None):
         self.app = app
         self.limit = max_mib * MIB
-        self.message = (f"request body is larger than this server's limit of {max_mib} MiB "
-                        f"(--max-request-body-mb)")
+        self.message = (
+            f"request body is larger than this server's limit of {max_mib} MiB "
+            f"(--max-request-body-mb)"
+        )
         self.on_reject = on_reject
 
     async def __call__(self, scope, receive, send):
@@ -74,5 +77,7 @@ class BodyLimitMiddleware:
         return counted
 
     def _log(self, scope, size: str) -> None:
-        logger.info("rejected %s %s: body too large (%s)", scope.get("method"), scope.get("path"), size)
+        logger.info(
+            "rejected %s %s: body too large (%s)", scope.get("method"), scope.get("path"), size
+        )
         self.on_reject()

@@ -1,4 +1,5 @@
-"""OpenAI-compatible /v1/completions and /v1/chat/completions: responses and stream chunks in OpenAI's schema."""
+"""OpenAI-compatible /v1/completions and /v1/chat/completions: responses and stream chunks in
+OpenAI's schema."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ from typing import Callable, Optional
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from sparkrelay.scheduler.request import Logprobs, RequestOutput
-from sparkrelay.server import protocol as P
 from sparkrelay.manager.client import OutputStream
 from sparkrelay.manager.messages import GenerationItem
+from sparkrelay.scheduler.request import Logprobs, RequestOutput
+from sparkrelay.server import protocol as P
 from sparkrelay.server.common import ServerState
 
 
 class _Stable:
-    """Text deltas for OpenAI streams: holds back a trailing partial stop string or partial UTF-8 char."""
+    """Text deltas for OpenAI streams: holds back a trailing partial stop string or partial UTF-8
+    char."""
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = stops
@@ -27,7 +29,7 @@ class _Stable:
 
     def delta(self, out: RequestOutput) -> str:
         text = out.text if out.finished else self._stable(out.text)
-        d = text[self.sent:]
+        d = text[self.sent :]
         self.sent = max(self.sent, len(text))
         return d
 
@@ -39,7 +41,7 @@ class _Stable:
                 if text.endswith(s[:k]):
                     hold = k
                     break
-        return text[:len(text) - hold]
+        return text[: len(text) - hold]
 
 
 def _finish(out: RequestOutput) -> Optional[str]:
@@ -50,11 +52,16 @@ def _finish(out: RequestOutput) -> Optional[str]:
 
 
 def _usage(finals: list[RequestOutput], n: int) -> dict:
-    prompt = sum(o.prompt_tokens for i, o in enumerate(finals) if i % n == 0)  # once per prompt, not per sample
+    # once per prompt, not per sample
+    prompt = sum(o.prompt_tokens for i, o in enumerate(finals) if i % n == 0)
     completion = sum(len(o.output_ids) for o in finals)
     cached = sum(o.cached_tokens for i, o in enumerate(finals) if i % n == 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _openai_head(kind: str, oid: str, s: ServerState) -> dict:
@@ -66,55 +73,84 @@ def token_text(tokenizer) -> Callable[[int], str]:
     return functools.lru_cache(maxsize=1 << 14)(lambda t: tokenizer.decode([t]))
 
 
-def _completion_logprobs(lp: Logprobs, ids: list[int], a: int, b: int, text_of, offset: int) -> dict:
+def _completion_logprobs(
+    lp: Logprobs, ids: list[int], a: int, b: int, text_of, offset: int
+) -> dict:
     """OpenAI's legacy completion logprobs of output tokens [a, b); text offsets from `offset` (the text already
     sent). top_logprobs: per token a dict text -> logprob of the top `logprobs` tokens (None when 0), as vLLM."""
     tokens = [text_of(t) for t in ids[a:b]]
-    offsets = list(itertools.accumulate((len(x) for x in tokens[:-1]), initial=offset))[: len(tokens)]
+    offsets = list(itertools.accumulate((len(x) for x in tokens[:-1]), initial=offset))[
+        : len(tokens)
+    ]
     tops = [({text_of(t): v for v, t in top} if lp.top else None) for top in lp.output_top[a:b]]
-    return {"tokens": tokens, "token_logprobs": lp.output[a:b], "top_logprobs": tops, "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": lp.output[a:b],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def _chat_logprobs(lp: Logprobs, ids: list[int], a: int, b: int, text_of) -> dict:
-    """OpenAI's chat logprobs of output tokens [a, b): {content: [{token, logprob, bytes, top_logprobs}]}."""
+    """OpenAI's chat logprobs of output tokens [a, b): {content: [{token, logprob, bytes,
+    top_logprobs}]}."""
+
     def entry(v: float, t: int) -> dict:
         text = text_of(t)
         return {"token": text, "logprob": v, "bytes": list(text.encode("utf-8"))}
 
-    content = [entry(v, t) | {"top_logprobs": [entry(tv, tt) for tv, tt in top]}
-               for v, t, top in zip(lp.output[a:b], ids[a:b], lp.output_top[a:b])]
+    content = [
+        entry(v, t) | {"top_logprobs": [entry(tv, tt) for tv, tt in top]}
+        for v, t, top in zip(lp.output[a:b], ids[a:b], lp.output_top[a:b])
+    ]
     return {"content": content}
 
 
-def _choice(chat: bool, index: int, text: str, finish: Optional[str], stream: bool, first: bool = False,
-            logprobs: Optional[dict] = None) -> dict:
+def _choice(
+    chat: bool,
+    index: int,
+    text: str,
+    finish: Optional[str],
+    stream: bool,
+    first: bool = False,
+    logprobs: Optional[dict] = None,
+) -> dict:
     c: dict = {"index": index, "logprobs": logprobs, "finish_reason": finish}
     if not chat:
         c["text"] = text
     elif not stream:
         c["message"] = {"role": "assistant", "content": text}
     else:
-        c["delta"] = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
+        c["delta"] = (
+            ({"role": "assistant", "content": text} if first else {"content": text})
+            if text or first
+            else {}
+        )
     return c
 
 
 async def openai_response(s: ServerState, req, request: Request, chat: bool):
     oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    translate = P.chat_items if chat else P.completion_items  # tokenizes (and renders the chat template)
+    # tokenizes (and renders the chat template)
+    translate = P.chat_items if chat else P.completion_items
     items = P.with_bootstrap(req, await s.off_loop(translate, req, s.tokenizer, s.limits, oid))
     stream = await s.engine.submit(items)
     index = {it.rid: i for i, it in enumerate(items)}
     if req.stream:
         return _openai_stream(s, req, stream, items, index, oid, chat)
     finals = await s.collect(stream, request)
-    return await s.answer(lambda: _openai_answer(s, [finals[it.rid] for it in items], req.n, oid, chat))
+    return await s.answer(
+        lambda: _openai_answer(s, [finals[it.rid] for it in items], req.n, oid, chat)
+    )
 
 
 def _openai_answer(s: ServerState, outs: list[RequestOutput], n: int, oid: str, chat: bool) -> dict:
     resp = _openai_head("chat.completion" if chat else "text_completion", oid, s)
     text_of = token_text(s.tokenizer)
-    resp["choices"] = [_choice(chat, i, o.text, _finish(o), False, logprobs=_logprobs(chat, o, 0, text_of, 0))
-                       for i, o in enumerate(outs)]
+    resp["choices"] = [
+        _choice(chat, i, o.text, _finish(o), False, logprobs=_logprobs(chat, o, 0, text_of, 0))
+        for i, o in enumerate(outs)
+    ]
     resp["usage"] = _usage(outs, n)
     return resp
 
@@ -129,15 +165,24 @@ def _logprobs(chat: bool, out: RequestOutput, a: int, text_of, offset: int) -> O
     return _completion_logprobs(out.logprobs, ids, a, len(ids), text_of, offset)
 
 
-def _openai_stream(s: ServerState, req, stream: OutputStream, items: list[GenerationItem], index: dict,
-                   oid: str, chat: bool) -> StreamingResponse:
+def _openai_stream(
+    s: ServerState,
+    req,
+    stream: OutputStream,
+    items: list[GenerationItem],
+    index: dict,
+    oid: str,
+    chat: bool,
+) -> StreamingResponse:
     kind = "chat.completion.chunk" if chat else "text_completion"
     usage = bool(req.stream_options and req.stream_options.include_usage)
     deltas = {it.rid: _Stable(it.params.stop) for it in items}
     started: set[str] = set()
     finals: dict[str, RequestOutput] = {}
     text_of = token_text(s.tokenizer)
-    scored: dict[str, tuple[int, int]] = {}  # rid -> (output tokens whose logprobs were sent, their text length)
+    scored: dict[
+        str, tuple[int, int]
+    ] = {}  # rid -> (output tokens whose logprobs were sent, their text length)
 
     def chunk(choices: list, with_usage=None) -> dict:
         c = _openai_head(kind, oid, s) | {"choices": choices}
@@ -150,14 +195,20 @@ def _openai_stream(s: ServerState, req, stream: OutputStream, items: list[Genera
             finals[out.rid] = out
         if not (text or finish or (chat and first)):
             return []
-        return [chunk([_choice(chat, index[out.rid], text, finish, True, first, stream_logprobs(out))])]
+        return [
+            chunk([_choice(chat, index[out.rid], text, finish, True, first, stream_logprobs(out))])
+        ]
 
     def stream_logprobs(out: RequestOutput) -> Optional[dict]:
-        """Logprobs of the tokens not yet sent in an earlier chunk (text offsets continue across chunks)."""
+        """Logprobs of the tokens not yet sent in an earlier chunk (text offsets continue across
+        chunks)."""
         sent, offset = scored.get(out.rid, (0, 0))
         lp = _logprobs(chat, out, sent, text_of, offset)
         if lp is not None:
-            scored[out.rid] = (len(out.output_ids), offset + sum(len(text_of(t)) for t in out.output_ids[sent:]))
+            scored[out.rid] = (
+                len(out.output_ids),
+                offset + sum(len(text_of(t)) for t in out.output_ids[sent:]),
+            )
         return lp
 
     def tail() -> list:

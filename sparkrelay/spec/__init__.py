@@ -1,1 +1,2 @@
-"""Speculative decoding: the DSpark proposer, verification (a pure function), acceptance statistics."""
+"""Speculative decoding: the DSpark proposer, verification (a pure function), acceptance
+statistics."""

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 
 class SpecStats:
-    """One round = one target verify pass of one request: proposal length n, committed tokens (the acceptance
-    length: accepted drafts + the correction/bonus token, or up to the stop token), accepted drafts."""
+    """One round = one target verify pass of one request: proposal length n, committed tokens (the
+    acceptance
+    length: accepted drafts + the correction/bonus token, or up to the stop token), accepted
+    drafts."""
 
     def __init__(self, max_drafts: int) -> None:
         self.max_drafts = max_drafts
@@ -31,5 +33,7 @@ class SpecStats:
             "spec_accept_length": self.committed / r,
             "spec_mean_proposal": self.proposed / r,
             "spec_verify_rate": self.committed / max(self.proposed + self.rounds, 1),
-            "spec_accept_rate_per_position": [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)],
+            "spec_accept_rate_per_position": [
+                a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)
+            ],
         }

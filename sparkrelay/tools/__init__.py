@@ -1,1 +1,2 @@
-"""Commands that are not serving: benchmarks, soak, fuzzing, training, the demo and its local cluster."""
+"""Commands that are not serving: benchmarks, soak, fuzzing, training, the demo and its local
+cluster."""

@@ -1,6 +1,7 @@
-"""Start and stop a local PD deployment (router + prefill + decode, or an aggregated server) as subprocesses on
-127.0.0.1, for the demo, the benchmarks and the end-to-end tests. Each server is the real entry point
-(`python -m sparkrelay.launch_server`, `python -m sparkrelay.launch_router`, or sglang-router's)."""
+"""Start and stop a local PD deployment (router + prefill + decode, or an aggregated server) as
+subprocesses on 127.0.0.1, for the demo, the benchmarks and the end-to-end tests. Each server is the
+real entry point (`python -m sparkrelay.launch_server`, `python -m sparkrelay.launch_router`, or
+sglang-router's)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Optional
 
-
 _HANDED_OUT: set[int] = set()
 
 
 def free_port() -> int:
-    """A port free now and never handed out before by this process (the kernel may offer a just-closed port twice,
-    and a deployment asks for several before any is bound)."""
+    """A port free now and never handed out before by this process (the kernel may offer a
+    just-closed port twice, and a deployment asks for several before any is bound)."""
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -47,7 +47,8 @@ class Server:
             return ""
 
     def wait_for_log(self, text: str, timeout: float = 10.0, n: int = 2000) -> bool:
-        """True once `text` is in the last `n` lines of the log: a peer's message may land after the reply."""
+        """True once `text` is in the last `n` lines of the log: a peer's message may land after the
+        reply."""
         deadline = time.monotonic() + timeout
         while text not in self.log_tail(n):
             if time.monotonic() > deadline:
@@ -67,8 +68,9 @@ class Server:
         _wait_gone(self.proc.pid, ports, 10.0)
 
     def kill(self) -> None:
-        """SIGKILL the whole process group (the server, its scheduler process and its pipeline stages): a crash,
-        not a shutdown. Returns once none of them runs and the ports they listened on are free."""
+        """SIGKILL the whole process group (the server, its scheduler process and its pipeline
+        stages): a crash, not a shutdown. Returns once none of them runs and the ports they listened
+        on are free."""
         ports = _listening_ports(self.proc.pid)
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -91,7 +93,8 @@ def _group(pgid: int) -> list[int]:
 
 
 def _listening_ports(pgid: int) -> set[int]:
-    """The TCP ports the group's processes listen on (their socket inodes looked up in /proc/net/tcp)."""
+    """The TCP ports the group's processes listen on (their socket inodes looked up in
+    /proc/net/tcp)."""
     inodes = set()
     for pid in _group(pgid):
         with contextlib.suppress(OSError):
@@ -111,7 +114,8 @@ def _listening_ports(pgid: int) -> set[int]:
 
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT does not count
+        # as the servers bind: TIME_WAIT does not count
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
             return True
@@ -120,8 +124,8 @@ def _port_free(port: int) -> bool:
 
 
 def _wait_gone(pgid: int, ports: set[int], timeout: float) -> None:
-    """Until no process of the group runs and the ports it listened on can be bound again: a killed process's
-    sockets are closed after it stops running, not always before its parent reaps it."""
+    """Until no process of the group runs and the ports it listened on can be bound again: a killed
+    process's sockets are closed after it stops running, not always before its parent reaps it."""
     deadline = time.monotonic() + timeout
     while _group(pgid) or not all(map(_port_free, ports)):
         if time.monotonic() > deadline:
@@ -137,14 +141,28 @@ def healthy(url: str, path: str = "/health") -> bool:
         return False
 
 
-def start(name: str, argv: list[str], port: int, log_dir: str, env: Optional[dict] = None,
-          timeout: float = 180.0, health: str = "/health") -> Server:
-    """Run `argv` in its own process group, wait until GET url+health answers 200 (or fail with its log)."""
+def start(
+    name: str,
+    argv: list[str],
+    port: int,
+    log_dir: str,
+    env: Optional[dict] = None,
+    timeout: float = 180.0,
+    health: str = "/health",
+) -> Server:
+    """Run `argv` in its own process group, wait until GET url+health answers 200 (or fail with its
+    log)."""
     log_path = os.path.join(log_dir, f"{name}.log")
     log = open(log_path, "w")
     full_env = {**os.environ, **(env or {})}
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
-                            stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=full_env,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
     server = Server(name, f"http://127.0.0.1:{port}", proc, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -154,7 +172,9 @@ def start(name: str, argv: list[str], port: int, log_dir: str, env: Optional[dic
             return server
         time.sleep(0.2)
     server.stop()
-    raise RuntimeError(f"{name} did not become healthy within {timeout:.0f} s:\n{server.log_tail()}")
+    raise RuntimeError(
+        f"{name} did not become healthy within {timeout:.0f} s:\n{server.log_tail()}"
+    )
 
 
 @dataclass
@@ -166,7 +186,7 @@ class PDSettings:
     router: str = "sparkrelay"  # sparkrelay | sglang | none
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
-    env: dict = field(default_factory=dict)          # both servers
+    env: dict = field(default_factory=dict)  # both servers
     prefill_env: dict = field(default_factory=dict)
     decode_env: dict = field(default_factory=dict)
     router_args: list[str] = field(default_factory=list)  # appended to the router's command line
@@ -192,55 +212,146 @@ class PDCluster:
 
 
 def server_argv(model: str, port: int, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "sparkrelay.launch_server", "--model-path", model, "--port", str(port),
-            "--log-level", "warning", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "sparkrelay.launch_server",
+        "--model-path",
+        model,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *extra,
+    ]
 
 
 def start_pd(s: PDSettings, log_dir: str) -> PDCluster:
-    """Prefill (--pp-size, no drafter: it reads only the drafter's config, or its context weights for draft-kv),
-    decode (DSpark when a drafter is given), and a router in front unless s.router == 'none'."""
+    """Prefill (--pp-size, no drafter: it reads only the drafter's config, or its context weights
+    for draft-kv), decode (DSpark when a drafter is given), and a router in front unless s.router ==
+    'none'."""
     boot, pport, dport = free_port(), free_port(), free_port()
     common = ["--dspark-pd-handoff", s.handoff]
     draft = ["--speculative-draft-model-path", s.drafter] if s.drafter else []
-    prefill = start("prefill", server_argv(s.model, pport, [
-        "--disaggregation-mode", "prefill", "--pp-size", str(s.pp_size), "--disaggregation-bootstrap-port",
-        str(boot), *draft, *common, *s.prefill_args]), pport, log_dir, {**s.env, **s.prefill_env})
+    prefill = start(
+        "prefill",
+        server_argv(
+            s.model,
+            pport,
+            [
+                "--disaggregation-mode",
+                "prefill",
+                "--pp-size",
+                str(s.pp_size),
+                "--disaggregation-bootstrap-port",
+                str(boot),
+                *draft,
+                *common,
+                *s.prefill_args,
+            ],
+        ),
+        pport,
+        log_dir,
+        {**s.env, **s.prefill_env},
+    )
     try:
         spec = ["--speculative-algorithm", "DSPARK", *draft] if s.drafter else []
-        decode = start("decode", server_argv(s.model, dport, [
-            "--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", str(boot), *spec, *common,
-            *s.decode_args]), dport, log_dir, {**s.env, **s.decode_env})
+        decode = start(
+            "decode",
+            server_argv(
+                s.model,
+                dport,
+                [
+                    "--disaggregation-mode",
+                    "decode",
+                    "--disaggregation-bootstrap-port",
+                    str(boot),
+                    *spec,
+                    *common,
+                    *s.decode_args,
+                ],
+            ),
+            dport,
+            log_dir,
+            {**s.env, **s.decode_env},
+        )
     except BaseException:
         prefill.stop()
         raise
     cluster = PDCluster(prefill, decode, None, boot)
     if s.router != "none":
         try:
-            cluster.router = start_router(s.router, prefill.url, boot, decode.url, log_dir, s.router_args)
+            cluster.router = start_router(
+                s.router, prefill.url, boot, decode.url, log_dir, s.router_args
+            )
         except BaseException:
             cluster.stop()
             raise
     return cluster
 
 
-def start_router(kind: str, prefill_url: str, boot: int, decode_url: str, log_dir: str,
-                 extra: Optional[list[str]] = None) -> Server:
+def start_router(
+    kind: str,
+    prefill_url: str,
+    boot: int,
+    decode_url: str,
+    log_dir: str,
+    extra: Optional[list[str]] = None,
+) -> Server:
     port = free_port()
     if kind == "sglang":
-        argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill_url,
-                str(boot), "--decode", decode_url, "--host", "127.0.0.1", "--port", str(port),
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        argv = [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--pd-disaggregation",
+            "--prefill",
+            prefill_url,
+            str(boot),
+            "--decode",
+            decode_url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+        ]
     else:
-        argv = [sys.executable, "-m", "sparkrelay.launch_router", "--pd-disaggregation", "--prefill", prefill_url,
-                str(boot), "--decode", decode_url, "--host", "127.0.0.1", "--port", str(port)]
+        argv = [
+            sys.executable,
+            "-m",
+            "sparkrelay.launch_router",
+            "--pd-disaggregation",
+            "--prefill",
+            prefill_url,
+            str(boot),
+            "--decode",
+            decode_url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
     return start(f"router-{kind}", argv + list(extra or []), port, log_dir)
 
 
 def stream_generate(url: str, ids: list[int], max_new: int, ignore_eos: bool = True) -> dict:
     """One streamed greedy /generate: TTFT (first chunk), total time, tokens, acceptance."""
-    body = {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0,
-                                                                 "ignore_eos": ignore_eos}}
-    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    body = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {
+            "max_new_tokens": max_new,
+            "temperature": 0.0,
+            "ignore_eos": ignore_eos,
+        },
+    }
+    req = urllib.request.Request(
+        url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     start, ttft, last = time.perf_counter(), None, None
     t_send = time.monotonic()  # the clock of trace/timeline.py, for the TTFT breakdown
     with urllib.request.urlopen(req, timeout=600) as r:
@@ -256,22 +367,33 @@ def stream_generate(url: str, ids: list[int], max_new: int, ignore_eos: bool = T
         raise RuntimeError(f"request failed: {last}")
     meta = last["meta_info"]
     n = meta["completion_tokens"]
-    return {"ttft_s": ttft, "t_send": t_send, "t_first": t_first, "total_s": total, "tokens": n,
-            "decode_tok_s": (n - 1) / max(total - ttft, 1e-9),
-            "accept_length": meta.get("spec_accept_length"), "output_ids": last.get("output_ids")}
+    return {
+        "ttft_s": ttft,
+        "t_send": t_send,
+        "t_first": t_first,
+        "total_s": total,
+        "tokens": n,
+        "decode_tok_s": (n - 1) / max(total - ttft, 1e-9),
+        "accept_length": meta.get("spec_accept_length"),
+        "output_ids": last.get("output_ids"),
+    }
 
 
 def generate_ids(url: str, ids: list[int], max_new: int, timeout: float = 600.0) -> dict:
-    """One greedy /generate that stops at EOS: {"ids": output ids, "rounds": verify rounds (0 without DSpark)}."""
+    """One greedy /generate that stops at EOS: {"ids": output ids, "rounds": verify rounds (0
+    without DSpark)}."""
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0}}
-    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         out = json.loads(r.read())
     return {"ids": out["output_ids"], "rounds": out["meta_info"].get("spec_verify_ct", 0)}
 
 
 def handoff_bytes(decode_url: str) -> tuple[int, int]:
-    """(all bytes the decode received from prefills, of which DSpark context + metadata rows), since it started."""
+    """(all bytes the decode received from prefills, of which DSpark context + metadata rows), since
+    it started."""
     with urllib.request.urlopen(decode_url + "/server_info", timeout=10) as r:
         state = json.loads(r.read())["internal_states"][0]
     return int(state.get("handoff_bytes_total", 0)), int(state.get("context_bytes_total", 0))

@@ -1,4 +1,5 @@
-"""The corpus every machine has: the running Python's standard-library source, split by a stable hash."""
+"""The corpus every machine has: the running Python's standard-library source, split by a stable
+hash."""
 
 from __future__ import annotations
 
@@ -37,16 +38,22 @@ EVAL_BUCKETS = 20  # of 100: a fifth of each set is the evaluation split
 
 
 def prompt_split(text: str) -> str:
-    """'eval' or 'train' by a stable hash of the prompt text, so the split survives reordering and new rows."""
-    return "eval" if int(hashlib.sha1(text.encode()).hexdigest(), 16) % 100 < EVAL_BUCKETS else "train"
+    """'eval' or 'train' by a stable hash of the prompt text, so the split survives reordering and
+    new rows."""
+    return (
+        "eval" if int(hashlib.sha1(text.encode()).hexdigest(), 16) % 100 < EVAL_BUCKETS else "train"
+    )
 
 
 def read_prompt_set(folder: str | Path, name: str, split: str) -> list[str]:
-    """First user turns of `folder/name.jsonl` ({"turns": [...]} rows) in `split` ('train' | 'eval'), file order."""
+    """First user turns of `folder/name.jsonl` ({"turns": [...]} rows) in `split` ('train' |
+    'eval'), file order."""
     import json
 
     path = Path(folder) / f"{name}.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"prompt set {path} not found (--prompts names the folder of the *.jsonl sets)")
+        raise FileNotFoundError(
+            f"prompt set {path} not found (--prompts names the folder of the *.jsonl sets)"
+        )
     rows = [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
     return [t for t in rows if prompt_split(t) == split]

@@ -1,12 +1,13 @@
 """Per-request timelines, for latency breakdowns (tools/bench/breakdown.py).
 
-SPARKRELAY_TRACE=DIR makes every process of a deployment (router, servers, pipeline stages) append one JSON line per
-event to DIR/<source>-<pid>.jsonl:
+SPARKRELAY_TRACE=DIR makes every process of a deployment (router, servers, pipeline stages) append
+one JSON line per event to DIR/<source>-<pid>.jsonl:
 
     {"t": time.monotonic(), "source": ..., "event": ..., **fields}
 
-time.monotonic() reads CLOCK_MONOTONIC, which every process of a host shares, so one host's files line up (across
-hosts they do not). Unset, `mark` costs one environment lookup and writes nothing. The events:
+time.monotonic() reads CLOCK_MONOTONIC, which every process of a host shares, so one host's files
+line up (across hosts they do not). Unset, `mark` costs one environment lookup and writes nothing.
+The events:
 
     source      event        fields          when
     router      in           rooms           a generation request reached the router (rooms drawn)
@@ -46,14 +47,17 @@ def mark(source: str, event: str, t: float | None = None, **fields) -> None:
     directory = os.environ.get(ENV)
     if not directory:
         return
-    line = json.dumps({"t": time.monotonic() if t is None else t, "source": source, "event": event, **fields})
+    line = json.dumps(
+        {"t": time.monotonic() if t is None else t, "source": source, "event": event, **fields}
+    )
     try:
         with _lock:
             f = _files.get((directory, source))
             if f is None:
                 os.makedirs(directory, exist_ok=True)
-                f = _files[(directory, source)] = open(os.path.join(directory, f"{source}-{os.getpid()}.jsonl"), "a",
-                                                       buffering=1)
+                f = _files[(directory, source)] = open(
+                    os.path.join(directory, f"{source}-{os.getpid()}.jsonl"), "a", buffering=1
+                )
             f.write(line + "\n")
     except OSError:
         pass  # a trace must never fail a request

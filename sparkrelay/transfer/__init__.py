@@ -1,1 +1,2 @@
-"""Moves a request's KV and handoff parts from the prefill stages to a decode server (rooms, bootstrap, backends)."""
+"""Moves a request's KV and handoff parts from the prefill stages to a decode server (rooms,
+bootstrap, backends)."""

@@ -5,11 +5,12 @@
     sender thread:   jobs queue ─> _run_job(outbox, job)  ─> Outbox (one PUSH queue per destination, never blocks)
     more threads:    _more_threads() (the decode's monitor and bootstrap workers)
 
-Two subclasses, one per side (prefill_agent.py, decode_agent.py), each composed with a carrier (frames.py,
-onesided.py) that moves the parts' bytes. A subclass says who it is (`who`, `thread_name`), how large a message it
-takes, how long a destination may take nothing, and implements _receive / _bad_message / _run_job (its jobs are
-frozen dataclasses). A bad message is counted and logged (rate limited),
-never raised out of a thread; an exception in any loop is logged and the loop goes on.
+Two subclasses, one per side (prefill_agent.py, decode_agent.py), each composed with a carrier
+(frames.py, onesided.py) that moves the parts' bytes. A subclass says who it is (`who`,
+`thread_name`), how large a message it takes, how long a destination may take nothing, and
+implements _receive / _bad_message / _run_job (its jobs are frozen dataclasses). A bad message is
+counted and logged (rate limited), never raised out of a thread; an exception in any loop is logged
+and the loop goes on.
 """
 
 from __future__ import annotations
@@ -25,16 +26,28 @@ import zmq
 
 from sparkrelay.transfer.base import KVPoll, PollResult
 from sparkrelay.transfer.protocol import AuthError, FrameError
-from sparkrelay.transfer.wire import MAX_QUEUED, FrameAuth, Inbox, Outbox, RejectLog, warn_if_exposed
+from sparkrelay.transfer.wire import (
+    MAX_QUEUED,
+    FrameAuth,
+    Inbox,
+    Outbox,
+    RejectLog,
+    warn_if_exposed,
+)
 
 logger = logging.getLogger(__name__)
 
 MAX_JOBS = 4 << 16
 
 
-def start_loop(name: str, stop: threading.Event, step: Callable[[], None],
-               on_exit: Optional[Callable[[], None]] = None) -> threading.Thread:
-    """A daemon thread running step() until `stop` is set; an exception is logged and the loop goes on."""
+def start_loop(
+    name: str,
+    stop: threading.Event,
+    step: Callable[[], None],
+    on_exit: Optional[Callable[[], None]] = None,
+) -> threading.Thread:
+    """A daemon thread running step() until `stop` is set; an exception is logged and the loop goes
+    on."""
 
     def run() -> None:
         while not stop.is_set():
@@ -55,8 +68,9 @@ def start_loop(name: str, stop: threading.Event, step: Callable[[], None],
 
 
 class Agent:
-    """The shared skeleton. Subclasses set `who` (log prefix), `thread_name`, `close_timeout_s` and `_table`
-    (an object with `rooms: dict[int, record]` and `clear(room, now)`; each record has `result()`)."""
+    """The shared skeleton. Subclasses set `who` (log prefix), `thread_name`, `close_timeout_s` and
+    `_table` (an object with `rooms: dict[int, record]` and `clear(room, now)`; each record has
+    `result()`)."""
 
     who = "agent"
     thread_name = "agent"
@@ -64,7 +78,9 @@ class Agent:
     max_queued = MAX_QUEUED  # messages waiting per destination in the outbox
     _table: Any
 
-    def __init__(self, schema: dict, bind_host: str, auth_token: Optional[str], log: logging.Logger) -> None:
+    def __init__(
+        self, schema: dict, bind_host: str, auth_token: Optional[str], log: logging.Logger
+    ) -> None:
         self._schema = json.loads(json.dumps(schema))  # the form the peer sees: tuples become lists
         self.bind_host = bind_host
         self._token, self._auth = auth_token or None, FrameAuth(auth_token)
@@ -80,16 +96,21 @@ class Agent:
     # ---- lifecycle ----
 
     def start(self) -> None:
-        """Bind the control socket, start the listener, the sender and _more_threads(), then _started()."""
+        """Bind the control socket, start the listener, the sender and _more_threads(), then
+        _started()."""
         self._ctx = zmq.Context()
         name = self.thread_name
         inbox = Inbox(self._ctx, self.bind_host, self._max_msg_size(), name, self._rejects)
         self.port = inbox.port
         warn_if_exposed(self.bind_host, self._auth.enabled, self._socket_name())
         out = Outbox(self._ctx, self._send_timeout_s(), self._auth, max_queued=self.max_queued)
-        self._threads = [start_loop(f"{name}-listener", self._stop, lambda: self._listen_step(inbox), inbox.close),
-                         start_loop(f"{name}-sender", self._stop, lambda: self._send_step(out), out.close),
-                         *self._more_threads()]
+        self._threads = [
+            start_loop(
+                f"{name}-listener", self._stop, lambda: self._listen_step(inbox), inbox.close
+            ),
+            start_loop(f"{name}-sender", self._stop, lambda: self._send_step(out), out.close),
+            *self._more_threads(),
+        ]
         self._started()
 
     def close(self) -> None:
@@ -113,7 +134,8 @@ class Agent:
         return bool(self._threads) and not self._closed and all(t.is_alive() for t in self._threads)
 
     def rejected(self) -> dict[str, int]:
-        """Messages and connections refused so far, by kind (auth, protocol, replay, overflow, connection)."""
+        """Messages and connections refused so far, by kind (auth, protocol, replay, overflow,
+        connection)."""
         return self._rejects.counts()
 
     # ---- the room table ----
@@ -141,13 +163,16 @@ class Agent:
             except FrameError as e:
                 self._bad_message(e, "auth" if isinstance(e, AuthError) else "protocol")
             except Exception:
-                self._log.exception("%s: error while handling a message (the listener keeps running)", self.who)
+                self._log.exception(
+                    "%s: error while handling a message (the listener keeps running)", self.who
+                )
         self._tick(time.monotonic())
 
     # ---- sender thread ----
 
     def _enqueue(self, job: object) -> bool:
-        """Hand a job (a frozen dataclass of the subclass's) to the sender thread; False when the queue is full."""
+        """Hand a job (a frozen dataclass of the subclass's) to the sender thread; False when the
+        queue is full."""
         try:
             self._jobs.put_nowait(job)
             return True
@@ -156,7 +181,8 @@ class Agent:
             return False
 
     def _send_step(self, out: Outbox) -> None:
-        """Let queued messages go out, then hand new jobs to the outbox: nothing here waits on one peer."""
+        """Let queued messages go out, then hand new jobs to the outbox: nothing here waits on one
+        peer."""
         self._pumped(out, out.pump(2))
         try:
             job = self._jobs.get(timeout=0.0 if out.queues else 0.05)
@@ -176,7 +202,8 @@ class Agent:
         raise NotImplementedError
 
     def _send_timeout_s(self) -> float:
-        """A destination that takes none of its queued messages for this long loses them (Outbox.pump)."""
+        """A destination that takes none of its queued messages for this long loses them
+        (Outbox.pump)."""
         raise NotImplementedError
 
     def _socket_name(self) -> str:
@@ -192,7 +219,8 @@ class Agent:
         return f"room {room} is not known to {self.who}"
 
     def _receive(self, frames: list) -> None:
-        """One authenticated message: read it (FrameError if it breaks the protocol) and apply it."""
+        """One authenticated message: read it (FrameError if it breaks the protocol) and apply
+        it."""
         raise NotImplementedError
 
     def _bad_message(self, e: FrameError, kind: str) -> None:

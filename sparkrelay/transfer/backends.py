@@ -1,5 +1,6 @@
-"""--disaggregation-transfer-backend: each name is one carrier composed with the two agents (prefill_agent.py,
-decode_agent.py), which are the same for every backend. A new backend is a carrier file and one line here."""
+"""--disaggregation-transfer-backend: each name is one carrier composed with the two agents
+(prefill_agent.py, decode_agent.py), which are the same for every backend. A new backend is a
+carrier file and one line here."""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ from sparkrelay.transfer.onesided import OneSidedCarrier
 from sparkrelay.transfer.prefill_agent import PrefillAgent
 
 # name -> (carrier class, its arguments); each agent gets its own carrier (a one-sided one owns its engine)
-CARRIERS = {"zmq": (FramesCarrier, ()), "mooncake": (OneSidedCarrier, ("mooncake",)),
-            "nixl": (OneSidedCarrier, ("nixl",))}
+CARRIERS = {
+    "zmq": (FramesCarrier, ()),
+    "mooncake": (OneSidedCarrier, ("mooncake",)),
+    "nixl": (OneSidedCarrier, ("nixl",)),
+}
 
 
 @dataclass(frozen=True)
 class Backend:
-    """A transfer backend: agents built with their constructor arguments (transfer/base.py's PrefillTransfer and
-    DecodeTransfer), each composed with a new carrier of this backend."""
+    """A transfer backend: agents built with their constructor arguments (transfer/base.py's
+    PrefillTransfer and DecodeTransfer), each composed with a new carrier of this backend."""
 
     name: str
     carrier: type
@@ -36,8 +40,8 @@ class Backend:
 
 
 def get_backend(name: str) -> Backend:
-    """The named backend; ValueError naming the valid ones. A one-sided engine's library is imported when its
-    agent opens it, not here."""
+    """The named backend; ValueError naming the valid ones. A one-sided engine's library is imported
+    when its agent opens it, not here."""
     entry = CARRIERS.get(name)
     if entry is None:
         raise ValueError(f"unknown transfer backend {name!r}; valid: {', '.join(sorted(CARRIERS))}")

@@ -1,6 +1,7 @@
-"""DecodeAgent: the decode side of every transfer backend, one per decode server; how the parts' bytes arrive is
-its carrier's (transfer/frames.py: DATA frames on this channel; transfer/onesided.py: written into registered
-memory, a stage's STATUS success saying its writes completed).
+"""DecodeAgent: the decode side of every transfer backend, one per decode server; how the parts'
+bytes arrive is its carrier's (transfer/frames.py: DATA frames on this channel;
+transfer/onesided.py: written into registered memory, a stage's STATUS success saying its writes
+completed).
 
     engine thread               bootstrap workers (4)                 sender thread (owns every PUSH, never blocks)
     begin(room, host, port) --> the prefill's record (cached, or GET
@@ -12,11 +13,12 @@ memory, a stage's STATUS success saying its writes completed).
     monitor thread: waiting timeout (ABORT to the prefill) every 50 ms; GET /health per known prefill every interval
     poll(room) / take(room) after Success / abort(room) --> ABORT with the reason to every stage / clear(room)
 
-The room state machine is in transfer/decode_room.py; the bootstrap workers and the heartbeat are a member,
-transfer/decode_bootstrap.py's Bootstrapper. With auth_token set, the bootstrap requests carry `Authorization: Bearer`, every
-message carries an HMAC tag (wire.FrameAuth), and a message without a valid tag is dropped and counted before it is
-parsed, never failing a room. A duplicate of a part already received (a replay: a real prefill sends each part
-once) is dropped too. Without a token a bad frame for a live room fails that room.
+The room state machine is in transfer/decode_room.py; the bootstrap workers and the heartbeat are a
+member, transfer/decode_bootstrap.py's Bootstrapper. With auth_token set, the bootstrap requests
+carry `Authorization: Bearer`, every message carries an HMAC tag (wire.FrameAuth), and a message
+without a valid tag is dropped and counted before it is parsed, never failing a room. A duplicate of
+a part already received (a replay: a real prefill sends each part once) is dropped too. Without a
+token a bad frame for a live room fails that room.
 """
 
 from __future__ import annotations
@@ -28,10 +30,20 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 from sparkrelay.transfer import protocol
-from sparkrelay.transfer.agent import start_loop
-from sparkrelay.transfer.agent import Agent
-from sparkrelay.transfer.base import (SCHEMA_MISMATCH, Addr, Dest, DecodeTransfer, ExpectedParts, KVPoll, Part,
-                                      PartSpec, SchemaCompare, TransferError, check_room)
+from sparkrelay.transfer.agent import Agent, start_loop
+from sparkrelay.transfer.base import (
+    SCHEMA_MISMATCH,
+    Addr,
+    DecodeTransfer,
+    Dest,
+    ExpectedParts,
+    KVPoll,
+    Part,
+    PartSpec,
+    SchemaCompare,
+    TransferError,
+    check_room,
+)
 from sparkrelay.transfer.bootstrap.prefill_book import PrefillBook, PrefillRecord
 from sparkrelay.transfer.decode_bootstrap import Bootstrapper
 from sparkrelay.transfer.decode_room import LIVE, DecodeRoom, DecodeRooms, plan
@@ -42,10 +54,13 @@ from sparkrelay.transfer.wire import MAX_QUEUED, Outbox, advertise_host
 
 logger = logging.getLogger(__name__)
 
-CONTROL_SEND_TIMEOUT_S = 5.0  # a stage that takes none of its queued control messages for this long loses them
+CONTROL_SEND_TIMEOUT_S = (
+    5.0  # a stage that takes none of its queued control messages for this long loses them
+)
 
 
 # ---- the sender thread's jobs ----
+
 
 @dataclass(frozen=True)
 class Send:
@@ -66,10 +81,21 @@ class Drop:
 class DecodeAgent(Agent, DecodeTransfer):
     who = thread_name = "decode"
 
-    def __init__(self, schema: dict, compare: SchemaCompare, expected_parts: ExpectedParts, bind_host: str,
-                 bootstrap_timeout: float, waiting_timeout: float, heartbeat_interval: float,
-                 heartbeat_max_failures: int, default_bootstrap_port: int, max_part_bytes: int = 1 << 31,
-                 auth_token: Optional[str] = None, carrier=None) -> None:
+    def __init__(
+        self,
+        schema: dict,
+        compare: SchemaCompare,
+        expected_parts: ExpectedParts,
+        bind_host: str,
+        bootstrap_timeout: float,
+        waiting_timeout: float,
+        heartbeat_interval: float,
+        heartbeat_max_failures: int,
+        default_bootstrap_port: int,
+        max_part_bytes: int = 1 << 31,
+        auth_token: Optional[str] = None,
+        carrier=None,
+    ) -> None:
         super().__init__(schema, bind_host, auth_token, logger)
         self._compare, self._expected_parts = compare, expected_parts
         self.host = advertise_host(bind_host)
@@ -77,7 +103,9 @@ class DecodeAgent(Agent, DecodeTransfer):
         self.default_bootstrap_port, self.max_part_bytes = default_bootstrap_port, max_part_bytes
         self._table = DecodeRooms()
         self._book = PrefillBook(self._token)
-        self._boot = Bootstrapper(self, self._book, bootstrap_timeout, heartbeat_interval, heartbeat_max_failures)
+        self._boot = Bootstrapper(
+            self, self._book, bootstrap_timeout, heartbeat_interval, heartbeat_max_failures
+        )
         self._listener: Callable[[], None] = lambda: None
         self._carrier = FramesCarrier() if carrier is None else carrier
         self._carrier.open(self.host)  # a one-sided engine (EngineMissing names what to install)
@@ -95,7 +123,10 @@ class DecodeAgent(Agent, DecodeTransfer):
         return "the decode transfer socket"
 
     def _more_threads(self) -> list[threading.Thread]:
-        return [start_loop("decode-monitor", self._stop, self._monitor_step), *self._boot.threads(self._stop)]
+        return [
+            start_loop("decode-monitor", self._stop, self._monitor_step),
+            *self._boot.threads(self._stop),
+        ]
 
     def register(self, regions: list[tuple[int, int]]) -> None:
         self._carrier.register(regions)
@@ -109,8 +140,15 @@ class DecodeAgent(Agent, DecodeTransfer):
 
     # ---- engine-facing API ----
 
-    def begin(self, room: int, bootstrap_host: str, bootstrap_port: Optional[int], prompt_len: int,
-              landing: Optional[Landing] = None, prefix: int = 0) -> None:
+    def begin(
+        self,
+        room: int,
+        bootstrap_host: str,
+        bootstrap_port: Optional[int],
+        prompt_len: int,
+        landing: Optional[Landing] = None,
+        prefix: int = 0,
+    ) -> None:
         why = check_room(room)
         if why:
             raise ValueError(why)
@@ -118,12 +156,18 @@ class DecodeAgent(Agent, DecodeTransfer):
         if not isinstance(bootstrap_host, str) or not bootstrap_host.strip("[]"):
             raise ValueError(f"bootstrap_host must be a non-empty string, got {bootstrap_host!r}")
         if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
-            raise ValueError(f"bootstrap_port must be an int in 1..65535 or None, got {bootstrap_port!r}")
+            raise ValueError(
+                f"bootstrap_port must be an int in 1..65535 or None, got {bootstrap_port!r}"
+            )
         if not isinstance(prompt_len, int) or prompt_len < 0:
             raise ValueError(f"prompt_len must be a non-negative int, got {prompt_len!r}")
         if not isinstance(prefix, int) or not (prefix == 0 or 0 < prefix < prompt_len):
-            raise ValueError(f"prefix must be 0 or an int below prompt_len {prompt_len}, got {prefix!r}")
-        rec = DecodeRoom((bootstrap_host.strip("[]"), port), prompt_len, time.monotonic(), prefix=prefix)
+            raise ValueError(
+                f"prefix must be 0 or an int below prompt_len {prompt_len}, got {prefix!r}"
+            )
+        rec = DecodeRoom(
+            (bootstrap_host.strip("[]"), port), prompt_len, time.monotonic(), prefix=prefix
+        )
         try:
             rec.landing = self._carrier.landing(landing, self._schema, self.host)
         except ValueError as e:  # the room fails (poll says why); the engine goes on
@@ -161,11 +205,19 @@ class DecodeAgent(Agent, DecodeTransfer):
 
     # ---- failing a room ----
 
-    def fail_room(self, room: int, rec: DecodeRoom, reason: str, notify: bool = True, skip: Optional[Dest] = None,
-                  force: bool = False, permanent: bool = False) -> None:
-        """Failed (wins over everything but an earlier Failed; over Success only when `force`), and an ABORT
-        with the reason to every live stage endpoint of the room (still bootstrapping: of its prefill's cached
-        record, if any) unless notify is False."""
+    def fail_room(
+        self,
+        room: int,
+        rec: DecodeRoom,
+        reason: str,
+        notify: bool = True,
+        skip: Optional[Dest] = None,
+        force: bool = False,
+        permanent: bool = False,
+    ) -> None:
+        """Failed (wins over everything but an earlier Failed; over Success only when `force`), and
+        an ABORT with the reason to every live stage endpoint of the room (still bootstrapping: of
+        its prefill's cached record, if any) unless notify is False."""
         with self._lock:
             if not self._table.current(room, rec) or not rec.fail(reason, force, permanent):
                 return
@@ -180,7 +232,8 @@ class DecodeAgent(Agent, DecodeTransfer):
             self._send_abort(room, [d for d in endpoints.values() if d != skip], reason)
 
     def _send_abort(self, room: int, dests: list[Dest], reason: str) -> None:
-        """ABORT(room, reason) to each of dests not retired, so the prefill's log and answer say why."""
+        """ABORT(room, reason) to each of dests not retired, so the prefill's log and answer say
+        why."""
         msg = Abort(room, protocol.clip(reason))
         for dest in self._book.live(dests):
             self._enqueue(Send(dest, msg, room))
@@ -202,31 +255,42 @@ class DecodeAgent(Agent, DecodeTransfer):
     def waiting_addrs(self) -> set[Addr]:
         """The prefills that rooms wait on (the heartbeat checks them)."""
         with self._lock:
-            return {r.addr for r in self._table.rooms.values()
-                    if r.state in (KVPoll.WaitingForInput, KVPoll.Transferring)}
+            return {
+                r.addr
+                for r in self._table.rooms.values()
+                if r.state in (KVPoll.WaitingForInput, KVPoll.Transferring)
+            }
 
     def rooms_at(self, addr: Addr) -> list[tuple[int, DecodeRoom]]:
         """The rooms past bootstrapping that wait on the prefill at addr."""
         with self._lock:
-            return [(room, r) for room, r in self._table.rooms.items()
-                    if r.addr == addr and r.state in LIVE and r.state != KVPoll.Bootstrapping]
+            return [
+                (room, r)
+                for room, r in self._table.rooms.items()
+                if r.addr == addr and r.state in LIVE and r.state != KVPoll.Bootstrapping
+            ]
 
     def bootstrapped(self, room: int, rec: DecodeRoom, known: PrefillRecord) -> None:
-        """The prefill's record is known: the room waits for its parts (TRANSFER_INFO to every stage), or fails
-        with the reason this decode refuses that prefill."""
+        """The prefill's record is known: the room waits for its parts (TRANSFER_INFO to every
+        stage), or fails with the reason this decode refuses that prefill."""
         refusal, expected = self._refusal(known.info, rec)
         with self._lock:
             rec.endpoints = dict(known.endpoints)
             current, failed = self._table.current(room, rec), rec.state == KVPoll.Failed
             if current and not failed and not refusal:
                 self._table.ready(room, rec, expected, time.monotonic())
-        if failed and not rec.told:  # aborted while bootstrapping: the stages learn why now that they are known
+        # aborted while bootstrapping: the stages learn why now that they are known
+        if failed and not rec.told:
             self._send_abort(room, list(rec.endpoints.values()), rec.reason)
-        elif refusal and current:  # a mismatch: read /route again next time (the prefill may be fixed)
+        # a mismatch: read /route again next time (the prefill may be fixed)
+        elif refusal and current:
             self._boot.forget(rec.addr, dead=False)
-            self.fail_room(room, rec, refusal, permanent=True)  # with an ABORT naming both values to every stage
+            # with an ABORT naming both values to every stage
+            self.fail_room(room, rec, refusal, permanent=True)
         elif current:
-            msg = TransferInfo(room, self.host, self.port, rec.prompt_len, self._schema, rec.landing, rec.prefix)
+            msg = TransferInfo(
+                room, self.host, self.port, rec.prompt_len, self._schema, rec.landing, rec.prefix
+            )
             for pp in sorted(rec.endpoints, reverse=True):
                 if not self._enqueue(Send(rec.endpoints[pp], msg, (room, rec))):
                     self.fail_room(room, rec, "decode send queue is full")
@@ -235,18 +299,32 @@ class DecodeAgent(Agent, DecodeTransfer):
         """(why this decode refuses the prefill's rooms, or "", pp_rank -> name -> PartSpec)."""
         if self._auth.enabled and info.get("auth_required") is not True:
             host, port = rec.addr
-            return (f"the prefill's bootstrap server at {host}:{port} runs without --disaggregation-auth-token, "
-                    "this decode with one (it would drop every message of this decode): set the same "
-                    "--disaggregation-auth-token on both servers"), {}
-        return plan(self._compare, self._expected_parts, info, self._schema, rec.prompt_len, self.max_part_bytes,
-                    rec.prefix)
+            return (
+                f"the prefill's bootstrap server at {host}:{port} runs without --disaggregation-auth-token, "
+                "this decode with one (it would drop every message of this decode): set the same "
+                "--disaggregation-auth-token on both servers"
+            ), {}
+        return plan(
+            self._compare,
+            self._expected_parts,
+            info,
+            self._schema,
+            rec.prompt_len,
+            self.max_part_bytes,
+            rec.prefix,
+        )
 
     # ---- sender thread ----
 
     def _pumped(self, out: Outbox, expired: list) -> None:
         for dest, tag in expired:
-            self._undelivered(dest, tag, f"no progress within {CONTROL_SEND_TIMEOUT_S:g} s (never connected, or "
-                                         "it stopped reading)", dead=True)
+            self._undelivered(
+                dest,
+                tag,
+                f"no progress within {CONTROL_SEND_TIMEOUT_S:g} s (never connected, or "
+                "it stopped reading)",
+                dead=True,
+            )
 
     def _run_job(self, out: Outbox, job: Union[Send, Drop]) -> None:
         if isinstance(job, Drop):
@@ -259,16 +337,20 @@ class DecodeAgent(Agent, DecodeTransfer):
             self._undelivered(job.dest, job.tag, f"{MAX_QUEUED} messages already wait for it")
 
     def _undelivered(self, dest: Dest, tag, why: str, dead: bool = False) -> None:
-        """A message given up. An ABORT (tag: its room) is only logged; a TRANSFER_INFO fails its room and, when
-        the stage never connected (dead), retires its prefill's record."""
+        """A message given up. An ABORT (tag: its room) is only logged; a TRANSFER_INFO fails its
+        room and, when the stage never connected (dead), retires its prefill's record."""
         if not isinstance(tag, tuple):
             logger.warning("decode: ABORT of room %s not delivered to %s:%d: %s", tag, *dest, why)
             return
         room, rec = tag
         if dead:
             self._boot.forget(rec.addr, dead=True, listing=dest)
-        self.fail_room(room, rec, f"could not send TRANSFER_INFO to the prefill stage at {dest[0]}:{dest[1]}: {why}",
-                   skip=dest)
+        self.fail_room(
+            room,
+            rec,
+            f"could not send TRANSFER_INFO to the prefill stage at {dest[0]}:{dest[1]}: {why}",
+            skip=dest,
+        )
 
     # ---- listener thread ----
 
@@ -283,8 +365,12 @@ class DecodeAgent(Agent, DecodeTransfer):
         with self._lock:
             rec = None if e.room is None else self._table.rooms.get(e.room)
         if rec is None:
-            self._rejects.note(kind, "decode: dropped a bad frame%s: %s",
-                               "" if e.room is None else f" for unknown room {e.room}", e.reason)
+            self._rejects.note(
+                kind,
+                "decode: dropped a bad frame%s: %s",
+                "" if e.room is None else f" for unknown room {e.room}",
+                e.reason,
+            )
             return
         self._rejects.note(kind, "decode: bad frame for room %d: %s", e.room, e.reason)
         self._boot.forget(rec.addr, dead=False)
@@ -293,21 +379,35 @@ class DecodeAgent(Agent, DecodeTransfer):
     def _on_data(self, msg: Data) -> None:
         room, pp, spec = msg.room, msg.pp_rank, msg.spec
         if self.one_sided:
-            raise FrameError(f"DATA frame for room {room} on the {self._carrier.engine_name} backend (the prefill "
-                             "sends bytes over zmq: --disaggregation-transfer-backend differs between the two "
-                             "servers)", room)
+            raise FrameError(
+                f"DATA frame for room {room} on the {self._carrier.engine_name} backend (the prefill "
+                "sends bytes over zmq: --disaggregation-transfer-backend differs between the two "
+                "servers)",
+                room,
+            )
         with self._lock:
             rec = self._table.rooms.get(room)
             if rec is None:
-                raise FrameError(f"DATA for unknown room {room}")  # room=None: logged, nothing to fail
+                # room=None: logged, nothing to fail
+                raise FrameError(f"DATA for unknown room {room}")
             if rec.finished:
-                logger.info("decode: DATA %r for room %d, already %s, dropped", spec.name, room, rec.state.name)
+                logger.info(
+                    "decode: DATA %r for room %d, already %s, dropped",
+                    spec.name,
+                    room,
+                    rec.state.name,
+                )
                 return
             replay = self._auth.enabled and rec.is_replay(pp, spec)
             problem = None if replay else rec.accept(pp, spec, msg.payload)
         if replay:  # authentic but already seen: someone replays captured traffic; the room goes on
-            self._rejects.note("replay", "decode: room %d: a second copy of part %r from pp_rank %d dropped "
-                               "(a replay)", room, spec.name, pp)
+            self._rejects.note(
+                "replay",
+                "decode: room %d: a second copy of part %r from pp_rank %d dropped (a replay)",
+                room,
+                spec.name,
+                pp,
+            )
         elif problem is not None:
             raise FrameError(problem, room)
 
@@ -320,7 +420,8 @@ class DecodeAgent(Agent, DecodeTransfer):
                 return
             if rec.finished:
                 return
-            if self.one_sided and status == KVPoll.Success:  # its writes completed: its parts are in the landing
+            # its writes completed: its parts are in the landing
+            if self.one_sided and status == KVPoll.Success:
                 rec.landed(pp)
             problem = rec.stage_done(pp) if status == KVPoll.Success else None
             if status == KVPoll.Success and problem is None:
@@ -329,15 +430,24 @@ class DecodeAgent(Agent, DecodeTransfer):
             if success:
                 self._news()
             return
-        if status in (KVPoll.Failed, KVPoll.Success):  # the prefill failed the room: read /route again next time
+        if status in (
+            KVPoll.Failed,
+            KVPoll.Success,
+        ):  # the prefill failed the room: read /route again next time
             self._boot.forget(rec.addr, dead=False)
         if status == KVPoll.Failed:
-            self.fail_room(room, rec, f"prefill pp_rank {pp} failed: {msg.reason}",
-                       permanent=SCHEMA_MISMATCH in msg.reason)
+            self.fail_room(
+                room,
+                rec,
+                f"prefill pp_rank {pp} failed: {msg.reason}",
+                permanent=SCHEMA_MISMATCH in msg.reason,
+            )
         elif status == KVPoll.Success:
             self.fail_room(room, rec, problem)
         else:
-            raise FrameError(f"STATUS {status} from pp_rank {pp} is neither Success nor Failed", room)
+            raise FrameError(
+                f"STATUS {status} from pp_rank {pp} is neither Success nor Failed", room
+            )
 
     # ---- monitor thread ----
 
@@ -353,5 +463,9 @@ class DecodeAgent(Agent, DecodeTransfer):
         t = self.waiting_timeout
         for room, rec, stages in late:
             self._boot.forget(rec.addr, dead=False)
-            self.fail_room(room, rec, f"the prefill did not finish within {t:g} s "
-                                  f"(SPARKRELAY_DISAGGREGATION_WAITING_TIMEOUT={t:g}); waiting for pp_rank(s) {stages}")
+            self.fail_room(
+                room,
+                rec,
+                f"the prefill did not finish within {t:g} s "
+                f"(SPARKRELAY_DISAGGREGATION_WAITING_TIMEOUT={t:g}); waiting for pp_rank(s) {stages}",
+            )

@@ -1,13 +1,15 @@
-"""The decode side's room state machine, and the plan of the parts a room must receive. Pure: no sockets, no
-threads, no clock (callers pass `now`); the agent (transfer/decode_agent.py) holds its lock around every call.
+"""The decode side's room state machine, and the plan of the parts a room must receive. Pure: no
+sockets, no threads, no clock (callers pass `now`); the agent (transfer/decode_agent.py) holds its
+lock around every call.
 
     DecodeRooms.add ─> Bootstrapping ──ready(plan)──> WaitingForInput ──accept(first part)──> Transferring
                                                               │                                    │
                          stage_done(pp) for every stage, every expected part present ──────> Success
     fail(reason) from any live state (from Success too when forced: an abort after the fact) ──> Failed
 
-A DATA frame must fit the plan (part_problem): the right stage, a part the room expects, its header equal to the
-expected PartSpec, exactly its bytes, once. A STATUS success must come after every part of its stage.
+A DATA frame must fit the plan (part_problem): the right stage, a part the room expects, its header
+equal to the expected PartSpec, exactly its bytes, once. A STATUS success must come after every part
+of its stage.
 """
 
 from __future__ import annotations
@@ -16,8 +18,18 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
-from sparkrelay.transfer.base import (SCHEMA_MISMATCH, Addr, Dest, ExpectedParts, KVPoll, Part, PartSpec, PollResult,
-                                      SchemaCompare, TransferError)
+from sparkrelay.transfer.base import (
+    SCHEMA_MISMATCH,
+    Addr,
+    Dest,
+    ExpectedParts,
+    KVPoll,
+    Part,
+    PartSpec,
+    PollResult,
+    SchemaCompare,
+    TransferError,
+)
 
 LIVE = (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring)
 MAX_ROOMS = 1 << 16
@@ -29,7 +41,9 @@ class DecodeRoom:
     addr: Addr
     prompt_len: int
     begun: float
-    prefix: int = 0  # leading prompt tokens the decode holds (its prefix cache): the prefill sends the rest
+    prefix: int = (
+        0  # leading prompt tokens the decode holds (its prefix cache): the prefill sends the rest
+    )
     state: KVPoll = KVPoll.Bootstrapping
     reason: str = ""
     expected: Plan = field(default_factory=dict)
@@ -40,7 +54,9 @@ class DecodeRoom:
     taken: bool = False
     permanent: bool = False  # refused for a reason a retry cannot cure (schema or auth mismatch, unplannable parts)
     told: bool = False  # an ABORT went to the prefill's stages
-    landing: Optional[dict] = None  # one-sided backends: where the prefill writes the parts (transfer/landing.py)
+    landing: Optional[dict] = (
+        None  # one-sided backends: where the prefill writes the parts (transfer/landing.py)
+    )
 
     def result(self) -> PollResult:
         return PollResult(self.state, self.reason, self.permanent)
@@ -50,10 +66,16 @@ class DecodeRoom:
         return self.state in (KVPoll.Failed, KVPoll.Success)
 
     def fail(self, reason: str, force: bool = False, permanent: bool = False) -> bool:
-        """Failed, dropping what arrived; False (nothing changed) when already Failed, or Success unless forced."""
+        """Failed, dropping what arrived; False (nothing changed) when already Failed, or Success
+        unless forced."""
         if self.state == KVPoll.Failed or (self.state == KVPoll.Success and not force):
             return False
-        self.state, self.reason, self.received, self.permanent = KVPoll.Failed, reason, {}, permanent
+        self.state, self.reason, self.received, self.permanent = (
+            KVPoll.Failed,
+            reason,
+            {},
+            permanent,
+        )
         return True
 
     def ready(self, expected: Plan, now: float) -> None:
@@ -62,7 +84,8 @@ class DecodeRoom:
         self.state, self.waiting_since = KVPoll.WaitingForInput, now
 
     def is_replay(self, pp: int, spec: PartSpec) -> bool:
-        """A part already received, or one after its stage's success (a real prefill sends each part once)."""
+        """A part already received, or one after its stage's success (a real prefill sends each part
+        once)."""
         return pp in self.done or spec.name in self.received.get(pp, ())
 
     def accept(self, pp: int, spec: PartSpec, payload: bytes) -> Optional[str]:
@@ -94,13 +117,19 @@ class DecodeRoom:
         return None
 
     def landed(self, pp: int) -> None:
-        """Stage pp's parts were written into the landing (a one-sided carrier): they count as received."""
-        if self.state in (KVPoll.WaitingForInput, KVPoll.Transferring) and pp in self.expected and pp not in self.done:
+        """Stage pp's parts were written into the landing (a one-sided carrier): they count as
+        received."""
+        if (
+            self.state in (KVPoll.WaitingForInput, KVPoll.Transferring)
+            and pp in self.expected
+            and pp not in self.done
+        ):
             self.received[pp] = {name: Part(spec, b"") for name, spec in self.expected[pp].items()}
             self.state = max(self.state, KVPoll.Transferring)
 
     def stage_done(self, pp: int) -> Optional[str]:
-        """Stage pp's STATUS success: Success once every stage is done; why it cannot be (a problem) or None."""
+        """Stage pp's STATUS success: Success once every stage is done; why it cannot be (a problem)
+        or None."""
         if pp not in self.expected:
             return f"bad frame from the prefill: STATUS success from pp_rank {pp}, expected {sorted(self.expected)}"
         missing = [n for n in self.expected[pp] if n not in self.received[pp]]
@@ -126,13 +155,16 @@ class DecodeRooms:
 
     def __init__(self) -> None:
         self.rooms: dict[int, DecodeRoom] = {}
-        self.waiting: OrderedDict[int, DecodeRoom] = OrderedDict()  # by waiting_since; stale entries skipped
+        # by waiting_since; stale entries skipped
+        self.waiting: OrderedDict[int, DecodeRoom] = OrderedDict()
 
     def add(self, room: int, rec: DecodeRoom) -> None:
         if room in self.rooms:
             raise ValueError(f"room {room} is already in use on this decode server")
         if len(self.rooms) >= MAX_ROOMS:
-            raise RuntimeError(f"the decode transfer agent tracks {MAX_ROOMS} rooms; clear() finished ones")
+            raise RuntimeError(
+                f"the decode transfer agent tracks {MAX_ROOMS} rooms; clear() finished ones"
+            )
         self.rooms[room] = rec
 
     def current(self, room: int, rec: DecodeRoom) -> bool:
@@ -168,14 +200,23 @@ class DecodeRooms:
 def schema_mismatches(compare: SchemaCompare, prefill: dict, decode: dict) -> list[str]:
     try:
         return list(compare(prefill, decode))
-    except Exception as e:  # a compare that cannot read the peer's schema is a mismatch, not a dead thread
+    # a compare that cannot read the peer's schema is a mismatch, not a dead thread
+    except Exception as e:
         return [f"schema compare failed ({type(e).__name__}: {e})"]
 
 
-def plan(compare: SchemaCompare, expected_parts: ExpectedParts, info: dict, ours: dict, prompt_len: int,
-         max_part_bytes: int, prefix: int = 0) -> tuple[str, Plan]:
-    """(why the decode refuses a room of this prefill, or "", the parts it expects) from the prefill's server
-    info. A schema mismatch starts with SCHEMA_MISMATCH and names each field with both values."""
+def plan(
+    compare: SchemaCompare,
+    expected_parts: ExpectedParts,
+    info: dict,
+    ours: dict,
+    prompt_len: int,
+    max_part_bytes: int,
+    prefix: int = 0,
+) -> tuple[str, Plan]:
+    """(why the decode refuses a room of this prefill, or "", the parts it expects) from the
+    prefill's server info. A schema mismatch starts with SCHEMA_MISMATCH and names each field with
+    both values."""
     mismatches = schema_mismatches(compare, info["schema"], ours)
     if mismatches:
         return SCHEMA_MISMATCH + "; ".join(mismatches), {}
@@ -188,12 +229,17 @@ def plan(compare: SchemaCompare, expected_parts: ExpectedParts, info: dict, ours
     expected: Plan = {pp: {} for pp in range(info["pp_size"])}
     for pp, specs in wanted.items():
         if pp not in expected:
-            return f"expected_parts names pp_rank {pp}, the prefill has pp_size {info['pp_size']}", {}
+            return (
+                f"expected_parts names pp_rank {pp}, the prefill has pp_size {info['pp_size']}",
+                {},
+            )
         for spec in specs:
             if spec.name in expected[pp]:
                 return f"expected_parts lists part {spec.name!r} of pp_rank {pp} twice", {}
             if spec.nbytes > max_part_bytes:
-                return (f"part {spec.name!r} of pp_rank {pp} is {spec.nbytes} bytes, over max_part_bytes "
-                        f"{max_part_bytes}"), {}
+                return (
+                    f"part {spec.name!r} of pp_rank {pp} is {spec.nbytes} bytes, over max_part_bytes "
+                    f"{max_part_bytes}"
+                ), {}
             expected[pp][spec.name] = spec
     return "", expected

@@ -1,5 +1,5 @@
-"""The transfer engines behind the one-sided backends: Mooncake's TransferEngine and NVIDIA's NIXL agent, each
-wrapped to the same five calls. Nothing above this module imports either library.
+"""The transfer engines behind the one-sided backends: Mooncake's TransferEngine and NVIDIA's NIXL
+agent, each wrapped to the same five calls. Nothing above this module imports either library.
 
     engine = open_engine("mooncake" | "nixl", host)   # start it, or EngineMissing naming what to install
     engine.register(addr, nbytes)                     # memory a peer may write into, or that we write from
@@ -7,11 +7,13 @@ wrapped to the same five calls. Nothing above this module imports either library
     engine.write(peer, [(src, dst, nbytes), ...])     # one-sided writes into the peer's registered memory; blocks
     engine.close()
 
-Mooncake: P2PHANDSHAKE (no metadata server); the peer id is "host:rpc_port". Its protocol is RDMA when the host has
-an RDMA device and TCP otherwise (SPARKRELAY_MOONCAKE_PROTOCOL overrides; SPARKRELAY_MOONCAKE_DEVICE names the
-devices). Its handshake and TCP data sockets listen on every interface (Mooncake 0.3.13 offers no bind address).
-NIXL: the UCX backend; the peer id is the agent name and the metadata is the agent's (it lists registered memory),
-loaded once per peer by the writer. UCX's sockets are kept on the loopback device when `host` is a loopback address.
+Mooncake: P2PHANDSHAKE (no metadata server); the peer id is "host:rpc_port". Its protocol is RDMA
+when the host has an RDMA device and TCP otherwise (SPARKRELAY_MOONCAKE_PROTOCOL overrides;
+SPARKRELAY_MOONCAKE_DEVICE names the devices). Its handshake and TCP data sockets listen on every
+interface (Mooncake 0.3.13 offers no bind address).
+NIXL: the UCX backend; the peer id is the agent name and the metadata is the agent's (it lists
+registered memory), loaded once per peer by the writer. UCX's sockets are kept on the loopback
+device when `host` is a loopback address.
 """
 
 from __future__ import annotations
@@ -27,9 +29,13 @@ from typing import Protocol
 import numpy as np
 
 Write = tuple[int, int, int]  # (local source address, peer destination address, bytes)
-MOONCAKE_BATCH = 1024  # Mooncake refuses larger batches (4096 failed with -1 in a probe; 1024 works)
+MOONCAKE_BATCH = (
+    1024  # Mooncake refuses larger batches (4096 failed with -1 in a probe; 1024 works)
+)
 NIXL_TIMEOUT_S = 60.0
-NIXL_PROGRESS_DELAY_US = 100  # the agent's progress thread sleeps this long between rounds (see _paced_agent)
+NIXL_PROGRESS_DELAY_US = (
+    100  # the agent's progress thread sleeps this long between rounds (see _paced_agent)
+)
 
 
 class EngineMissing(RuntimeError):
@@ -51,17 +57,24 @@ class TransferEngine(Protocol):
 def _missing(backend: str, e: ImportError) -> EngineMissing:
     text = str(e)
     if "libibverbs" in text or "libnl" in text or "librdmacm" in text:
-        return EngineMissing(f"--disaggregation-transfer-backend {backend}: {text}. Install the RDMA user-space "
-                             "libraries: `apt-get install libibverbs1` (Debian/Ubuntu; scripts/setup.sh does it "
-                             "when run as root)")
-    extra = {"mooncake": "mooncake-transfer-engine-non-cuda (or mooncake-transfer-engine on a CUDA host)",
-             "nixl": "nixl-cu12"}[backend]
-    return EngineMissing(f"--disaggregation-transfer-backend {backend}: {text}. Install it with "
-                         f"`pip install -e .[{backend}]` ({extra})")
+        return EngineMissing(
+            f"--disaggregation-transfer-backend {backend}: {text}. Install the RDMA user-space "
+            "libraries: `apt-get install libibverbs1` (Debian/Ubuntu; scripts/setup.sh does it "
+            "when run as root)"
+        )
+    extra = {
+        "mooncake": "mooncake-transfer-engine-non-cuda (or mooncake-transfer-engine on a CUDA host)",
+        "nixl": "nixl-cu12",
+    }[backend]
+    return EngineMissing(
+        f"--disaggregation-transfer-backend {backend}: {text}. Install it with "
+        f"`pip install -e .[{backend}]` ({extra})"
+    )
 
 
 def open_engine(backend: str, host: str) -> TransferEngine:
-    """A started engine of the named kind bound for `host`; EngineMissing when it is not installed."""
+    """A started engine of the named kind bound for `host`; EngineMissing when it is not
+    installed."""
     if backend == "mooncake":
         return MooncakeEngine(host)
     if backend == "nixl":
@@ -70,11 +83,13 @@ def open_engine(backend: str, host: str) -> TransferEngine:
 
 
 def buffer_address(data: bytes | bytearray | memoryview) -> int:
-    """The address of a bytes-like object's buffer, no copy (the caller keeps it alive while an engine reads it)."""
+    """The address of a bytes-like object's buffer, no copy (the caller keeps it alive while an
+    engine reads it)."""
     return int(np.frombuffer(data, np.uint8).ctypes.data)
 
 
-# ---- Mooncake ----------------------------------------------------------------------------------------------------
+# ---- Mooncake ------------------------------------------------------------------------------------
+
 
 def _rdma_devices() -> list[str]:
     root = Path("/sys/class/infiniband")
@@ -87,16 +102,23 @@ class MooncakeEngine:
             from mooncake.engine import TransferEngine as Mooncake
         except ImportError as e:
             raise _missing("mooncake", e) from None
-        protocol = os.environ.get("SPARKRELAY_MOONCAKE_PROTOCOL") or ("rdma" if _rdma_devices() else "tcp")
+        protocol = os.environ.get("SPARKRELAY_MOONCAKE_PROTOCOL") or (
+            "rdma" if _rdma_devices() else "tcp"
+        )
         if protocol not in ("tcp", "rdma"):
-            raise ValueError(f"SPARKRELAY_MOONCAKE_PROTOCOL={protocol!r}: valid values are tcp and rdma")
-        devices = os.environ.get("SPARKRELAY_MOONCAKE_DEVICE") or (",".join(_rdma_devices()) if protocol == "rdma"
-                                                                   else "")
+            raise ValueError(
+                f"SPARKRELAY_MOONCAKE_PROTOCOL={protocol!r}: valid values are tcp and rdma"
+            )
+        devices = os.environ.get("SPARKRELAY_MOONCAKE_DEVICE") or (
+            ",".join(_rdma_devices()) if protocol == "rdma" else ""
+        )
         self._engine = Mooncake()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, devices)
         if rc != 0:
-            raise EngineError(f"Mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}, {devices!r}) "
-                              f"returned {rc}")
+            raise EngineError(
+                f"Mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}, {devices!r}) "
+                f"returned {rc}"
+            )
         self._id = f"{host}:{self._engine.get_rpc_port()}"
         self.protocol = protocol
 
@@ -122,14 +144,16 @@ class MooncakeEngine:
         self._engine = None  # the library frees its engine with the object
 
 
-# ---- NIXL --------------------------------------------------------------------------------------------------------
+# ---- NIXL ----------------------------------------------------------------------------------------
+
 
 def _loopback(host: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
 
 
 def _nixl_api():
-    """NIXL's agent classes: from the CUDA-12 wheel this project installs, else any build the `nixl` package finds."""
+    """NIXL's agent classes: from the CUDA-12 wheel this project installs, else any build the `nixl`
+    package finds."""
     try:
         from nixl_cu12._api import nixl_agent, nixl_agent_config
     except ImportError as first:
@@ -141,10 +165,11 @@ def _nixl_api():
 
 
 def _paced_agent(name: str):
-    """A NIXL agent with the UCX backend whose progress thread sleeps NIXL_PROGRESS_DELAY_US between rounds. The
-    Python API hard-codes a delay of 0: that thread then spins a whole core even when idle, which on a small host
-    starves the engines; without the thread a target never completes a write. Paced, it costs next to nothing
-    (figures: speed notes of docs/architecture.md). Callers hold NixlEngine._env_lock."""
+    """A NIXL agent with the UCX backend whose progress thread sleeps NIXL_PROGRESS_DELAY_US between
+    rounds. The Python API hard-codes a delay of 0: that thread then spins a whole core even when
+    idle, which on a small host starves the engines; without the thread a target never completes a
+    write. Paced, it costs next to nothing (figures: speed notes of docs/architecture.md). Callers
+    hold NixlEngine._env_lock."""
     nixl_agent, nixl_agent_config = _nixl_api()
     bind = sys.modules[nixl_agent.__module__].nixlBind
     base = bind.nixlAgentConfig
@@ -165,7 +190,8 @@ class NixlEngine:
 
     def __init__(self, host: str) -> None:
         with self._env_lock:
-            if _loopback(host):  # UCX reads it when the agent starts: keep its sockets on the loopback device
+            # UCX reads it when the agent starts: keep its sockets on the loopback device
+            if _loopback(host):
                 os.environ.setdefault("UCX_NET_DEVICES", "lo")
             self._name = f"sparkrelay-{os.getpid()}-{secrets.token_hex(4)}"
             self._agent = _paced_agent(self._name)
@@ -210,7 +236,9 @@ class NixlEngine:
             while state not in ("DONE", "ERR") and time.monotonic() < deadline:
                 state = self._agent.check_xfer_state(handle)
             if state != "DONE":
-                raise EngineError(f"NIXL write of {sum(n for *_, n in writes)} bytes to {name} ended {state!r}")
+                raise EngineError(
+                    f"NIXL write of {sum(n for *_, n in writes)} bytes to {name} ended {state!r}"
+                )
         finally:
             self._agent.release_xfer_handle(handle)
 
@@ -222,4 +250,3 @@ class NixlEngine:
 
 def engine_error(e: Exception) -> str:
     return f"{type(e).__name__}: {e}" if not isinstance(e, (EngineError, EngineMissing)) else str(e)
-

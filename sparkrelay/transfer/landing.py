@@ -1,8 +1,9 @@
-"""Where a one-sided backend's prefill stage writes a room's parts in the decode's memory: the Landing a decode
-sends in its TRANSFER_INFO, and the write list a stage makes from it. Pure: no engine, no socket.
+"""Where a one-sided backend's prefill stage writes a room's parts in the decode's memory: the
+Landing a decode sends in its TRANSFER_INFO, and the write list a stage makes from it. Pure: no
+engine, no socket.
 
-The decode registers its memory with the engine once (target KV pool, draft KV pool, hidden rows, metadata rows);
-per room it names the room's pages and the addresses of each region:
+The decode registers its memory with the engine once (target KV pool, draft KV pool, hidden rows,
+metadata rows); per room it names the room's pages and the addresses of each region:
 
     kv        {global layer id: (K base, V base)}, row bytes   token t -> base + slot(t) * row bytes
     draft_kv  {draft layer: (K base, V base)}, row bytes       the same slots (the drafter's pool is paged alike)
@@ -30,10 +31,10 @@ Planes = dict[int, tuple[int, int]]  # layer id -> (K base address, V base addre
 
 @dataclass(frozen=True)
 class Landing:
-    peer: str                      # the decode engine's id (Mooncake "host:port", NIXL agent name)
-    peer_meta: bytes               # what a writer loads to reach it (NIXL agent metadata; b"" for Mooncake)
+    peer: str  # the decode engine's id (Mooncake "host:port", NIXL agent name)
+    peer_meta: bytes  # what a writer loads to reach it (NIXL agent metadata; b"" for Mooncake)
     page_size: int
-    pages: tuple[int, ...]         # the room's pages, in token order (on the wire: runs, pack_pages)
+    pages: tuple[int, ...]  # the room's pages, in token order (on the wire: runs, pack_pages)
     kv: Planes
     kv_row: int
     draft_kv: Planes = field(default_factory=dict)
@@ -44,29 +45,55 @@ class Landing:
     meta_bytes: int = 0
 
     def to_wire(self) -> dict:
-        return {"peer": self.peer, "peer_meta": self.peer_meta, "page_size": self.page_size,
-                "pages": pack_pages(self.pages), "kv": _planes_out(self.kv), "kv_row": self.kv_row,
-                "draft_kv": _planes_out(self.draft_kv), "draft_row": self.draft_row, "hidden": self.hidden,
-                "hidden_row": self.hidden_row, "meta": self.meta, "meta_bytes": self.meta_bytes}
+        return {
+            "peer": self.peer,
+            "peer_meta": self.peer_meta,
+            "page_size": self.page_size,
+            "pages": pack_pages(self.pages),
+            "kv": _planes_out(self.kv),
+            "kv_row": self.kv_row,
+            "draft_kv": _planes_out(self.draft_kv),
+            "draft_row": self.draft_row,
+            "hidden": self.hidden,
+            "hidden_row": self.hidden_row,
+            "meta": self.meta,
+            "meta_bytes": self.meta_bytes,
+        }
 
     @classmethod
     def from_wire(cls, d: Any, room: int) -> "Landing":
-        """FrameError naming the field for a map that is not a valid landing (it came from a socket)."""
+        """FrameError naming the field for a map that is not a valid landing (it came from a
+        socket)."""
         if not isinstance(d, dict) or not d:
-            raise FrameError("TRANSFER_INFO has no landing: the decode uses a transfer backend without one-sided "
-                             "writes (--disaggregation-transfer-backend differs between the two servers)", room)
+            raise FrameError(
+                "TRANSFER_INFO has no landing: the decode uses a transfer backend without one-sided "
+                "writes (--disaggregation-transfer-backend differs between the two servers)",
+                room,
+            )
         try:
-            return cls(peer=_text(d["peer"]), peer_meta=_blob(d["peer_meta"]), page_size=_count(d["page_size"], 1),
-                       pages=unpack_pages(d["pages"]), kv=_planes_in(d["kv"]),
-                       kv_row=_count(d["kv_row"]), draft_kv=_planes_in(d["draft_kv"]),
-                       draft_row=_count(d["draft_row"]), hidden=_addr(d["hidden"]),
-                       hidden_row=_count(d["hidden_row"]), meta=_addr(d["meta"]), meta_bytes=_count(d["meta_bytes"]))
+            return cls(
+                peer=_text(d["peer"]),
+                peer_meta=_blob(d["peer_meta"]),
+                page_size=_count(d["page_size"], 1),
+                pages=unpack_pages(d["pages"]),
+                kv=_planes_in(d["kv"]),
+                kv_row=_count(d["kv_row"]),
+                draft_kv=_planes_in(d["draft_kv"]),
+                draft_row=_count(d["draft_row"]),
+                hidden=_addr(d["hidden"]),
+                hidden_row=_count(d["hidden_row"]),
+                meta=_addr(d["meta"]),
+                meta_bytes=_count(d["meta_bytes"]),
+            )
         except (KeyError, TypeError, ValueError) as e:
-            raise FrameError(f"bad landing in TRANSFER_INFO: {type(e).__name__}: {e}"[:300], room) from None
+            raise FrameError(
+                f"bad landing in TRANSFER_INFO: {type(e).__name__}: {e}"[:300], room
+            ) from None
 
 
 def pack_pages(pages: tuple[int, ...]) -> bytes:
-    """Pages as little-endian int32 (first page, count) pairs, one per run of consecutive pages: 8 bytes a run."""
+    """Pages as little-endian int32 (first page, count) pairs, one per run of consecutive pages: 8
+    bytes a run."""
     out: list[list[int]] = []
     for p in pages:
         if out and out[-1][0] + out[-1][1] == p:
@@ -79,10 +106,14 @@ def pack_pages(pages: tuple[int, ...]) -> bytes:
 def unpack_pages(v: Any) -> tuple[int, ...]:
     raw = _blob(v)
     if len(raw) % 8:
-        raise ValueError(f"pages: {len(raw)} bytes is not a list of int32 (first page, count) pairs")
+        raise ValueError(
+            f"pages: {len(raw)} bytes is not a list of int32 (first page, count) pairs"
+        )
     pairs = np.frombuffer(raw, dtype="<i4").reshape(-1, 2)
     if (pairs[:, 0] < 0).any() or (pairs[:, 1] < 1).any() or int(pairs[:, 1].sum()) > 1 << 24:
-        raise ValueError("pages: a run with a negative first page, no pages, or over 2^24 pages in all")
+        raise ValueError(
+            "pages: a run with a negative first page, no pages, or over 2^24 pages in all"
+        )
     return tuple(p for first, count in pairs.tolist() for p in range(first, first + count))
 
 
@@ -124,10 +155,15 @@ def _blob(v: Any) -> bytes:
     return v
 
 
-def runs(pages: tuple[int, ...], page_size: int, n: int, start: int = 0) -> list[tuple[int, int, int]]:
-    """(first token - start, first slot, tokens) of each stretch of consecutive slots holding tokens start..n-1."""
+def runs(
+    pages: tuple[int, ...], page_size: int, n: int, start: int = 0
+) -> list[tuple[int, int, int]]:
+    """(first token - start, first slot, tokens) of each stretch of consecutive slots holding tokens
+    start..n-1."""
     if n > len(pages) * page_size:
-        raise ValueError(f"{n} tokens need {-(-n // page_size)} pages, the landing has {len(pages)}")
+        raise ValueError(
+            f"{n} tokens need {-(-n // page_size)} pages, the landing has {len(pages)}"
+        )
     out: list[list[int]] = []
     for i in range(start // page_size, -(-n // page_size)):
         lo, hi = max(start, i * page_size), min(n, (i + 1) * page_size)
@@ -139,8 +175,11 @@ def runs(pages: tuple[int, ...], page_size: int, n: int, start: int = 0) -> list
     return [tuple(r) for r in out]
 
 
-def _paged(src: int, spec_planes: list[tuple[int, int]], t: int, row: int, stretches) -> list[tuple[int, int, int]]:
-    """Writes of a part laid out [planes, t, row bytes] into per-plane bases; spec_planes: (plane index, base)."""
+def _paged(
+    src: int, spec_planes: list[tuple[int, int]], t: int, row: int, stretches
+) -> list[tuple[int, int, int]]:
+    """Writes of a part laid out [planes, t, row bytes] into per-plane bases; spec_planes: (plane
+    index, base)."""
     out = []
     for plane, base in spec_planes:
         for first, slot, k in stretches:
@@ -148,7 +187,9 @@ def _paged(src: int, spec_planes: list[tuple[int, int]], t: int, row: int, stret
     return out
 
 
-def writes(landing: Landing, parts: list[Part], addrs: dict[str, int], n: int) -> list[tuple[int, int, int]]:
+def writes(
+    landing: Landing, parts: list[Part], addrs: dict[str, int], n: int
+) -> list[tuple[int, int, int]]:
     """(source address, destination address, bytes) for every part of one stage (addrs: part name -> the address of
     its bytes; a piece, "kv@256", lands at its positions); ValueError when the landing cannot hold a part."""
     out: list[tuple[int, int, int]] = []
@@ -167,11 +208,15 @@ def _part_writes(landing: Landing, part: Part, src: int, n: int) -> list[tuple[i
     base, start = split_piece(spec.name)
     if base == "meta":
         if spec.nbytes > landing.meta_bytes or not landing.meta:
-            raise ValueError(f"the metadata row is {spec.nbytes} bytes, the landing holds {landing.meta_bytes}")
+            raise ValueError(
+                f"the metadata row is {spec.nbytes} bytes, the landing holds {landing.meta_bytes}"
+            )
         return [(src, landing.meta, spec.nbytes)]
     t = _tokens(spec)
     if start + t > n:
-        raise ValueError(f"part {spec.name!r} covers positions {start}..{start + t - 1}, the prompt has {n}")
+        raise ValueError(
+            f"part {spec.name!r} covers positions {start}..{start + t - 1}, the prompt has {n}"
+        )
     stretches = runs(landing.pages, landing.page_size, start + t, start)
     if base == "hidden":
         _check_row(base, spec.nbytes // max(t, 1), landing.hidden_row, landing.hidden)
@@ -181,7 +226,9 @@ def _part_writes(landing: Landing, part: Part, src: int, n: int) -> list[tuple[i
     bases: list[tuple[int, int]] = []
     for i, layer in enumerate(spec.layer_ids):
         if layer not in planes:
-            raise ValueError(f"part {spec.name!r}: the landing has no layer {layer} (it has {sorted(planes)})")
+            raise ValueError(
+                f"part {spec.name!r}: the landing has no layer {layer} (it has {sorted(planes)})"
+            )
         bases += [(2 * i, planes[layer][0]), (2 * i + 1, planes[layer][1])]
     return _paged(src, bases, t, row, stretches)
 

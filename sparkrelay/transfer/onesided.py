@@ -1,5 +1,5 @@
-"""The one-sided carrier (backends "mooncake" and "nixl"): a transfer engine writes a room's parts straight into
-memory the decode registered; the control channel carries only the messages.
+"""The one-sided carrier (backends "mooncake" and "nixl"): a transfer engine writes a room's parts
+straight into memory the decode registered; the control channel carries only the messages.
 
     decode                                               prefill stage s
     register(pools, hidden rows, metadata rows) at start
@@ -10,9 +10,9 @@ memory the decode registered; the control channel carries only the messages.
     STATUS success from every stage -> Success  <------------   (a failed write: STATUS failed with the reason)
     take(): Parts without data (the bytes are in the landing)
 
-The decode's landing (transfer/landing.py) names its engine (peer id, metadata) and, per part, where each token's
-row goes. A decode whose backend differs is refused before this (the schema names the backend); a TRANSFER_INFO
-without a landing fails its room with a message saying so.
+The decode's landing (transfer/landing.py) names its engine (peer id, metadata) and, per part, where
+each token's row goes. A decode whose backend differs is refused before this (the schema names the
+backend); a TRANSFER_INFO without a landing fails its room with a message saying so.
 """
 
 from __future__ import annotations
@@ -46,9 +46,12 @@ class WriteJob:
 
 
 class OneSidedCarrier:
-    """Bytes written by a transfer engine (engines.open_engine: Mooncake or NIXL) into the decode's landing."""
+    """Bytes written by a transfer engine (engines.open_engine: Mooncake or NIXL) into the decode's
+    landing."""
 
-    one_sided = True  # the decode takes no DATA frames; a stage's STATUS success means its writes completed
+    one_sided = (
+        True  # the decode takes no DATA frames; a stage's STATUS success means its writes completed
+    )
 
     def __init__(self, engine_name: str) -> None:
         self.engine_name = engine_name
@@ -69,10 +72,13 @@ class OneSidedCarrier:
     # ---- prefill side ----
 
     def threads(self, name: str, stop: threading.Event, side) -> list[threading.Thread]:
-        """The writer: one thread, so a stage's hand-overs are written in order and the sender never blocks."""
+        """The writer: one thread, so a stage's hand-overs are written in order and the sender never
+        blocks."""
         return [start_loop(f"{name}-writer", stop, lambda: self._write_step(side))]
 
-    def deliver(self, side, out: Outbox, room: int, rec, dest: Dest, parts: list[Part], last: bool) -> None:
+    def deliver(
+        self, side, out: Outbox, room: int, rec, dest: Dest, parts: list[Part], last: bool
+    ) -> None:
         self._writes.put(WriteJob(room, rec, dest, parts, last))
 
     def _write_step(self, side) -> None:
@@ -92,8 +98,11 @@ class OneSidedCarrier:
         try:
             self._write(landing, job.parts, n)
         except Exception as e:  # the engine's failure fails this room only; the decode hears why
-            side.abort(job.room, f"{self.engine_name} write to the decode engine {landing.peer} failed: "
-                                 f"{engine_error(e)}")
+            side.abort(
+                job.room,
+                f"{self.engine_name} write to the decode engine {landing.peer} failed: "
+                f"{engine_error(e)}",
+            )
             return
         if job.last:  # every hand-over written, in order: the STATUS success may go
             side.written(job.room, job.rec, job.dest)
@@ -116,18 +125,27 @@ class OneSidedCarrier:
         for addr, nbytes in regions:
             self._engine.register(addr, nbytes)
         self._peer = self._engine.peer()  # NIXL's metadata lists the registered memory
-        logger.info("decode: transfer backend %s, engine %s, %d regions (%.1f MiB) registered", self.engine_name,
-                    self._peer[0], len(regions), sum(n for _, n in regions) / (1 << 20))
+        logger.info(
+            "decode: transfer backend %s, engine %s, %d regions (%.1f MiB) registered",
+            self.engine_name,
+            self._peer[0],
+            len(regions),
+            sum(n for _, n in regions) / (1 << 20),
+        )
 
     def landing(self, landing: Optional[Landing], schema: dict, host: str) -> Optional[dict]:
-        """The room's landing as TRANSFER_INFO carries it, with this engine's peer; ValueError when there is none
-        or when it does not fit in one control message."""
+        """The room's landing as TRANSFER_INFO carries it, with this engine's peer; ValueError when
+        there is none or when it does not fit in one control message."""
         if landing is None:
-            raise ValueError(f"the {self.engine_name} backend needs the room's landing (where the prefill writes)")
+            raise ValueError(
+                f"the {self.engine_name} backend needs the room's landing (where the prefill writes)"
+            )
         wire = dataclasses.replace(landing, peer=self._peer[0], peer_meta=self._peer[1]).to_wire()
         size = len(TransferInfo(1, host, 1, 0, schema, wire).encode()[0])
         if size > protocol.MAX_CONTROL_BYTES:
-            raise ValueError(f"the room's landing ({len(landing.pages)} pages in {len(wire['pages']) // 8} runs) "
-                             f"makes a {size}-byte TRANSFER_INFO, over {protocol.MAX_CONTROL_BYTES}: the prompt is "
-                             "too long for this --page-size (raise it)")
+            raise ValueError(
+                f"the room's landing ({len(landing.pages)} pages in {len(wire['pages']) // 8} runs) "
+                f"makes a {size}-byte TRANSFER_INFO, over {protocol.MAX_CONTROL_BYTES}: the prompt is "
+                "too long for this --page-size (raise it)"
+            )
         return wire

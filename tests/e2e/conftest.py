@@ -1,6 +1,7 @@
-"""tests/e2e: runs across processes through the real entry points (launch_server, launch_router, the SGLang
-router): PD per transfer backend, faults and refusals, start-up errors, listening sockets. Every test here is marked
-`e2e`, so `pytest -m e2e` runs them and `-m "not e2e"` the in-process rest."""
+"""tests/e2e: runs across processes through the real entry points (launch_server, launch_router, the
+SGLang router): PD per transfer backend, faults and refusals, start-up errors, listening sockets.
+Every test here is marked `e2e`, so `pytest -m e2e` runs them and `-m "not e2e"` the in-process
+rest."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """Every listening TCP socket of every process of a deployment binds the loopback by default.
 
-A full PD deployment (sparkrelay router + PP=2 prefill + DSpark decode) and an aggregated PP=2 server are started
-through the real entry points; after one request through each, the listening sockets of every process in each
-server's process tree (the server and its pipeline stage workers) are read from /proc (no psutil, no `ss`):
-/proc/<pid>/fd gives the socket inodes a process holds, /proc/<pid>/net/tcp{,6} the listening sockets of its
-network namespace with their inodes. Each must be 127.0.0.1 or ::1.
+A full PD deployment (sparkrelay router + PP=2 prefill + DSpark decode) and an aggregated PP=2
+server are started through the real entry points; after one request through each, the listening
+sockets of every process in each server's process tree (the server and its pipeline stage workers)
+are read from /proc (no psutil, no `ss`): /proc/<pid>/fd gives the socket inodes a process holds,
+/proc/<pid>/net/tcp{,6} the listening sockets of its network namespace with their inodes. Each must
+be 127.0.0.1 or ::1.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason=
 
 
 def _address(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    """/proc/net/tcp{,6} 'local_address' host part: 32-bit words in host (little-endian) byte order."""
+    """/proc/net/tcp{,6} 'local_address' host part: 32-bit words in host (little-endian) byte
+    order."""
     raw = bytes.fromhex(hex_addr)
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return ipaddress.ip_address(words)
 
 
@@ -98,7 +100,9 @@ def is_loopback(addr: str) -> bool:
 def assert_loopback_only(name: str, tree: dict[int, list[tuple[str, int]]]) -> None:
     exposed = {pid: [s for s in socks if not is_loopback(s[0])] for pid, socks in tree.items()}
     exposed = {pid: socks for pid, socks in exposed.items() if socks}
-    assert not exposed, f"{name}: sockets listening beyond the loopback (pid: [(address, port)]): {exposed}"
+    assert not exposed, (
+        f"{name}: sockets listening beyond the loopback (pid: [(address, port)]): {exposed}"
+    )
 
 
 def ports(tree: dict[int, list[tuple[str, int]]]) -> set[int]:
@@ -107,7 +111,9 @@ def ports(tree: dict[int, list[tuple[str, int]]]) -> set[int]:
 
 def generate(url: str, deadline: float) -> dict:
     body = {"text": "def main():", "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
-    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     while True:
         try:
             with urllib.request.urlopen(req, timeout=60) as r:
@@ -132,7 +138,9 @@ def test_rendezvous_store_listens_on_loopback_only():
         mine = listening(os.getpid())
         assert ("127.0.0.1", store.port) in mine, mine
         assert all(port != store.port for addr, port in mine if addr != "127.0.0.1"), mine
-        with pytest.raises(OSError, match=f"--dist-init-port {store.port}: cannot listen on 127.0.0.1"):
+        with pytest.raises(
+            OSError, match=f"--dist-init-port {store.port}: cannot listen on 127.0.0.1"
+        ):
             rendezvous_store(store.port, 1)
     finally:
         del store
@@ -142,17 +150,31 @@ def test_no_process_listens_beyond_loopback(tmp_path):
     # the aggregated PP=2 server starts alongside the PD deployment (the stages load in parallel)
     agg_port = free_port()  # its rendezvous port is left to the server (/server_info tells which)
     agg_log = open(tmp_path / "aggregated.log", "w")
-    agg = subprocess.Popen(server_argv(MODEL, agg_port, ["--pp-size", "2"]),
-                           stdout=agg_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    agg = subprocess.Popen(
+        server_argv(MODEL, agg_port, ["--pp-size", "2"]),
+        stdout=agg_log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     pd_dist = free_port()
     cluster = None
     try:
-        cluster = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, pp_size=2,
-                                      prefill_args=["--dist-init-port", str(pd_dist)]), str(tmp_path))
+        cluster = start_pd(
+            PDSettings(
+                model=MODEL,
+                drafter=DRAFTER,
+                pp_size=2,
+                prefill_args=["--dist-init-port", str(pd_dist)],
+            ),
+            str(tmp_path),
+        )
         agg_url = f"http://127.0.0.1:{agg_port}"
         deadline = time.monotonic() + 120
         while not healthy(agg_url):
-            assert agg.poll() is None and time.monotonic() < deadline, (tmp_path / "aggregated.log").read_text()
+            assert agg.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "aggregated.log"
+            ).read_text()
             time.sleep(0.2)
         # one request through each, so every lazily opened socket exists
         assert generate(cluster.url, time.monotonic() + 60)["meta_info"]["completion_tokens"] == 4
@@ -160,11 +182,20 @@ def test_no_process_listens_beyond_loopback(tmp_path):
         with urllib.request.urlopen(agg_url + "/server_info", timeout=10) as r:
             agg_dist = json.loads(r.read())["dist_init_port"]
 
-        trees = {"router": tree_sockets(cluster.router.proc.pid), "prefill": tree_sockets(cluster.prefill.proc.pid),
-                 "decode": tree_sockets(cluster.decode.proc.pid), "aggregated": tree_sockets(agg.pid)}
-        # the lists are not empty by accident: each tree holds its known ports, and the PP trees their stage workers
+        trees = {
+            "router": tree_sockets(cluster.router.proc.pid),
+            "prefill": tree_sockets(cluster.prefill.proc.pid),
+            "decode": tree_sockets(cluster.decode.proc.pid),
+            "aggregated": tree_sockets(agg.pid),
+        }
+        # the lists are not empty by accident: each tree holds its known ports, and the PP trees
+        # their stage workers
         assert int(cluster.router.url.rsplit(":", 1)[1]) in ports(trees["router"])
-        assert {int(cluster.prefill.url.rsplit(":", 1)[1]), cluster.bootstrap_port, pd_dist} <= ports(trees["prefill"])
+        assert {
+            int(cluster.prefill.url.rsplit(":", 1)[1]),
+            cluster.bootstrap_port,
+            pd_dist,
+        } <= ports(trees["prefill"])
         assert int(cluster.decode.url.rsplit(":", 1)[1]) in ports(trees["decode"])
         assert {agg_port, agg_dist} <= ports(trees["aggregated"])
         assert len(trees["prefill"]) >= 2 and len(trees["aggregated"]) >= 2, trees

@@ -1,6 +1,7 @@
-"""What a user meets when starting a server: --help (groups, defaults, environment variables, docs), start-up
-errors that name the flag and exit 2 before the model loads (a port another process holds, a hub id given as
---model-path), /server_info's resolved settings, and the training tools' output folders."""
+"""What a user meets when starting a server: --help (groups, defaults, environment variables, docs),
+start-up errors that name the flag and exit 2 before the model loads (a port another process holds,
+a hub id given as --model-path), /server_info's resolved settings, and the training tools' output
+folders."""
 
 from __future__ import annotations
 
@@ -48,12 +49,20 @@ def taken_port():
 
 # ---------------------------------------------------------------- --help
 
+
 def test_help_groups_defaults_env_and_docs(capsys):
     code, out = run_main(["--help"], capsys)
     text = out.out
     assert code == 0
-    for title in ("model:", "KV cache:", "scheduler:", "speculative decoding (DSpark):", "pipeline parallelism:",
-                  "PD disaggregation:", "HTTP server:"):
+    for title in (
+        "model:",
+        "KV cache:",
+        "scheduler:",
+        "speculative decoding (DSpark):",
+        "pipeline parallelism:",
+        "PD disaggregation:",
+        "HTTP server:",
+    ):
         assert f"\n{title}\n" in text, title
     # every leaf of the config tree is one generated flag, under its section's group
     sections = text.split("\n\n")
@@ -63,8 +72,13 @@ def test_help_groups_defaults_env_and_docs(capsys):
         for leaf in dataclasses.fields(section.default_factory()):
             assert f"--{leaf.name.replace('_', '-')}" in group, (title, leaf.name)
     squashed = " ".join(text.split())  # argparse wraps help lines
-    for fragment in ("--page-size PAGE_SIZE Tokens per KV cache page (block). (default: 16)",
-                     "(default: 30000)", "(default: 127.0.0.1)", "(default: hidden)", "(default: 8998)"):
+    for fragment in (
+        "--page-size PAGE_SIZE Tokens per KV cache page (block). (default: 16)",
+        "(default: 30000)",
+        "(default: 127.0.0.1)",
+        "(default: hidden)",
+        "(default: 8998)",
+    ):
         assert fragment in squashed, fragment
     for name, (default, _) in ENV_VARS.items():
         assert name in text and "SGLANG_" + name.removeprefix("SPARKRELAY_") in text, name
@@ -76,12 +90,18 @@ def test_help_groups_defaults_env_and_docs(capsys):
 
 # ---------------------------------------------------------------- port clashes
 
-@pytest.mark.parametrize("flags", [
-    ["--port", "{port}"],
-    ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "{port}"],
-    ["--pp-size", "2", "--dist-init-port", "{port}"],
-])
-def test_port_in_use_exits_2_naming_the_flag_before_loading(flags, taken_port, no_model_load, capsys):
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--port", "{port}"],
+        ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "{port}"],
+        ["--pp-size", "2", "--dist-init-port", "{port}"],
+    ],
+)
+def test_port_in_use_exits_2_naming_the_flag_before_loading(
+    flags, taken_port, no_model_load, capsys
+):
     argv = ["--model-path", MODEL] + [f.format(port=taken_port) for f in flags]
     if "--port" not in flags:
         with socket.socket() as s:  # a free HTTP port, so only the flag under test clashes
@@ -90,7 +110,9 @@ def test_port_in_use_exits_2_naming_the_flag_before_loading(flags, taken_port, n
     code, out = run_main(argv, capsys)
     flag = next(f for f in flags if f.endswith("port"))
     assert code == 2
-    assert f"error: {flag} {taken_port}: 127.0.0.1:{taken_port} is already in use" in out.err, out.err
+    assert f"error: {flag} {taken_port}: 127.0.0.1:{taken_port} is already in use" in out.err, (
+        out.err
+    )
     assert f"choose another {flag}" in out.err
 
 
@@ -98,36 +120,80 @@ def test_one_port_for_two_flags_exits_2(no_model_load, capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code, out = run_main(["--model-path", MODEL, "--port", str(port), "--disaggregation-mode", "prefill",
-                          "--disaggregation-bootstrap-port", str(port)], capsys)
-    assert code == 2 and f"--disaggregation-bootstrap-port {port} is also --port" in out.err, out.err
+    code, out = run_main(
+        [
+            "--model-path",
+            MODEL,
+            "--port",
+            str(port),
+            "--disaggregation-mode",
+            "prefill",
+            "--disaggregation-bootstrap-port",
+            str(port),
+        ],
+        capsys,
+    )
+    assert code == 2 and f"--disaggregation-bootstrap-port {port} is also --port" in out.err, (
+        out.err
+    )
 
 
 def test_unbindable_host_names_the_host_flag(no_model_load, capsys):
-    code, out = run_main(["--model-path", MODEL, "--host", "192.0.2.1"], capsys)  # TEST-NET-1: not on this host
-    assert code == 2 and "cannot bind 192.0.2.1:30000" in out.err and "check --host" in out.err, out.err
+    # TEST-NET-1: not on this host
+    code, out = run_main(["--model-path", MODEL, "--host", "192.0.2.1"], capsys)
+    assert code == 2 and "cannot bind 192.0.2.1:30000" in out.err and "check --host" in out.err, (
+        out.err
+    )
 
 
 def test_port_clash_through_the_entry_point_is_fast(taken_port):
-    """The real command line: exit 2 with the flag named, in about the time of an import (no model load)."""
+    """The real command line: exit 2 with the flag named, in about the time of an import (no model
+    load)."""
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "sparkrelay.launch_server", "--model-path", MODEL,
-                           "--port", str(taken_port)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sparkrelay.launch_server",
+            "--model-path",
+            MODEL,
+            "--port",
+            str(taken_port),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert f"--port {taken_port}" in proc.stderr and "already in use" in proc.stderr
-    assert "usage: python -m sparkrelay.launch_server" in proc.stderr  # the format of every bad flag
+    # the format of every bad flag
+    assert "usage: python -m sparkrelay.launch_server" in proc.stderr
     assert time.monotonic() - start < 60
 
 
 def test_real_start_logs_the_url_users_wait_for():
-    """The HTTP socket is bound before the model loads and handed to uvicorn, which then logs no URL by itself:
-    the server logs README's `Uvicorn running on http://HOST:PORT` line once it listens."""
+    """The HTTP socket is bound before the model loads and handed to uvicorn, which then logs no URL
+    by itself: the server logs README's `Uvicorn running on http://HOST:PORT` line once it
+    listens."""
     from sparkrelay.tools.cluster import free_port, healthy
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sparkrelay.launch_server", "--model-path", MODEL, "--port",
-                             str(port), "--max-total-tokens", "2048"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sparkrelay.launch_server",
+            "--model-path",
+            MODEL,
+            "--port",
+            str(port),
+            "--max-total-tokens",
+            "2048",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not healthy(f"http://127.0.0.1:{port}"):
@@ -141,27 +207,40 @@ def test_real_start_logs_the_url_users_wait_for():
 
 # ---------------------------------------------------------------- model folders
 
-@pytest.mark.parametrize("flag,extra", [
-    ("--model-path", []),
-    ("--tokenizer-path", ["--model-path", MODEL]),
-    ("--speculative-draft-model-path", ["--model-path", MODEL, "--speculative-algorithm", "DSPARK"]),
-])
+
+@pytest.mark.parametrize(
+    "flag,extra",
+    [
+        ("--model-path", []),
+        ("--tokenizer-path", ["--model-path", MODEL]),
+        (
+            "--speculative-draft-model-path",
+            ["--model-path", MODEL, "--speculative-algorithm", "DSPARK"],
+        ),
+    ],
+)
 def test_hub_id_says_local_folders_only(flag, extra, no_model_load, capsys):
     code, out = run_main(extra + [flag, "Qwen/Qwen3-0.6B"], capsys)
     assert code == 2
     assert f"{flag} 'Qwen/Qwen3-0.6B' is not a folder" in out.err
     assert "local folders only" in out.err and "no Hugging Face hub downloads" in out.err
-    assert "huggingface-cli download Qwen/Qwen3-0.6B --local-dir models/Qwen3-0.6B" in out.err, out.err
+    assert "huggingface-cli download Qwen/Qwen3-0.6B --local-dir models/Qwen3-0.6B" in out.err, (
+        out.err
+    )
 
 
-@pytest.mark.parametrize("path", ["./no/such/folder", "models/tiny-qwen"])  # the second: a typo, `models` exists
+# the second: a typo, `models` exists
+@pytest.mark.parametrize("path", ["./no/such/folder", "models/tiny-qwen"])
 def test_missing_local_folder_gets_no_hub_advice(path, no_model_load, capsys):
     code, out = run_main(["--model-path", path], capsys)
-    assert code == 2 and "local folders only" in out.err and "huggingface-cli" not in out.err, out.err
+    assert code == 2 and "local folders only" in out.err and "huggingface-cli" not in out.err, (
+        out.err
+    )
     assert "a folder holding config.json" in out.err
 
 
 # ---------------------------------------------------------------- /server_info
+
 
 def server_info(**leaves) -> dict:
     from fastapi.testclient import TestClient
@@ -182,10 +261,16 @@ def server_info(**leaves) -> dict:
 def test_server_info_shows_resolved_settings():
     info = server_info(max_total_tokens=2048)  # context_length from the model
     assert info["context_length"] == 4096 and info["max_total_tokens"] == 2048
-    assert info["dtype"] == "float32" and info["tokenizer_path"] == MODEL and info["served_model_name"] == MODEL
+    assert (
+        info["dtype"] == "float32"
+        and info["tokenizer_path"] == MODEL
+        and info["served_model_name"] == MODEL
+    )
     assert info["internal_states"][0]["kv_total_tokens"] == 2048
 
-    info = server_info(context_length=256, speculative_algorithm="DSPARK", speculative_draft_model_path=DRAFTER)
+    info = server_info(
+        context_length=256, speculative_algorithm="DSPARK", speculative_draft_model_path=DRAFTER
+    )
     assert info["context_length"] == 256
     assert info["max_total_tokens"] == 64 * 256  # the documented default: 64 full-context requests
     assert info["speculative_num_draft_tokens"] == 7  # the drafter's block_size
@@ -196,18 +281,26 @@ def test_server_info_shows_the_prefix_cache_and_the_handoff_in_force():
     info = server_info(max_total_tokens=2048)
     assert info["disable_radix_cache"] is False  # the prefix cache is on by default
     assert info["internal_states"][0]["prefix_cache"] == "on"
-    assert info["dspark_pd_handoff"] == "hidden"  # the flag's default, resolved (None only tells it was left out)
+    # the flag's default, resolved (None only tells it was left out)
+    assert info["dspark_pd_handoff"] == "hidden"
     info = server_info(max_total_tokens=2048, disable_radix_cache=True)
-    assert info["disable_radix_cache"] is True and info["internal_states"][0]["prefix_cache"] == "off"
+    assert (
+        info["disable_radix_cache"] is True and info["internal_states"][0]["prefix_cache"] == "off"
+    )
 
 
-# ---------------------------------------------------------------- SGLang flags and the DSpark PD knobs
+# ---------------------------------------------------------------- SGLang flags and the DSpark PD
+# knobs
+
 
 def test_disable_radix_cache_turns_the_prefix_cache_off(capsys):
     from sparkrelay.launch_server import parse_config
 
     assert parse_config(["--model-path", MODEL]).cache.disable_radix_cache is False
-    assert parse_config(["--model-path", MODEL, "--disable-radix-cache"]).cache.disable_radix_cache is True
+    assert (
+        parse_config(["--model-path", MODEL, "--disable-radix-cache"]).cache.disable_radix_cache
+        is True
+    )
     code, out = run_main(["--help"], capsys)
     squashed = " ".join(out.out.split())
     assert code == 0 and "--disable-radix-cache Turn the prefix (radix) cache off" in squashed
@@ -215,13 +308,25 @@ def test_disable_radix_cache_turns_the_prefix_cache_off(capsys):
     assert "--enable-dp-attention" not in squashed  # the refused SGLang flags stay out of --help
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--enable-radix-cache"], "error: --enable-radix-cache is an SGLang flag sparkrelay does not implement; "
-                               "remove it"),
-    (["--enable-dp-attention"], "error: --enable-dp-attention is an SGLang flag sparkrelay does not implement"),
-    (["--tp-size", "2", "--trust-remote-code"], "error: --tp-size, --trust-remote-code are SGLang flags sparkrelay "
-                                                "does not implement; remove them"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (
+            ["--enable-radix-cache"],
+            "error: --enable-radix-cache is an SGLang flag sparkrelay does not implement; "
+            "remove it",
+        ),
+        (
+            ["--enable-dp-attention"],
+            "error: --enable-dp-attention is an SGLang flag sparkrelay does not implement",
+        ),
+        (
+            ["--tp-size", "2", "--trust-remote-code"],
+            "error: --tp-size, --trust-remote-code are SGLang flags sparkrelay "
+            "does not implement; remove them",
+        ),
+    ],
+)
 def test_sglang_flags_we_do_not_implement_exit_2_named(flags, message, no_model_load, capsys):
     code, out = run_main(["--model-path", MODEL] + flags, capsys)
     assert code == 2 and message in out.err, out.err
@@ -231,29 +336,60 @@ def test_sglang_flags_we_do_not_implement_exit_2_named(flags, message, no_model_
 
 def test_a_typo_is_not_called_an_sglang_flag(no_model_load, capsys):
     code, out = run_main(["--model-path", MODEL, "--enable-dp-atention"], capsys)
-    assert code == 2 and "unrecognized arguments: --enable-dp-atention" in out.err and "SGLang" not in out.err
+    assert (
+        code == 2
+        and "unrecognized arguments: --enable-dp-atention" in out.err
+        and "SGLang" not in out.err
+    )
 
 
-@pytest.mark.parametrize("flags,env,message", [
-    (["--dspark-pd-handoff", "tail"], {},
-     "--dspark-pd-handoff tail: the prefill has no DSpark taps to hand off; give it --speculative-draft-model-path"),
-    (["--dspark-pd-handoff", "draft-kv"], {},
-     "--dspark-pd-handoff draft-kv: the prefill has no DSpark taps to hand off; give it"),
-    (["--speculative-draft-model-path", DRAFTER, "--dspark-pd-handoff", "tail"],
-     {"SGLANG_DSPARK_PD_PREFILL_TAIL_TOKENS": "5000"},
-     "SGLANG_DSPARK_PD_PREFILL_TAIL_TOKENS=5000 exceeds the context length 4096"),
-    (["--speculative-draft-model-path", DRAFTER], {"SGLANG_DSPARK_PD_TARGET_LAYER_IDS": "1 3 5"},
-     "SGLANG_DSPARK_PD_TARGET_LAYER_IDS='1 3 5': '1 3 5' is not an integer (separate the items with commas"),
-])
+@pytest.mark.parametrize(
+    "flags,env,message",
+    [
+        (
+            ["--dspark-pd-handoff", "tail"],
+            {},
+            "--dspark-pd-handoff tail: the prefill has no DSpark taps to hand off; "
+            "give it --speculative-draft-model-path",
+        ),
+        (
+            ["--dspark-pd-handoff", "draft-kv"],
+            {},
+            "--dspark-pd-handoff draft-kv: the prefill has no DSpark taps to hand off; give it",
+        ),
+        (
+            ["--speculative-draft-model-path", DRAFTER, "--dspark-pd-handoff", "tail"],
+            {"SGLANG_DSPARK_PD_PREFILL_TAIL_TOKENS": "5000"},
+            "SGLANG_DSPARK_PD_PREFILL_TAIL_TOKENS=5000 exceeds the context length 4096",
+        ),
+        (
+            ["--speculative-draft-model-path", DRAFTER],
+            {"SGLANG_DSPARK_PD_TARGET_LAYER_IDS": "1 3 5"},
+            "SGLANG_DSPARK_PD_TARGET_LAYER_IDS='1 3 5': '1 3 5' is not an integer (separate the items with commas",
+        ),
+    ],
+)
 def test_prefill_without_usable_taps_refuses_to_start(flags, env, message):
-    """Through the real entry point: the prefill exits with the flag or variable named, before serving (it used
-    to start, and every request then failed at the handshake with a 502)."""
+    """Through the real entry point: the prefill exits with the flag or variable named, before
+    serving (it used to start, and every request then failed at the handshake with a 502)."""
     import os
 
     from sparkrelay.tools.cluster import free_port
 
-    argv = [sys.executable, "-m", "sparkrelay.launch_server", "--model-path", MODEL, "--port", str(free_port()),
-            "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(free_port()), *flags]
+    argv = [
+        sys.executable,
+        "-m",
+        "sparkrelay.launch_server",
+        "--model-path",
+        MODEL,
+        "--port",
+        str(free_port()),
+        "--disaggregation-mode",
+        "prefill",
+        "--disaggregation-bootstrap-port",
+        str(free_port()),
+        *flags,
+    ]
     clean = {k: v for k, v in os.environ.items() if "_DSPARK_PD_" not in k}
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env={**clean, **env})
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
@@ -262,8 +398,14 @@ def test_prefill_without_usable_taps_refuses_to_start(flags, env, message):
 
 # ---------------------------------------------------------------- training tools
 
-@pytest.mark.parametrize("module,tool,bundled", [("target", "train_tiny_target", "models/tiny-qwen3"),
-                                                 ("drafter", "train_tiny_dspark", "models/tiny-qwen3-dspark")])
+
+@pytest.mark.parametrize(
+    "module,tool,bundled",
+    [
+        ("target", "train_tiny_target", "models/tiny-qwen3"),
+        ("drafter", "train_tiny_dspark", "models/tiny-qwen3-dspark"),
+    ],
+)
 def test_training_tools_do_not_overwrite_bundled_models_by_default(module, tool, bundled):
     import importlib
 
@@ -275,8 +417,9 @@ def test_training_tools_do_not_overwrite_bundled_models_by_default(module, tool,
 
 
 def test_the_api_socket_sends_without_nagle():
-    """Accepted connections inherit TCP_NODELAY from the socket `bind` makes (asyncio sets it only on sockets whose
-    proto is IPPROTO_TCP; the bootstrap server's socket was not, and answered keep-alive requests 44 ms late)."""
+    """Accepted connections inherit TCP_NODELAY from the socket `bind` makes (asyncio sets it only
+    on sockets whose proto is IPPROTO_TCP; the bootstrap server's socket was not, and answered
+    keep-alive requests 44 ms late)."""
     import socket
 
     from sparkrelay.launch_server import bind
@@ -290,17 +433,34 @@ def test_the_api_socket_sends_without_nagle():
 
 @pytest.mark.parametrize("pp", ["1", "2"])
 def test_a_tmpdir_too_long_for_unix_sockets_is_named(pp, tmp_path):
-    """The scheduler's command socket (and the pipeline stages' sockets) are ipc:// files under TMPDIR; a path too
-    long to bind is a start-up error naming TMPDIR, not ZMQ's "File name too long" from deep inside."""
+    """The scheduler's command socket (and the pipeline stages' sockets) are ipc:// files under
+    TMPDIR; a path too long to bind is a start-up error naming TMPDIR, not ZMQ's "File name too
+    long" from deep inside."""
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.run([sys.executable, "-m", "sparkrelay.launch_server", "--model-path", MODEL, "--port",
-                           str(port), "--pp-size", pp], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "TMPDIR": str(deep)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sparkrelay.launch_server",
+            "--model-path",
+            MODEL,
+            "--port",
+            str(port),
+            "--pp-size",
+            pp,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TMPDIR": str(deep)},
+    )
     assert proc.returncode != 0
-    assert f"TMPDIR={str(deep)!r} is too long for this server's Unix sockets" in proc.stderr, proc.stderr[-2000:]
+    assert f"TMPDIR={str(deep)!r} is too long for this server's Unix sockets" in proc.stderr, (
+        proc.stderr[-2000:]
+    )
     assert "set TMPDIR to a shorter folder" in proc.stderr
     assert not any(p.name.startswith("sparkrelay-") for p in deep.iterdir())  # nothing left behind

@@ -1,14 +1,12 @@
-"""DSpark decoding through the engine: greedy outputs equal plain greedy decoding token for token (batch sizes
-1 and 8, with and without the confidence threshold, every Markov head type), and the metrics are reported."""
-
-from pathlib import Path
+"""DSpark decoding through the engine: greedy outputs equal plain greedy decoding token for token
+(batch sizes 1 and 8, with and without the confidence threshold, every Markov head type), and the
+metrics are reported."""
 
 import pytest
-import torch
 
-from testkit.models import BUNDLED, PROMPT_SOURCE, code_prompts
 from sparkrelay import LLM, SamplingParams
 from sparkrelay.models.dspark_checkpoint import write_random_checkpoint
+from testkit.models import BUNDLED, PROMPT_SOURCE, code_prompts
 
 NUM_PROMPTS, NEW_TOKENS = 50, 32
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -26,12 +24,19 @@ def drafter_dir(kind, tmp_path_factory, request):
     if kind == "bundled":
         return request.getfixturevalue("bundled_drafter_dir")
     folder = tmp_path_factory.mktemp(f"draft_{kind}") / "d"
-    return write_random_checkpoint(folder, BUNDLED, markov_head_type=kind, target_layer_ids=[-1, 2, 6])
+    return write_random_checkpoint(
+        folder, BUNDLED, markov_head_type=kind, target_layer_ids=[-1, 2, 6]
+    )
 
 
 def spec_llm(folder, threshold=0.0, **kw):
-    return LLM(str(BUNDLED), speculative_algorithm="DSPARK", speculative_draft_model_path=str(folder),
-               speculative_dspark_confidence_threshold=threshold, **kw)
+    return LLM(
+        str(BUNDLED),
+        speculative_algorithm="DSPARK",
+        speculative_draft_model_path=str(folder),
+        speculative_dspark_confidence_threshold=threshold,
+        **kw,
+    )
 
 
 def generate_in_batches(llm, prompts, batch):
@@ -48,11 +53,14 @@ def test_bundled_drafter_is_lossless(reference, bundled_drafter_dir, batch, thre
     llm = spec_llm(bundled_drafter_dir, threshold)
     assert generate_in_batches(llm, prompts, batch) == expected
     stats = llm.engine.stats()
-    assert stats["spec_accept_length"] > 1.0  # drafts do get accepted: the multi-token commit path ran
+    # drafts do get accepted: the multi-token commit path ran
+    assert stats["spec_accept_length"] > 1.0
     if threshold > 0:
-        assert stats["spec_mean_proposal"] < llm.engine.proposer.max_drafts  # the threshold truncated blocks
+        # the threshold truncated blocks
+        assert stats["spec_mean_proposal"] < llm.engine.proposer.max_drafts
     llm.engine.check()
-    assert llm.engine.blocks.num_used == 0  # idle: every block free or held by the prefix cache alone
+    # idle: every block free or held by the prefix cache alone
+    assert llm.engine.blocks.num_used == 0
 
 
 @pytest.fixture(scope="module", params=["vanilla", "gated", "rnn"])
@@ -60,9 +68,12 @@ def random_drafter(request, tmp_path_factory):
     return drafter_dir(request.param, tmp_path_factory, request)
 
 
-@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 8])  # batch 1: ~25 s per head and threshold
+# batch 1: ~25 s per head and threshold
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 8])
 @pytest.mark.parametrize("threshold", [0.0, 0.5])
-def test_random_drafters_of_every_head_type_are_lossless(reference, random_drafter, batch, threshold):
+def test_random_drafters_of_every_head_type_are_lossless(
+    reference, random_drafter, batch, threshold
+):
     prompts, expected = reference
     llm = spec_llm(random_drafter, threshold=threshold)
     assert generate_in_batches(llm, prompts, batch) == expected
@@ -73,13 +84,18 @@ def test_meta_info_and_stop_inside_accepted_drafts(reference, bundled_drafter_di
     llm = spec_llm(bundled_drafter_dir)
     out = llm.generate(prompts[0], GREEDY)
     meta = out["meta_info"]
-    assert meta["spec_verify_ct"] >= 1 and meta["spec_accept_length"] == NEW_TOKENS / meta["spec_verify_ct"] or \
-        meta["spec_accept_length"] == pytest.approx((NEW_TOKENS - 1) / meta["spec_verify_ct"])
+    assert (
+        meta["spec_verify_ct"] >= 1
+        and meta["spec_accept_length"] == NEW_TOKENS / meta["spec_verify_ct"]
+        or meta["spec_accept_length"] == pytest.approx((NEW_TOKENS - 1) / meta["spec_verify_ct"])
+    )
     # stop on a token that lands in the middle of a round; nothing past it is returned
     ref = expected[0]
     stop = ref[10]
     cut = ref.index(stop) + 1
-    out = llm.generate(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, stop_token_ids=(stop,)))
+    out = llm.generate(
+        prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, stop_token_ids=(stop,))
+    )
     assert out["output_ids"] == ref[:cut]
     out = llm.generate(prompts[0], SamplingParams(max_new_tokens=7, temperature=0, ignore_eos=True))
     assert out["output_ids"] == ref[:7]
@@ -97,8 +113,13 @@ def test_sampling_with_dspark_is_seeded(reference, bundled_drafter_dir):
 
 def test_chunked_prefill_and_preemption_with_dspark(reference, bundled_drafter_dir):
     prompts, expected = reference
-    llm = spec_llm(bundled_drafter_dir, page_size=4, chunked_prefill_size=16, max_total_tokens=512,
-                   max_running_requests=12)
+    llm = spec_llm(
+        bundled_drafter_dir,
+        page_size=4,
+        chunked_prefill_size=16,
+        max_total_tokens=512,
+        max_running_requests=12,
+    )
     assert generate_in_batches(llm, prompts[:24], 24) == expected[:24]
     assert llm.engine.scheduler.num_preemptions > 0
     llm.engine.check()
@@ -113,5 +134,7 @@ def test_bad_drafter_is_refused_at_start_up(tmp_path):
     cfg = json.loads((folder / "config.json").read_text())
     cfg["target_layer_ids"] = [1, 7]  # 7: the target's last layer
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match=r"--speculative-draft-model-path .*target_layer_ids \[1, 7\]"):
+    with pytest.raises(
+        ConfigError, match=r"--speculative-draft-model-path .*target_layer_ids \[1, 7\]"
+    ):
         spec_llm(folder)

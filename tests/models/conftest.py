@@ -1,1 +1,2 @@
-"""tests/models: the model code (sparkrelay/models/): attention, families against transformers, GGUF, dummy loads, kernels, the DSpark drafter and its context projection."""
+"""tests/models: the model code (sparkrelay/models/): attention, families against transformers,
+GGUF, dummy loads, kernels, the DSpark drafter and its context projection."""

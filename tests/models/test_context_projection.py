@@ -1,28 +1,36 @@
-"""The drafter's context projection split across pipeline stages (models/dspark_context.py) equals the drafter's own.
+"""The drafter's context projection split across pipeline stages (models/dspark_context.py) equals
+the drafter's own.
 
-Σ over stages of `partial` == drafter.fc(concat(taps)) for PP = 1, 2, 4 partitions, and `finish` == the drafter's
-context K/V, with taps on stage boundaries and tap -1 included; only the context-projection tensors are read.
+Σ over stages of `partial` == drafter.fc(concat(taps)) for PP = 1, 2, 4 partitions, and `finish` ==
+the drafter's context K/V, with taps on stage boundaries and tap -1 included; only the
+context-projection tensors are read.
 """
 
 import pytest
 import torch
 
 import sparkrelay.models.loader as loader
+from sparkrelay.models.decoder import DecoderSpec
 from sparkrelay.models.dspark import load_dspark
 from sparkrelay.models.dspark_checkpoint import write_random_checkpoint
 from sparkrelay.models.dspark_context import load_context_projector
 from sparkrelay.models.loader import read_config
-from sparkrelay.models.decoder import DecoderSpec
 from sparkrelay.pipeline.partition import pp_partition, stage_taps
 
-# 8 target layers; PP=2 cuts at 4 (taps 3 | 4 on either side), PP=4 at 2, 4, 6 (taps 1 | -, 3 | 4, - | 6)
+# 8 target layers; PP=2 cuts at 4 (taps 3 | 4 on either side), PP=4 at 2, 4, 6 (taps 1 | -, 3 | 4, -
+# | 6)
 TAPS = [-1, 1, 3, 4, 6]
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, bundled_model_dir):
-    folder = write_random_checkpoint(tmp_path_factory.mktemp("drafter"), bundled_model_dir, seed=3,
-                                     weight_dtype=torch.float32, target_layer_ids=TAPS)
+    folder = write_random_checkpoint(
+        tmp_path_factory.mktemp("drafter"),
+        bundled_model_dir,
+        seed=3,
+        weight_dtype=torch.float32,
+        target_layer_ids=TAPS,
+    )
     spec = DecoderSpec.from_hf(read_config(bundled_model_dir))
     drafter = load_dspark(folder, spec, torch.float32, fuse=False)
     return folder, spec, drafter
@@ -99,7 +107,21 @@ def test_reads_only_context_projection_tensors(setup, monkeypatch):
     load_context_projector(folder, spec, torch.float32)
     assert "fc.weight" in read and "hidden_norm.weight" in read
     assert "layers.1.self_attn.k_norm.weight" in read and "layers.0.self_attn.v_proj.weight" in read
-    banned = ("embed_tokens", "lm_head", "markov", "confidence", "q_proj", "o_proj", "mlp", "norm.weight")
-    bad = [k for k in read if any(b in k for b in banned) and k not in ("hidden_norm.weight",)
-           and not k.endswith("k_norm.weight")]
+    banned = (
+        "embed_tokens",
+        "lm_head",
+        "markov",
+        "confidence",
+        "q_proj",
+        "o_proj",
+        "mlp",
+        "norm.weight",
+    )
+    bad = [
+        k
+        for k in read
+        if any(b in k for b in banned)
+        and k not in ("hidden_norm.weight",)
+        and not k.endswith("k_norm.weight")
+    ]
     assert not bad, f"read tensors outside the context projection: {bad}"

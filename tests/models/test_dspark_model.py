@@ -1,5 +1,5 @@
-"""The DSpark drafter: checkpoint layout (docs/dspark.md §1.3), loading checks, validation, embedding sharing, and the
-forward against a dense reference of §1.5 / §1.6 written here."""
+"""The DSpark drafter: checkpoint layout (docs/dspark.md §1.3), loading checks, validation,
+embedding sharing, and the forward against a dense reference of §1.5 / §1.6 written here."""
 
 import json
 import math
@@ -9,28 +9,51 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from testkit.models import make_random_qwen3
+from sparkrelay.models.decoder import DecoderSpec, load_causal_lm
 from sparkrelay.models.dspark import DSparkSpec, load_dspark
 from sparkrelay.models.dspark_checkpoint import draft_config, write_random_checkpoint
 from sparkrelay.models.loader import CheckpointError, read_config
-from sparkrelay.models.decoder import DecoderSpec, load_causal_lm
+from testkit.models import make_random_qwen3
 
 torch.set_num_threads(1)
 
-LAYER = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-         "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-         "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"]
+LAYER = [
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+]
 TOP = ["embed_tokens.weight", "norm.weight", "fc.weight", "hidden_norm.weight", "lm_head.weight"]
 MARKOV = ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight"]
 CONFIDENCE = ["confidence_head.proj.weight", "confidence_head.proj.bias"]
 VARIANTS = {
     "vanilla": (dict(markov_head_type="vanilla"), MARKOV + CONFIDENCE),
-    "gated": (dict(markov_head_type="gated"), MARKOV + ["markov_head.gate_proj.weight", "markov_head.gate_proj.bias"] + CONFIDENCE),
-    "rnn": (dict(markov_head_type="rnn"), MARKOV + ["markov_head.joint_proj.weight", "markov_head.joint_proj.bias"] + CONFIDENCE),
+    "gated": (
+        dict(markov_head_type="gated"),
+        MARKOV + ["markov_head.gate_proj.weight", "markov_head.gate_proj.bias"] + CONFIDENCE,
+    ),
+    "rnn": (
+        dict(markov_head_type="rnn"),
+        MARKOV + ["markov_head.joint_proj.weight", "markov_head.joint_proj.bias"] + CONFIDENCE,
+    ),
     "dflash": (dict(markov_rank=0, enable_confidence_head=False), []),
 }
-D, V, R, HD, NKV, NH = 64, 4096, 32, 32, 2, 4   # the random target of testkit.models.make_random_qwen3; markov_rank 32 (draft_config default)
-TAPS = [-1, 0, 2]                               # the target has 4 layers: 3 (the last) is never a tap
+D, V, R, HD, NKV, NH = (
+    64,
+    4096,
+    32,
+    32,
+    2,
+    4,
+)  # the random target of testkit.models.make_random_qwen3; markov_rank 32 (draft_config default)
+TAPS = [-1, 0, 2]  # the target has 4 layers: 3 (the last) is never a tap
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +68,9 @@ def target_spec(target_dir):
 
 def write(tmp_path, target_dir, variant, **kw):
     fields, _ = VARIANTS[variant]
-    return write_random_checkpoint(tmp_path / variant, target_dir, target_layer_ids=TAPS, **fields, **kw)
+    return write_random_checkpoint(
+        tmp_path / variant, target_dir, target_layer_ids=TAPS, **fields, **kw
+    )
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -55,20 +80,39 @@ def test_checkpoint_keys_and_shapes(tmp_path, target_dir, variant):
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     expected = TOP + [f"layers.{i}.{k}" for i in range(2) for k in LAYER] + VARIANTS[variant][1]
     assert sorted(shapes) == sorted(expected)
-    assert shapes["fc.weight"] == (D, 3 * D) and shapes["embed_tokens.weight"] == shapes["lm_head.weight"] == (V, D)
+    assert shapes["fc.weight"] == (D, 3 * D) and shapes["embed_tokens.weight"] == shapes[
+        "lm_head.weight"
+    ] == (V, D)
     assert shapes["layers.1.self_attn.k_proj.weight"] == (NKV * HD, D)
-    extra = {"vanilla": {}, "dflash": {},
-             "gated": {"markov_head.gate_proj.weight": (R, D + R), "markov_head.gate_proj.bias": (R,)},
-             "rnn": {"markov_head.joint_proj.weight": (3 * R, 2 * R + D), "markov_head.joint_proj.bias": (3 * R,)}}
+    extra = {
+        "vanilla": {},
+        "dflash": {},
+        "gated": {"markov_head.gate_proj.weight": (R, D + R), "markov_head.gate_proj.bias": (R,)},
+        "rnn": {
+            "markov_head.joint_proj.weight": (3 * R, 2 * R + D),
+            "markov_head.joint_proj.bias": (3 * R,),
+        },
+    }
     for key, shape in extra[variant].items():
         assert shapes[key] == shape
     if variant != "dflash":
-        assert shapes["markov_head.markov_w1.weight"] == shapes["markov_head.markov_w2.weight"] == (V, R)
+        assert (
+            shapes["markov_head.markov_w1.weight"]
+            == shapes["markov_head.markov_w2.weight"]
+            == (V, R)
+        )
         assert shapes["confidence_head.proj.weight"] == (1, D + R)
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["tie_word_embeddings"] is False
     assert cfg["layer_types"] == ["full_attention"] * 2 and cfg["num_target_layers"] == 4
-    for field in ("block_size", "target_layer_ids", "mask_token_id", "markov_rank", "enable_confidence_head", "num_anchors"):
+    for field in (
+        "block_size",
+        "target_layer_ids",
+        "mask_token_id",
+        "markov_rank",
+        "enable_confidence_head",
+        "num_anchors",
+    ):
         assert field in cfg
     assert ("markov_head_type" in cfg) == (variant != "dflash")
 
@@ -91,7 +135,10 @@ def test_completeness_errors(tmp_path, target_dir, target_spec):
     good = load_file(str(path))
     cases = {
         "missing tensors: fc.weight": {k: v for k, v in good.items() if k != "fc.weight"},
-        "unexpected tensors: markov_head.gate_proj.weight": {**good, "markov_head.gate_proj.weight": torch.zeros(R, D + R)},
+        "unexpected tensors: markov_head.gate_proj.weight": {
+            **good,
+            "markov_head.gate_proj.weight": torch.zeros(R, D + R),
+        },
         "shape mismatch: hidden_norm.weight (65,)": {**good, "hidden_norm.weight": torch.ones(65)},
     }
     for message, tensors in cases.items():
@@ -105,21 +152,24 @@ def test_completeness_errors(tmp_path, target_dir, target_spec):
         load_dspark(folder, target_spec)
 
 
-@pytest.mark.parametrize("field, value, words", [
-    ("target_layer_ids", [0, 5], ["target_layer_ids", "[0, 5]", "[5]"]),
-    ("target_layer_ids", [-2, 1], ["target_layer_ids", "[-2]"]),
-    ("target_layer_ids", [1, 3], ["target_layer_ids", "3", "last layer"]),
-    ("target_layer_ids", [2, 1], ["target_layer_ids", "[2, 1]", "strictly increasing"]),
-    ("target_layer_ids", [1, 1], ["target_layer_ids", "[1, 1]", "strictly increasing"]),
-    ("num_target_layers", 5, ["num_target_layers", "5", "4"]),
-    ("hidden_size", 128, ["hidden_size", "128", "64"]),
-    ("num_attention_heads", 2, ["num_heads", "2", "4"]),
-    ("num_key_value_heads", 1, ["num_kv_heads", "1", "2"]),
-    ("head_dim", 16, ["head_dim", "16", "32"]),
-    ("vocab_size", 5000, ["vocab_size", "5000", "4096"]),
-    ("mask_token_id", 4096, ["mask_token_id", "4096"]),
-    ("markov_head_type", "lstm", ["markov_head_type", "lstm"]),
-])
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("target_layer_ids", [0, 5], ["target_layer_ids", "[0, 5]", "[5]"]),
+        ("target_layer_ids", [-2, 1], ["target_layer_ids", "[-2]"]),
+        ("target_layer_ids", [1, 3], ["target_layer_ids", "3", "last layer"]),
+        ("target_layer_ids", [2, 1], ["target_layer_ids", "[2, 1]", "strictly increasing"]),
+        ("target_layer_ids", [1, 1], ["target_layer_ids", "[1, 1]", "strictly increasing"]),
+        ("num_target_layers", 5, ["num_target_layers", "5", "4"]),
+        ("hidden_size", 128, ["hidden_size", "128", "64"]),
+        ("num_attention_heads", 2, ["num_heads", "2", "4"]),
+        ("num_key_value_heads", 1, ["num_kv_heads", "1", "2"]),
+        ("head_dim", 16, ["head_dim", "16", "32"]),
+        ("vocab_size", 5000, ["vocab_size", "5000", "4096"]),
+        ("mask_token_id", 4096, ["mask_token_id", "4096"]),
+        ("markov_head_type", "lstm", ["markov_head_type", "lstm"]),
+    ],
+)
 def test_validation_errors_name_field_and_value(target_dir, target_spec, field, value, words):
     cfg = draft_config(read_config(target_dir), target_layer_ids=TAPS)
     cfg[field] = value
@@ -135,22 +185,41 @@ def test_shares_identical_embedding_and_lm_head(tmp_path, target_spec, target_di
     emb = target.model.embed_tokens.weight
     assert target.lm_head.weight is emb
     folder = write_random_checkpoint(tmp_path / "d", tied, target_layer_ids=TAPS)
-    model = load_dspark(folder, target.spec, torch.bfloat16, share_embedding_from=emb, share_lm_head_from=target.lm_head.weight)
+    model = load_dspark(
+        folder,
+        target.spec,
+        torch.bfloat16,
+        share_embedding_from=emb,
+        share_lm_head_from=target.lm_head.weight,
+    )
     assert model.embed_tokens.weight is emb and model.lm_head.weight is emb
     assert model.shared_with_target == ("embed_tokens", "lm_head")
     assert emb.requires_grad  # the target's own parameter is left as it was
     # untied fp32 target: both shared; a different target's tensors are not
     untied = load_causal_lm(str(target_dir))
-    folder = write_random_checkpoint(tmp_path / "f", target_dir, weight_dtype=torch.float32, target_layer_ids=TAPS)
-    model = load_dspark(folder, target_spec, share_embedding_from=untied.model.embed_tokens.weight,
-                        share_lm_head_from=untied.lm_head.weight)
-    assert model.embed_tokens.weight is untied.model.embed_tokens.weight and model.lm_head.weight is untied.lm_head.weight
+    folder = write_random_checkpoint(
+        tmp_path / "f", target_dir, weight_dtype=torch.float32, target_layer_ids=TAPS
+    )
+    model = load_dspark(
+        folder,
+        target_spec,
+        share_embedding_from=untied.model.embed_tokens.weight,
+        share_lm_head_from=untied.lm_head.weight,
+    )
+    assert (
+        model.embed_tokens.weight is untied.model.embed_tokens.weight
+        and model.lm_head.weight is untied.lm_head.weight
+    )
     other = load_causal_lm(str(tied))
     model = load_dspark(folder, target_spec, share_embedding_from=other.model.embed_tokens.weight)
-    assert model.shared_with_target == () and model.embed_tokens.weight is not other.model.embed_tokens.weight
+    assert (
+        model.shared_with_target == ()
+        and model.embed_tokens.weight is not other.model.embed_tokens.weight
+    )
 
 
 # ----- dense reference of docs/dspark.md §1.4-1.5, written independently of the model code -----
+
 
 def rms(x, w, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
@@ -161,7 +230,7 @@ def rope(x, pos, theta):  # x [T, H, hd], HF rotate_half form
     inv = 1.0 / theta ** (torch.arange(0, hd, 2).float() / hd)
     f = torch.outer(pos.float(), inv)
     cos, sin = torch.cat([f, f], -1).cos()[:, None], torch.cat([f, f], -1).sin()[:, None]
-    rot = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+    rot = torch.cat([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
     return x * cos + rot * sin
 
 
@@ -173,15 +242,34 @@ def dense_block(sd, n_layers, theta, feats, ctx_pos, block_ids, block_pos):
     for i in range(n_layers):
         p = lambda k: sd[f"layers.{i}.{k}"]
         hn = rms(x, p("input_layernorm.weight"))
-        q = rope(rms((hn @ p("self_attn.q_proj.weight").T).view(-1, NH, HD), p("self_attn.q_norm.weight")), block_pos, theta)
+        q = rope(
+            rms(
+                (hn @ p("self_attn.q_proj.weight").T).view(-1, NH, HD), p("self_attn.q_norm.weight")
+            ),
+            block_pos,
+            theta,
+        )
         kv_in = torch.cat([c, hn])
-        k = rope(rms((kv_in @ p("self_attn.k_proj.weight").T).view(-1, NKV, HD), p("self_attn.k_norm.weight")), pos, theta)
+        k = rope(
+            rms(
+                (kv_in @ p("self_attn.k_proj.weight").T).view(-1, NKV, HD),
+                p("self_attn.k_norm.weight"),
+            ),
+            pos,
+            theta,
+        )
         v = (kv_in @ p("self_attn.v_proj.weight").T).view(-1, NKV, HD)
         k, v = k.repeat_interleave(NH // NKV, 1), v.repeat_interleave(NH // NKV, 1)  # GQA
         att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(HD), -1)
-        x = x + torch.einsum("hqk,khd->qhd", att, v).reshape(len(block_ids), NH * HD) @ p("self_attn.o_proj.weight").T
+        x = (
+            x
+            + torch.einsum("hqk,khd->qhd", att, v).reshape(len(block_ids), NH * HD)
+            @ p("self_attn.o_proj.weight").T
+        )
         hn = rms(x, p("post_attention_layernorm.weight"))
-        mlp = torch.nn.functional.silu(hn @ p("mlp.gate_proj.weight").T) * (hn @ p("mlp.up_proj.weight").T)
+        mlp = torch.nn.functional.silu(hn @ p("mlp.gate_proj.weight").T) * (
+            hn @ p("mlp.up_proj.weight").T
+        )
         x = x + mlp @ p("mlp.down_proj.weight").T
     return rms(x, sd["norm.weight"])
 
@@ -208,11 +296,20 @@ def test_block_forward_matches_dense_reference_and_batching(tmp_path, target_dir
     for f, n, b in zip(feats, lens, blocks):
         ref = dense_block(sd, 2, theta, f, torch.arange(n), b, torch.arange(n, n + 7))
         for model in (plain, fused):
-            h = run_block(model, f[None], torch.arange(n)[None], b[None], torch.arange(n, n + 7)[None], torch.tensor([n]))
+            h = run_block(
+                model,
+                f[None],
+                torch.arange(n)[None],
+                b[None],
+                torch.arange(n, n + 7)[None],
+                torch.tensor([n]),
+            )
             torch.testing.assert_close(h[0], ref, atol=2e-5, rtol=1e-5)
         outs.append(ref)
     # padded batch: request 0's context rows 5..8 are garbage and must be masked out
-    padded = torch.stack([torch.cat([feats[0], 100 * torch.randn(4, 3 * D, generator=gen)]), feats[1]])
+    padded = torch.stack(
+        [torch.cat([feats[0], 100 * torch.randn(4, 3 * D, generator=gen)]), feats[1]]
+    )
     positions = torch.arange(9).repeat(2, 1)
     block_pos = torch.stack([torch.arange(n, n + 7) for n in lens])
     h = run_block(fused, padded, positions, torch.stack(blocks), block_pos, torch.tensor(lens))
@@ -228,9 +325,18 @@ def markov_reference(sd, kind, u, h, anchors):
         for k in range(u.shape[1]):
             e = w1[prev]
             if kind == "gated":
-                e = torch.sigmoid(sd["markov_head.gate_proj.weight"] @ torch.cat([h[r, k], e]) + sd["markov_head.gate_proj.bias"]) * e
+                e = (
+                    torch.sigmoid(
+                        sd["markov_head.gate_proj.weight"] @ torch.cat([h[r, k], e])
+                        + sd["markov_head.gate_proj.bias"]
+                    )
+                    * e
+                )
             elif kind == "rnn":
-                j = sd["markov_head.joint_proj.weight"] @ torch.cat([s, e, h[r, k]]) + sd["markov_head.joint_proj.bias"]
+                j = (
+                    sd["markov_head.joint_proj.weight"] @ torch.cat([s, e, h[r, k]])
+                    + sd["markov_head.joint_proj.bias"]
+                )
                 g, c, o = j.chunk(3)
                 s = torch.sigmoid(g) * s + (1 - torch.sigmoid(g)) * torch.tanh(c)
                 e = torch.tanh(o)
@@ -246,23 +352,37 @@ def markov_reference(sd, kind, u, h, anchors):
 def test_markov_greedy_is_sequential_argmax(tmp_path, target_dir, target_spec, kind):
     folder = write(tmp_path, target_dir, kind, weight_dtype=torch.float32)
     model = load_dspark(folder, target_spec)
-    sd = load_dspark(folder, target_spec, fuse=False).state_dict()  # checkpoint names: the fused W2 is packed
+    # checkpoint names: the fused W2 is packed
+    sd = load_dspark(folder, target_spec, fuse=False).state_dict()
     gen = torch.Generator().manual_seed(1)
     u, h = torch.randn(3, 7, V, generator=gen), torch.randn(3, 7, D, generator=gen)
     anchors = torch.tensor([5, 900, 4000])
-    drafts, z = model.markov_sample(u, anchors, torch.zeros(3), torch.ones(3, dtype=torch.bool), h=h)
+    drafts, z = model.markov_sample(
+        u, anchors, torch.zeros(3), torch.ones(3, dtype=torch.bool), h=h
+    )
     ref_d, ref_z = markov_reference(sd, kind, u, h, anchors)
     assert torch.equal(drafts, ref_d)
     torch.testing.assert_close(z, ref_z, atol=1e-4, rtol=1e-5)
     prev = torch.cat([anchors[:, None], drafts[:, :-1]], 1)
-    torch.testing.assert_close(u + model.markov_bias(h, prev), z, atol=1e-4, rtol=1e-5)  # training path == sampling path
-    conf = torch.cat([h, sd["markov_head.markov_w1.weight"][prev]], -1) @ sd["confidence_head.proj.weight"][0]
-    torch.testing.assert_close(model.confidence(h, prev), conf + sd["confidence_head.proj.bias"], atol=1e-5, rtol=1e-5)
-    # sampling: a row's own generator makes its draws reproducible; a near-zero temperature is greedy
+    # training path == sampling path
+    torch.testing.assert_close(u + model.markov_bias(h, prev), z, atol=1e-4, rtol=1e-5)
+    conf = (
+        torch.cat([h, sd["markov_head.markov_w1.weight"][prev]], -1)
+        @ sd["confidence_head.proj.weight"][0]
+    )
+    torch.testing.assert_close(
+        model.confidence(h, prev), conf + sd["confidence_head.proj.bias"], atol=1e-5, rtol=1e-5
+    )
+    # sampling: a row's own generator makes its draws reproducible; a near-zero temperature is
+    # greedy
     mixed = torch.tensor([False, True, False])
     temps = torch.tensor([1.0, 0.0, 1e-6])
-    a = model.markov_sample(u, anchors, temps, mixed, h=h, generators=[torch.Generator().manual_seed(9), None, None])[0]
-    b = model.markov_sample(u, anchors, temps, mixed, h=h, generators=[torch.Generator().manual_seed(9), None, None])[0]
+    a = model.markov_sample(
+        u, anchors, temps, mixed, h=h, generators=[torch.Generator().manual_seed(9), None, None]
+    )[0]
+    b = model.markov_sample(
+        u, anchors, temps, mixed, h=h, generators=[torch.Generator().manual_seed(9), None, None]
+    )[0]
     assert torch.equal(a[0], b[0]) and torch.equal(a[1:], ref_d[1:])
 
 
@@ -271,7 +391,9 @@ def test_dflash_samples_each_slot_independently(tmp_path, target_dir, target_spe
     model = load_dspark(write(tmp_path, target_dir, "dflash"), target_spec)
     assert model.markov_head is None and model.confidence_head is None
     u = torch.randn(2, 7, V)
-    drafts, z = model.markov_sample(u, torch.tensor([1, 2]), torch.zeros(2), torch.ones(2, dtype=torch.bool))
+    drafts, z = model.markov_sample(
+        u, torch.tensor([1, 2]), torch.zeros(2), torch.ones(2, dtype=torch.bool)
+    )
     assert torch.equal(drafts, u.argmax(-1)) and torch.equal(z, u)
     with pytest.raises(ValueError, match="confidence"):
         model.confidence(torch.zeros(2, 7, D), drafts)

@@ -1,6 +1,7 @@
-"""GGUF loading (models/gguf_file.py) and the converter (tools/convert_gguf.py), on a GGUF file written here from a
-random Llama with the gguf package the way llama.cpp's converter writes one: q/k rows permuted, tensors in Q8_0,
-Q4_0, Q4_1, F16, BF16 and F32, the bundled byte-level BPE tokenizer and its chat template as metadata."""
+"""GGUF loading (models/gguf_file.py) and the converter (tools/convert_gguf.py), on a GGUF file
+written here from a random Llama with the gguf package the way llama.cpp's converter writes one: q/k
+rows permuted, tensors in Q8_0, Q4_0, Q4_1, F16, BF16 and F32, the bundled byte-level BPE tokenizer
+and its chat template as metadata."""
 
 import json
 
@@ -14,20 +15,23 @@ from sparkrelay.models.decoder import load_causal_lm
 from sparkrelay.models.gguf_file import gguf_config, gguf_tensors
 from sparkrelay.models.loader import CheckpointError
 from sparkrelay.tools.convert_gguf import convert
+from testkit.families import make_random, pool_for, run
 from testkit.hf import load_hf
 from testkit.models import tokenizer_source
-from testkit.families import make_random, pool_for, run
 
 QUANTS = ("Q8_0", "Q4_0", "Q4_1", "F16", "BF16", "F32")
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf row order for q/k of a Llama: HF halves -> interleaved pairs."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def write_gguf(hf_dir, path) -> dict[str, torch.Tensor]:
-    """The GGUF file of the HF folder; returns the HF tensors after the quantization round trip (the reference)."""
+    """The GGUF file of the HF folder; returns the HF tensors after the quantization round trip (the
+    reference)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -52,12 +56,17 @@ def write_gguf(hf_dir, path) -> dict[str, torch.Tensor]:
     for i, (key, t) in enumerate(sorted(tensors.items())):
         data = t.float().numpy()
         proj = key.split(".")[-2]
-        stored = llama_cpp_permute(data, heads[proj]) if proj in heads else data  # biases too, as llama.cpp
+        # biases too, as llama.cpp
+        stored = llama_cpp_permute(data, heads[proj]) if proj in heads else data
         qtype = gguf.GGMLQuantizationType[QUANTS[i % len(QUANTS)] if data.ndim == 2 else "F32"]
         packed = gguf.quants.quantize(stored, qtype)
-        w.add_tensor(name_map.get_name(key, try_suffixes=(".weight", ".bias")), packed, raw_dtype=qtype)
+        w.add_tensor(
+            name_map.get_name(key, try_suffixes=(".weight", ".bias")), packed, raw_dtype=qtype
+        )
         back = gguf.quants.dequantize(packed, qtype).reshape(data.shape)
-        reference[key] = torch.from_numpy(llama_cpp_permute_inverse(back, heads[proj]) if stored is not data else back)
+        reference[key] = torch.from_numpy(
+            llama_cpp_permute_inverse(back, heads[proj]) if stored is not data else back
+        )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -66,11 +75,14 @@ def write_gguf(hf_dir, path) -> dict[str, torch.Tensor]:
 
 
 def llama_cpp_permute_inverse(w: np.ndarray, heads: int) -> np.ndarray:
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def add_tokenizer(w) -> None:
-    """The bundled tokenizer as llama.cpp stores a byte-level BPE one ("gpt2": tokens, merges, token types)."""
+    """The bundled tokenizer as llama.cpp stores a byte-level BPE one ("gpt2": tokens, merges, token
+    types)."""
     tok = json.loads((tokenizer_source() / "tokenizer.json").read_text())
     tcfg = json.loads((tokenizer_source() / "tokenizer_config.json").read_text())
     vocab = {**tok["model"]["vocab"], **{a["content"]: a["id"] for a in tok["added_tokens"]}}
@@ -80,7 +92,9 @@ def add_tokenizer(w) -> None:
     w.add_token_list(tokens)
     w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])  # CONTROL / NORMAL
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(vocab[tcfg["bos_token"]] if tcfg.get("bos_token") else vocab["<|endoftext|>"])
+    w.add_bos_token_id(
+        vocab[tcfg["bos_token"]] if tcfg.get("bos_token") else vocab["<|endoftext|>"]
+    )
     w.add_eos_token_id(vocab[tcfg["eos_token"]])
     w.add_chat_template(tcfg["chat_template"])
 
@@ -109,7 +123,11 @@ def test_tensors_equal_the_dequantized_checkpoint(gguf_biased):
     for key, t in reference.items():
         torch.testing.assert_close(got[key], t, atol=0, rtol=0, msg=key)
     cfg = gguf_config(str(path))
-    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["tie_word_embeddings"] and cfg["attention_bias"]
+    assert (
+        cfg["architectures"] == ["LlamaForCausalLM"]
+        and cfg["tie_word_embeddings"]
+        and cfg["attention_bias"]
+    )
 
 
 @torch.inference_mode()
@@ -117,25 +135,31 @@ def test_gguf_logits_equal_transformers_reading_the_same_file(gguf_model):
     from transformers import AutoModelForCausalLM
 
     _, path, _ = gguf_model
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     ours = load_causal_lm(str(path))
     ids = list(range(7, 60))
     ref = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(run(ours, pool_for(ours), ids, 0, list(range(16))).logits, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        run(ours, pool_for(ours), ids, 0, list(range(16))).logits, ref, atol=1e-4, rtol=0
+    )
 
 
 def test_converted_folder_serves_the_gguf_tokens(gguf_model, tmp_path):
     _, path, _ = gguf_model
     folder = convert(path, tmp_path / "converted")
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= \
-        {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in folder.iterdir()
+    }
     assert json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
     hf = load_hf(folder)  # transformers reads the folder as it is
     greedy = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
     settings = dict(page_size=4, max_total_tokens=1024)
     a, b = LLM(str(path), **settings), LLM(str(folder), **settings)
-    text = a.tokenizer.apply_chat_template([{"role": "user", "content": "def add(a, b):"}], tokenize=False,
-                                           add_generation_prompt=True)
+    text = a.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "def add(a, b):"}], tokenize=False, add_generation_prompt=True
+    )
     assert a.tokenizer.encode(text) == b.tokenizer.encode(text)
     assert a.generate(text, greedy)["output_ids"] == b.generate(text, greedy)["output_ids"]
     with torch.inference_mode():
@@ -145,7 +169,9 @@ def test_converted_folder_serves_the_gguf_tokens(gguf_model, tmp_path):
 
 def test_bad_gguf_paths_are_clear_errors(gguf_model, tmp_path):
     hf_dir, path, _ = gguf_model
-    with pytest.raises(ConfigError, match="--load-format gguf: --model-path .* is not a .gguf file"):
+    with pytest.raises(
+        ConfigError, match="--load-format gguf: --model-path .* is not a .gguf file"
+    ):
         Config().replace(model_path=str(hf_dir), load_format="gguf").validate()
     with pytest.raises(ConfigError, match="no such GGUF file"):
         Config().replace(model_path=str(tmp_path / "missing.gguf")).validate()

@@ -1,4 +1,5 @@
-"""The target model against transformers' Qwen3ForCausalLM: logits, taps, layer ranges, loading checks."""
+"""The target model against transformers' Qwen3ForCausalLM: logits, taps, layer ranges, loading
+checks."""
 
 import json
 import shutil
@@ -7,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from testkit.models import make_random_qwen3
-from testkit.hf import load_hf
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import AttnMeta
-from sparkrelay.models.loader import CheckpointError
 from sparkrelay.models.decoder import load_causal_lm
+from sparkrelay.models.loader import CheckpointError
+from testkit.hf import load_hf
+from testkit.models import make_random_qwen3
 
 
 def run_stage(model, pool, ids, start, end, table, page, hidden=None, taps=()):
@@ -23,12 +24,24 @@ def run_stage(model, pool, ids, start, end, table, page, hidden=None, taps=()):
 
 def fresh_pool(model, page=4, blocks=256):
     s = model.spec
-    return KVPool(range(model.start, model.end), blocks, page, s.num_kv_heads, s.head_dim, torch.float32, "cpu")
+    return KVPool(
+        range(model.start, model.end),
+        blocks,
+        page,
+        s.num_kv_heads,
+        s.head_dim,
+        torch.float32,
+        "cpu",
+    )
 
 
 @pytest.fixture(params=["random", "bundled"])
 def model_dir(request, random_model_dir):
-    return random_model_dir if request.param == "random" else request.getfixturevalue("bundled_model_dir")
+    return (
+        random_model_dir
+        if request.param == "random"
+        else request.getfixturevalue("bundled_model_dir")
+    )
 
 
 @torch.inference_mode()
@@ -36,7 +49,9 @@ def test_prefill_and_decode_logits_match_transformers(model_dir):
     hf = load_hf(model_dir)
     ours = load_causal_lm(str(model_dir))
     pool, table = fresh_pool(ours), list(range(40, 0, -1))  # a scrambled block table
-    ids = torch.randint(0, ours.spec.vocab_size, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.randint(
+        0, ours.spec.vocab_size, (37,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
     ref = hf(torch.tensor([ids])).logits[0]  # [37, V]
     out = run_stage(ours, pool, ids[:30], 0, 30, table, 4)
     torch.testing.assert_close(out.logits, ref[:30], atol=1e-4, rtol=0)
@@ -52,7 +67,8 @@ def test_taps_equal_hidden_states(model_dir):
     n = ours.spec.num_layers
     ids = list(range(3, 23))
     ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
-    taps = tuple(range(-1, n - 1))  # transformers' last hidden state is after the final norm; never a tap
+    # transformers' last hidden state is after the final norm; never a tap
+    taps = tuple(range(-1, n - 1))
     out = run_stage(ours, fresh_pool(ours), ids, 0, len(ids), list(range(8)), 4, taps=taps)
     for i in taps:
         torch.testing.assert_close(out.taps[i], ref[i + 1][0], atol=1e-5, rtol=0, msg=f"tap {i}")
@@ -68,9 +84,13 @@ def test_layer_ranges_compose(random_model_dir):
     ref = run_stage(whole, fresh_pool(whole), ids, 0, 12, [0, 1, 2], 4)
     h = run_stage(first, fresh_pool(first), ids, 0, 12, [0, 1, 2], 4, taps=(-1, 0)).hidden
     out_mid = run_stage(mid, fresh_pool(mid), ids, 0, 12, [0, 1, 2], 4, hidden=h, taps=(2,))
-    out = run_stage(last, fresh_pool(last), ids, 0, 12, [0, 1, 2], 4, hidden=out_mid.hidden, taps=(3, 2))
+    out = run_stage(
+        last, fresh_pool(last), ids, 0, 12, [0, 1, 2], 4, hidden=out_mid.hidden, taps=(3, 2)
+    )
     torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=0)
-    assert set(out_mid.taps) == {2} and set(out.taps) == {3}  # a stage captures only the taps it owns
+    assert set(out_mid.taps) == {2} and set(out.taps) == {
+        3
+    }  # a stage captures only the taps it owns
     assert first.owns_tap(-1) and not mid.owns_tap(-1) and last.owns_tap(3)
 
 
@@ -82,12 +102,17 @@ def test_rope_parameters_and_tied_layout(tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     hf, ours = load_hf(folder), load_causal_lm(str(folder))
     assert ours.lm_head.weight is ours.model.embed_tokens.weight  # one copy
-    last = load_causal_lm(str(folder), 1, 2)  # a last stage without the embedding gets it as its LM head
+    # a last stage without the embedding gets it as its LM head
+    last = load_causal_lm(str(folder), 1, 2)
     torch.testing.assert_close(last.lm_head.weight, hf.lm_head.weight)
     with torch.inference_mode():
         ids = list(range(9))
-        torch.testing.assert_close(run_stage(ours, fresh_pool(ours), ids, 0, 9, [0, 1, 2], 4).logits,
-                                   hf(torch.tensor([ids])).logits[0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            run_stage(ours, fresh_pool(ours), ids, 0, 9, [0, 1, 2], 4).logits,
+            hf(torch.tensor([ids])).logits[0],
+            atol=1e-4,
+            rtol=0,
+        )
 
 
 def _corrupt(folder, tmp_path, edit):
@@ -107,12 +132,16 @@ def test_loader_names_missing_unexpected_and_misshaped(random_model_dir, tmp_pat
         load_causal_lm(str(bad))
     load_causal_lm(str(bad), 2, 4)  # a stage that does not own layer 1 does not need it
     shutil.rmtree(bad)
-    bad = _corrupt(random_model_dir, tmp_path, lambda t: t.update({"model.extra.weight": torch.zeros(2)}))
+    bad = _corrupt(
+        random_model_dir, tmp_path, lambda t: t.update({"model.extra.weight": torch.zeros(2)})
+    )
     with pytest.raises(CheckpointError, match="unexpected tensors: model.extra.weight"):
         load_causal_lm(str(bad))
     shutil.rmtree(bad)
     bad = _corrupt(random_model_dir, tmp_path, lambda t: t.update({key: torch.zeros(3, 3)}))
-    with pytest.raises(CheckpointError, match=r"shape mismatch: model.layers.1.mlp.up_proj.weight \(3, 3\)"):
+    with pytest.raises(
+        CheckpointError, match=r"shape mismatch: model.layers.1.mlp.up_proj.weight \(3, 3\)"
+    ):
         load_causal_lm(str(bad))
 
 

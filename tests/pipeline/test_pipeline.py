@@ -1,8 +1,8 @@
-"""Pipeline parallelism (sparkrelay/pipeline/): PP = 2 and 4 generate exactly what PP = 1 does (greedy and seeded
-sampling, chunked prefill, batches split into micro-batches); the last stage's DSpark capture (taps, and the
-partial context projection finished into draft K/V) equals the single-model reference at absolute positions; a
-dead stage makes run() fail promptly with its name; --pp-size beyond the layer count is refused; no worker
-process outlives its engine.
+"""Pipeline parallelism (sparkrelay/pipeline/): PP = 2 and 4 generate exactly what PP = 1 does
+(greedy and seeded sampling, chunked prefill, batches split into micro-batches); the last stage's
+DSpark capture (taps, and the partial context projection finished into draft K/V) equals the
+single-model reference at absolute positions; a dead stage makes run() fail promptly with its name;
+--pp-size beyond the layer count is refused; no worker process outlives its engine.
 """
 
 import os
@@ -26,7 +26,9 @@ from sparkrelay.trace import timeline
 
 SETTINGS = dict(page_size=4, chunked_prefill_size=16, max_total_tokens=2048)
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
-SEEDED = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.9, top_k=40, seed=7, ignore_eos=True)
+SEEDED = SamplingParams(
+    max_new_tokens=8, temperature=0.9, top_p=0.9, top_k=40, seed=7, ignore_eos=True
+)
 SINK_DIR = "SPARKRELAY_TEST_SINK_DIR"
 
 
@@ -56,9 +58,12 @@ def prompts(bundled_model_dir):
 
 @pytest.fixture(scope="module")
 def reference(bundled_model_dir, prompts):
-    """PP = 1 through the plain ModelRunner: greedy for all prompts, then seeded sampling for the first two."""
+    """PP = 1 through the plain ModelRunner: greedy for all prompts, then seeded sampling for the
+    first two."""
     llm = LLM(str(bundled_model_dir), **SETTINGS)
-    return [o["output_ids"] for o in llm.generate(prompts + prompts[:2], [GREEDY] * 6 + [SEEDED] * 2)]
+    return [
+        o["output_ids"] for o in llm.generate(prompts + prompts[:2], [GREEDY] * 6 + [SEEDED] * 2)
+    ]
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -80,8 +85,9 @@ def test_pp_matches_pp1(pp_llm, prompts, reference):
 
 
 def test_pp_serves_a_cached_prefix_like_pp1_uncached(pp_llm, prompts, bundled_model_dir):
-    """The prefix cache on a pipeline: the stages hold the cached pages' KV for their own layers at the same slots,
-    so the next turn computes only its new tokens and gives the tokens a PP=1 server without the cache gives."""
+    """The prefix cache on a pipeline: the stages hold the cached pages' KV for their own layers at
+    the same slots, so the next turn computes only its new tokens and gives the tokens a PP=1 server
+    without the cache gives."""
     long = prompts[2] * 3  # 123 tokens
     first = pp_llm.generate(long, GREEDY)
     turn2 = long + first["output_ids"] + prompts[3]
@@ -94,11 +100,14 @@ def test_pp_serves_a_cached_prefix_like_pp1_uncached(pp_llm, prompts, bundled_mo
 
 def test_dead_stage_fails_run_promptly(pp_llm, prompts):
     runner = pp_llm.engine.runner
-    stage = len(runner.worker_pids) // 2 + 1  # PP 2: stage 1 (next to rank 0); PP 4: stage 2 (not adjacent)
+    # PP 2: stage 1 (next to rank 0); PP 4: stage 2 (not adjacent)
+    stage = len(runner.worker_pids) // 2 + 1
     pid = runner.worker_pids[stage - 1]
     os.kill(pid, signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=rf"pipeline stage {stage} \(pid {pid}\) exited with code -9"):
+    with pytest.raises(
+        RuntimeError, match=rf"pipeline stage {stage} \(pid {pid}\) exited with code -9"
+    ):
         pp_llm.generate(prompts[0], GREEDY)
     assert time.monotonic() - start < 10
     with pytest.raises(RuntimeError, match=rf"pipeline stage {stage} \(pid {pid}\)"):
@@ -114,21 +123,30 @@ def test_pp_size_beyond_layers_is_refused(bundled_model_dir):
     assert not child_pids()
 
 
-# -- DSpark capture through the pipeline ---------------------------------------------------------------------------
+# -- DSpark capture through the pipeline -----------------------------------------------------------
 class RecordingSink:
-    """A StageSink that saves the last stage's aux rows / draft K/V and the released rooms under $SINK_DIR."""
+    """A StageSink that saves the last stage's aux rows / draft K/V and the released rooms under
+    $SINK_DIR."""
 
     def __init__(self, stage: int, last: bool) -> None:
         self.dir, self.stage, self.last = Path(os.environ[SINK_DIR]), stage, last
 
     def after_forward(self, mb, meta, out, aux, draft_kv) -> None:
         if self.last:
-            rows = {"seqs": [(s.room, s.start, s.end) for s in mb.seqs], "positions": meta.positions.cpu(),
-                    "aux": aux, "draft_kv": draft_kv}
+            rows = {
+                "seqs": [(s.room, s.start, s.end) for s in mb.seqs],
+                "positions": meta.positions.cpu(),
+                "aux": aux,
+                "draft_kv": draft_kv,
+            }
             torch.save(rows, self.dir / f"rows-{mb.step}-{mb.index}.pt")
 
     def on_sampled(self, mb, tokens, logprobs) -> None:
-        assert self.last and len(tokens) == sum(s.sample for s in mb.seqs) and all(t >= 0 for t in tokens)
+        assert (
+            self.last
+            and len(tokens) == sum(s.sample for s in mb.seqs)
+            and all(t >= 0 for t in tokens)
+        )
         assert len(logprobs) == len(tokens)
 
     def release(self, rooms) -> None:
@@ -147,8 +165,13 @@ def run_capture(folder, pp, capture, prompts, sink_dir, monkeypatch) -> dict[int
     config = Config().replace(model_path=str(folder), **SETTINGS).validate()
     engine = Engine(config)  # pp_size 1 aggregated: ModelRunner, replaced by a capturing pipeline
     needs = RunnerNeeds(capture=capture, sink_factory="test_pipeline:recording_sink")
-    engine.runner = PipelineRunner(config.replace(pp_size=pp), engine.model, engine.pool, needs,
-                                   room_of=lambda r: 1000 + int(r.rid))
+    engine.runner = PipelineRunner(
+        config.replace(pp_size=pp),
+        engine.model,
+        engine.pool,
+        needs,
+        room_of=lambda r: 1000 + int(r.rid),
+    )
     try:
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, SamplingParams(max_new_tokens=1, temperature=0))
@@ -177,7 +200,9 @@ def by_room(dumps, key, width_of) -> dict[int, dict[int, torch.Tensor]]:
 def reference_taps(engine_model, prompt, ids) -> torch.Tensor:
     """One forward of the full model over the whole prompt -> taps concatenated in `ids` order [n, k*d]."""
     s, n = engine_model.spec, len(prompt)
-    pool = KVPool(range(s.num_layers), -(-n // 4), 4, s.num_kv_heads, s.head_dim, torch.float32, "cpu")
+    pool = KVPool(
+        range(s.num_layers), -(-n // 4), 4, s.num_kv_heads, s.head_dim, torch.float32, "cpu"
+    )
     meta = AttnMeta.build([0], [n], [list(range(-(-n // 4)))], 4, "cpu")
     with torch.inference_mode():
         out = engine_model(meta, pool.layers, input_ids=torch.tensor(prompt), taps=ids)
@@ -186,8 +211,14 @@ def reference_taps(engine_model, prompt, ids) -> torch.Tensor:
 
 @pytest.mark.parametrize("pp", [1, 4])
 def test_taps_capture_equals_reference(pp, bundled_model_dir, prompts, tmp_path, monkeypatch):
-    ids = (-1, 3, 4)  # PP 4 stages [0,2) [2,4) [4,6) [6,8): -1 on 0, 3 ends stage 1, 4 starts stage 2, none on 3
-    dumps = run_capture(bundled_model_dir, pp, CaptureSpec("taps", ids), prompts, tmp_path, monkeypatch)
+    ids = (
+        -1,
+        3,
+        4,
+    )  # PP 4 stages [0,2) [2,4) [4,6) [6,8): -1 on 0, 3 ends stage 1, 4 starts stage 2, none on 3
+    dumps = run_capture(
+        bundled_model_dir, pp, CaptureSpec("taps", ids), prompts, tmp_path, monkeypatch
+    )
     got = by_room(dumps, "aux", lambda aux, r: aux[r])
     from sparkrelay.models.decoder import load_causal_lm
 
@@ -196,61 +227,91 @@ def test_taps_capture_equals_reference(pp, bundled_model_dir, prompts, tmp_path,
         ref = reference_taps(model, p, ids)  # [n, 3*d]
         rows = got[1000 + i]
         assert sorted(rows) == list(range(len(p)))
-        assert torch.allclose(torch.stack([rows[j] for j in range(len(p))]), ref, atol=1e-4, rtol=1e-4)
+        assert torch.allclose(
+            torch.stack([rows[j] for j in range(len(p))]), ref, atol=1e-4, rtol=1e-4
+        )
     assert not child_pids()
 
 
 @pytest.mark.parametrize("pp", [1, 2])
-def test_partial_projection_equals_drafter_context_kv(pp, bundled_model_dir, bundled_drafter_dir, prompts, tmp_path,
-                                                      monkeypatch):
+def test_partial_projection_equals_drafter_context_kv(
+    pp, bundled_model_dir, bundled_drafter_dir, prompts, tmp_path, monkeypatch
+):
     from sparkrelay.models.decoder import load_causal_lm
 
     model = load_causal_lm(str(bundled_model_dir))
     drafter = load_dspark(bundled_drafter_dir, model.spec, torch.float32, fuse=False)
-    ids = drafter.spec.target_layer_ids  # (1, 3, 5, 6): PP 2 puts 1, 3 on stage 0 and 5, 6 on the last stage
+    # (1, 3, 5, 6): PP 2 puts 1, 3 on stage 0 and 5, 6 on the last stage
+    ids = drafter.spec.target_layer_ids
     capture = CaptureSpec("partial", ids, str(bundled_drafter_dir))
     dumps = run_capture(bundled_model_dir, pp, capture, prompts, tmp_path, monkeypatch)
-    got = by_room(dumps, "draft_kv", lambda kv, r: torch.cat([torch.cat([k[r], v[r]]) for k, v in kv]))
+    got = by_room(
+        dumps, "draft_kv", lambda kv, r: torch.cat([torch.cat([k[r], v[r]]) for k, v in kv])
+    )
     for i, p in enumerate(prompts):
         with torch.inference_mode():
-            ctx = drafter.context_kv(drafter.project_context(reference_taps(model, p, ids)), torch.arange(len(p)))
-        ref = torch.cat([torch.cat([k, v], dim=1) for k, v in ctx], dim=1)  # [n, layers * 2 * n_kv, hd]
+            ctx = drafter.context_kv(
+                drafter.project_context(reference_taps(model, p, ids)), torch.arange(len(p))
+            )
+        # [n, layers * 2 * n_kv, hd]
+        ref = torch.cat([torch.cat([k, v], dim=1) for k, v in ctx], dim=1)
         rows = got[1000 + i]
         assert sorted(rows) == list(range(len(p)))
-        assert torch.allclose(torch.stack([rows[j] for j in range(len(p))]), ref, atol=1e-4, rtol=1e-4)
+        assert torch.allclose(
+            torch.stack([rows[j] for j in range(len(p))]), ref, atol=1e-4, rtol=1e-4
+        )
     assert not child_pids()
 
 
 def read_trace(folder: Path, stage: int) -> list[dict]:
-    return [e for e in timeline.read(str(folder)) if e["source"] == f"stage{stage}" and e["event"] == "chunk"]
+    return [
+        e
+        for e in timeline.read(str(folder))
+        if e["source"] == f"stage{stage}" and e["event"] == "chunk"
+    ]
 
 
 def test_chunks_pipeline_across_stages(bundled_model_dir, tmp_path, monkeypatch):
-    """A 1,024-token prompt on 2 stages is cut into 4 chunks of 256 (pipeline/runner.py CHUNK_TOKENS): stage 1 runs
-    chunk k while stage 0 runs chunk k + 1 (the stages' recorded intervals overlap), and the tokens, the prompt's
-    logprobs and the sampled token's logprobs equal PP = 1's."""
+    """A 1,024-token prompt on 2 stages is cut into 4 chunks of 256 (pipeline/runner.py
+    CHUNK_TOKENS): stage 1 runs chunk k while stage 0 runs chunk k + 1 (the stages' recorded
+    intervals overlap), and the tokens, the prompt's logprobs and the sampled token's logprobs equal
+    PP = 1's."""
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(str(bundled_model_dir)).encode(Path(__file__).read_text())[:1024]
-    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, return_logprob=True,
-                            top_logprobs_num=2, logprob_start_len=100)
+    ids = AutoTokenizer.from_pretrained(str(bundled_model_dir)).encode(Path(__file__).read_text())[
+        :1024
+    ]
+    params = SamplingParams(
+        max_new_tokens=6,
+        temperature=0,
+        ignore_eos=True,
+        return_logprob=True,
+        top_logprobs_num=2,
+        logprob_start_len=100,
+    )
     settings = dict(page_size=4, chunked_prefill_size=2048, max_total_tokens=4096)
     ref = LLM(str(bundled_model_dir), **settings)
     want = ref.generate([ids], params)[0]
     ref.engine.close()
     monkeypatch.setenv(timeline.ENV, str(tmp_path / "trace"))
-    monkeypatch.setenv("SPARKRELAY_TEST_PP_STAGE_DELAY", "0:0.02")  # stage 0 a little slower: overlap is certain
+    # stage 0 a little slower: overlap is certain
+    monkeypatch.setenv("SPARKRELAY_TEST_PP_STAGE_DELAY", "0:0.02")
     llm = LLM(str(bundled_model_dir), pp_size=2, **settings)
     got = llm.generate([ids], params)[0]
     llm.engine.close()
     assert got["output_ids"] == want["output_ids"]
     for key in ("input_token_logprobs", "output_token_logprobs"):
         assert [e[1] for e in got["meta_info"][key]] == [e[1] for e in want["meta_info"][key]]
-        assert [e[0] for e in got["meta_info"][key]] == pytest.approx([e[0] for e in want["meta_info"][key]],
-                                                                        abs=1e-4)
+        assert [e[0] for e in got["meta_info"][key]] == pytest.approx(
+            [e[0] for e in want["meta_info"][key]], abs=1e-4
+        )
     s0, s1 = ([r for r in read_trace(tmp_path / "trace", s) if r["num_mbs"] == 4] for s in (0, 1))
     assert [r["tokens"] for r in s0] == [[[256 * k, 256 * (k + 1)]] for k in range(4)]
     assert [r["tokens"] for r in s1] == [r["tokens"] for r in s0]
     assert s1[0]["start"] < s0[3]["end"], "stage 1 waited for stage 0's last chunk"
-    overlaps = [k for k in range(3) if s1[k]["start"] < s0[k + 1]["end"] and s0[k + 1]["start"] < s1[k]["end"]]
+    overlaps = [
+        k
+        for k in range(3)
+        if s1[k]["start"] < s0[k + 1]["end"] and s0[k + 1]["start"] < s1[k]["end"]
+    ]
     assert overlaps, f"no chunk ran on stage 1 while stage 0 ran the next: {s0} {s1}"

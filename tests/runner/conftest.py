@@ -1,1 +1,2 @@
-"""tests/runner: the runner's sampling (sparkrelay/runner/): the sampler's batch tensors, penalties."""
+"""tests/runner: the runner's sampling (sparkrelay/runner/): the sampler's batch tensors,
+penalties."""

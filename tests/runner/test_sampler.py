@@ -7,8 +7,14 @@ from sparkrelay.runner.sampler import SamplingBatch, filter_probs, sample
 
 def batch(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, greedy=False, generators=None):
     full = lambda v, dt=torch.float32: torch.full((rows,), v, dtype=dt)
-    return SamplingBatch(full(temperature), full(top_k, torch.long), full(top_p), full(min_p),
-                         full(greedy, torch.bool), generators or [None] * rows)
+    return SamplingBatch(
+        full(temperature),
+        full(top_k, torch.long),
+        full(top_p),
+        full(min_p),
+        full(greedy, torch.bool),
+        generators or [None] * rows,
+    )
 
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
@@ -44,5 +50,7 @@ def test_greedy_rows_and_seeds():
     sb.greedy[1] = True
     ids = sample(logits, sb, torch.Generator().manual_seed(1))
     assert int(ids[1]) == int(logits[1].argmax())
-    again = sample(logits, batch(3, generators=[torch.Generator().manual_seed(7)] * 3), torch.Generator())
+    again = sample(
+        logits, batch(3, generators=[torch.Generator().manual_seed(7)] * 3), torch.Generator()
+    )
     assert int(ids[0]) == int(again[0])  # the same seed gives the same draw in another batch

@@ -1,1 +1,2 @@
-"""tests/scheduler: the scheduler (sparkrelay/scheduler/): block manager, radix cache, scheduling."""
+"""tests/scheduler: the scheduler (sparkrelay/scheduler/): block manager, radix cache,
+scheduling."""

@@ -14,7 +14,11 @@ def test_allocate_grow_free_and_check():
     bm.allocate("a", 13)
     bm.check()
     assert len(bm.table("a")) == 4
-    assert bm.slots("a", 3, 6) == [bm.table("a")[0] * 4 + 3, bm.table("a")[1] * 4, bm.table("a")[1] * 4 + 1]
+    assert bm.slots("a", 3, 6) == [
+        bm.table("a")[0] * 4 + 3,
+        bm.table("a")[1] * 4,
+        bm.table("a")[1] * 4 + 1,
+    ]
     assert bm.free("a") == 4
     bm.check()
     assert bm.num_free == 8 and bm.free("a") == 0

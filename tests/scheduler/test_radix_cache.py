@@ -1,5 +1,6 @@
-"""The prefix (radix) cache: page-granular matching, shared blocks with reference counts, LRU eviction of leaves no
-request holds, the drafter's-context flag, flush; and the scheduler using it (check() after every step)."""
+"""The prefix (radix) cache: page-granular matching, shared blocks with reference counts, LRU
+eviction of leaves no request holds, the drafter's-context flag, flush; and the scheduler using it
+(check() after every step)."""
 
 import random
 
@@ -40,7 +41,8 @@ def test_match_is_page_granular_and_a_hit_shares_the_blocks():
     assert cache.match(toks, 11) == table[:2]
     assert cache.match(toks, 7) == table[:1]  # the limit cuts inside page 2: only page 1
     assert cache.match(toks[:4] + [0] * 4, 8) == table[:1]  # a different second page
-    assert cache.match([0] + toks[1:], 11) == []  # a different first token: nothing, whatever follows
+    # a different first token: nothing, whatever follows
+    assert cache.match([0] + toks[1:], 11) == []
 
     bm.share("b", cache.match(toks, 11))
     assert bm.num_evictable == 0 and bm.num_used == 2
@@ -118,7 +120,8 @@ def test_a_cache_for_a_drafter_stops_at_pages_without_its_context_and_takes_a_be
     cache.insert(toks, full, 12, draft_from=0)
     bm.free("tail"), bm.free("full")
     check(bm, cache)
-    assert cache.match(toks, 12) == full[:2] + tail[2:3]  # the pages without context replaced, page 3 kept
+    # the pages without context replaced, page 3 kept
+    assert cache.match(toks, 12) == full[:2] + tail[2:3]
     assert bm.num_free == 16 - 3
 
 
@@ -180,12 +183,17 @@ def test_a_whole_cached_prompt_still_computes_its_last_token_and_prompt_logprobs
     run(sched, [make("a", range(1, 17), max_new=1)])
     again = make("b", range(1, 17))
     sched.add(again)
-    assert sched.schedule().seqs[0].start == 12  # 16 tokens cached, the last page recomputed for its logits
-    scored = Request("c", list(range(1, 17)), SamplingParams(max_new_tokens=1, return_logprob=True,
-                                                             logprob_start_len=6))
+    # 16 tokens cached, the last page recomputed for its logits
+    assert sched.schedule().seqs[0].start == 12
+    scored = Request(
+        "c",
+        list(range(1, 17)),
+        SamplingParams(max_new_tokens=1, return_logprob=True, logprob_start_len=6),
+    )
     sched.add(scored)
     run(sched, [])
-    assert scored.cached_tokens == 4  # positions from 6 scored: rows from 5 computed, so pages before 5 only
+    # positions from 6 scored: rows from 5 computed, so pages before 5 only
+    assert scored.cached_tokens == 4
 
 
 def test_under_memory_pressure_the_cache_gives_way_and_every_invariant_holds():
@@ -193,8 +201,14 @@ def test_under_memory_pressure_the_cache_gives_way_and_every_invariant_holds():
     bm, cache = cached(num_blocks=40)
     sched = Scheduler(bm, max_running=6, token_budget=32, decode_lookahead=3, cache=cache)
     system = [rng.randrange(1000) for _ in range(24)]
-    reqs = [make(f"r{i}", system + [rng.randrange(1000) for _ in range(rng.randrange(1, 30))],
-                 max_new=rng.randrange(1, 20)) for i in range(60)]
+    reqs = [
+        make(
+            f"r{i}",
+            system + [rng.randrange(1000) for _ in range(rng.randrange(1, 30))],
+            max_new=rng.randrange(1, 20),
+        )
+        for i in range(60)
+    ]
     for i in range(0, 60, 6):
         batch = reqs[i : i + 6]
         if i % 12 == 6:  # some are aborted mid-way
@@ -210,32 +224,38 @@ def test_under_memory_pressure_the_cache_gives_way_and_every_invariant_holds():
 
 
 def test_waiting_requests_hold_no_blocks_so_preemption_under_a_full_cache_still_finishes():
-    """A request that matched a prefix but got no chunk gives the blocks back: waiting requests holding cached
-    prefixes while nothing runs was a deadlock (every block held, none evictable)."""
+    """A request that matched a prefix but got no chunk gives the blocks back: waiting requests
+    holding cached prefixes while nothing runs was a deadlock (every block held, none evictable)."""
     rng = random.Random(1)
     bm, cache = cached(num_blocks=24)
     sched = Scheduler(bm, max_running=12, token_budget=8, decode_lookahead=3, cache=cache)
     shared = [rng.randrange(1000) for _ in range(12)]
-    reqs = [make(f"r{i}", shared + [rng.randrange(1000) for _ in range(rng.randrange(1, 20))], max_new=12)
-            for i in range(20)]
+    reqs = [
+        make(
+            f"r{i}", shared + [rng.randrange(1000) for _ in range(rng.randrange(1, 20))], max_new=12
+        )
+        for i in range(20)
+    ]
     run(sched, reqs, max_steps=5_000)
     assert sched.num_preemptions > 0 and sched.cache_hit_tokens > 0
     assert bm.num_used == 0
 
 
 def test_a_computed_tail_is_never_taken_from_the_cache():
-    """A PD prefill in `tail` mode computes its prompt's last `tail` positions itself (their rows are never cached)."""
+    """A PD prefill in `tail` mode computes its prompt's last `tail` positions itself (their rows
+    are never cached)."""
     bm, cache = cached(num_blocks=32)
     sched = Scheduler(bm, max_running=4, token_budget=64, cache=cache, computed_tail=8)
     run(sched, [make("a", range(1, 33), max_new=1)])  # 32 tokens: 8 pages cached
     again = make("b", range(1, 33))
     sched.add(again)
-    assert sched.schedule().seqs[0].start == 24  # the last 8 positions (and the page they start in) recomputed
+    # the last 8 positions (and the page they start in) recomputed
+    assert sched.schedule().seqs[0].start == 24
 
 
 def test_a_decode_reserves_its_cached_prefix_in_whole_pieces():
-    """reserve(align): the prompt's cached start, cut to a multiple of `align` (the prefill's piece), shared; the
-    rest allocated; nothing held when the rest does not fit."""
+    """reserve(align): the prompt's cached start, cut to a multiple of `align` (the prefill's
+    piece), shared; the rest allocated; nothing held when the rest does not fit."""
     bm, cache = cached(num_blocks=12)
     sched = Scheduler(bm, max_running=4, token_budget=64, cache=cache)
     run(sched, [make("a", range(1, 30), max_new=4)])  # 29 + 4 tokens, 32 computed: 8 pages cached
@@ -243,7 +263,9 @@ def test_a_decode_reserves_its_cached_prefix_in_whole_pieces():
     assert sched.reserve(turn2, 39, align=16) == 32 and turn2.cached_tokens == 32
     assert bm.table("b")[:8] == cache.match(turn2.prompt_ids, 32) and len(bm.table("b")) == 10
     sched.remove(turn2)
-    big = make("c", list(range(1, 30)) + [9] * 30)  # its rest (28 tokens: 7 pages + 8 shared) does not fit 12 - 8
+    # its rest (28 tokens: 7 pages + 8 shared) does not fit 12 - 8
+    big = make("c", list(range(1, 30)) + [9] * 30)
     assert sched.reserve(big, 59, align=16) is None and bm.table("c") == [] and bm.num_used == 0
-    assert sched.reserve(make("d", range(1, 30)), 29, align=0) == 0  # no align: no match (a fake request)
+    # no align: no match (a fake request)
+    assert sched.reserve(make("d", range(1, 30)), 29, align=0) == 0
     sched.check()

@@ -46,7 +46,8 @@ def test_chunked_prefill_respects_budget():
     sched = Scheduler(bm, max_running=8, token_budget=16)
     reqs = [make("long", 50, 3), make("short", 5, 3)]
     _, kinds = drive(sched, bm, reqs)
-    assert kinds[:4] == ["prefill"] * 4  # 50 tokens in chunks of 16, the short one joins the last chunk
+    # 50 tokens in chunks of 16, the short one joins the last chunk
+    assert kinds[:4] == ["prefill"] * 4
     assert all(r.is_finished and len(r.output_ids) == 3 for r in reqs)
     assert bm.num_free == 64
 
@@ -74,8 +75,12 @@ def test_random_workloads_keep_invariants():
     rng = random.Random(0)
     for trial in range(20):
         bm = BlockManager(num_blocks=rng.randint(10, 30), page_size=rng.choice([1, 2, 4, 16]))
-        sched = Scheduler(bm, max_running=rng.randint(1, 6), token_budget=rng.randint(1, 40),
-                          decode_lookahead=rng.choice([1, 3]))
+        sched = Scheduler(
+            bm,
+            max_running=rng.randint(1, 6),
+            token_budget=rng.randint(1, 40),
+            decode_lookahead=rng.choice([1, 3]),
+        )
         cap = bm.num_blocks * bm.page_size
         reqs = []
         for i in range(rng.randint(1, 8)):
@@ -102,6 +107,7 @@ def test_abort_frees_blocks():
 
 
 # ---- the PD roles' verbs: reserve -> admit_transferred (decode), detach (prefill), remove (both) ----
+
 
 def test_reserve_then_admit_transferred_decodes_from_the_prompt_end():
     bm = BlockManager(8, 4)

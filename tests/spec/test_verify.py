@@ -1,13 +1,10 @@
-"""verify(): greedy rule, and a chi-square test that rejection sampling keeps the target distribution
-(and that the same test catches a broken acceptance rule)."""
-
-import math
+"""verify(): greedy rule, and a chi-square test that rejection sampling keeps the target
+distribution (and that the same test catches a broken acceptance rule)."""
 
 import torch
 
-from testkit.stats import chi2_critical
-
 from sparkrelay.spec import verify as V
+from testkit.stats import chi2_critical
 
 
 def one_hot(ids, vocab):
@@ -18,22 +15,42 @@ def test_greedy_accepts_the_matching_prefix():
     vocab = 10
     target = one_hot([[3, 4, 5, 6], [1, 2, 3, 4]], vocab)  # argmax per verified position
     drafts = torch.tensor([[3, 4, 9], [7, 2, 3]])
-    res = V.verify(drafts, torch.tensor([3, 3]), one_hot(drafts.tolist(), vocab), target,
-                   torch.tensor([True, True]), [None, None], torch.Generator())
+    res = V.verify(
+        drafts,
+        torch.tensor([3, 3]),
+        one_hot(drafts.tolist(), vocab),
+        target,
+        torch.tensor([True, True]),
+        [None, None],
+        torch.Generator(),
+    )
     assert res.accepted.tolist() == [2, 0]
     assert res.next_ids.tolist() == [5, 1]
-    res = V.verify(drafts, torch.tensor([2, 0]), one_hot(drafts.tolist(), vocab), target,
-                   torch.tensor([True, True]), [None, None], torch.Generator())
-    assert res.accepted.tolist() == [2, 0] and res.next_ids.tolist() == [5, 1]  # bonus at n, or p_0 with no drafts
+    res = V.verify(
+        drafts,
+        torch.tensor([2, 0]),
+        one_hot(drafts.tolist(), vocab),
+        target,
+        torch.tensor([True, True]),
+        [None, None],
+        torch.Generator(),
+    )
+    assert res.accepted.tolist() == [2, 0] and res.next_ids.tolist() == [
+        5,
+        1,
+    ]  # bonus at n, or p_0 with no drafts
 
 
 def chi_square_two_tokens(verify_fn, samples=40000, seed=0):
-    """Two-step proposals on a 4-token vocabulary; returns the chi-square statistics of the first committed token
-    against p0 (df 3) and of the second given the first against p1 (df 4 x 3 = 12)."""
+    """Two-step proposals on a 4-token vocabulary; returns the chi-square statistics of the first
+    committed token against p0 (df 3) and of the second given the first against p1 (df 4 x 3 =
+    12)."""
     g = torch.Generator().manual_seed(seed)
     vocab = 4
     p0 = torch.tensor([0.1, 0.2, 0.3, 0.4])
-    p1 = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25], [0.1, 0.1, 0.1, 0.7], [0.4, 0.3, 0.2, 0.1]])
+    p1 = torch.tensor(
+        [[0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25], [0.1, 0.1, 0.1, 0.7], [0.4, 0.3, 0.2, 0.1]]
+    )
     q0 = torch.tensor([0.4, 0.3, 0.2, 0.1])
     q1 = torch.tensor([0.25, 0.25, 0.25, 0.25])
     d1 = torch.multinomial(q0, samples, replacement=True, generator=g)
@@ -42,15 +59,23 @@ def chi_square_two_tokens(verify_fn, samples=40000, seed=0):
     q = torch.stack([q0.expand(samples, -1), q1.expand(samples, -1)], 1)
     p2 = torch.full((samples, vocab), 0.25)
     target = torch.stack([p0.expand(samples, -1), p1[d1], p2], 1)
-    res = verify_fn(drafts, torch.full((samples,), 2), q, target, torch.zeros(samples, dtype=torch.bool),
-                    [None] * samples, g)
+    res = verify_fn(
+        drafts,
+        torch.full((samples,), 2),
+        q,
+        target,
+        torch.zeros(samples, dtype=torch.bool),
+        [None] * samples,
+        g,
+    )
     a, nxt = res.accepted, res.next_ids
     first = torch.where(a >= 1, d1, nxt)  # the first committed token
     # the second committed token exists when a >= 1 (d2 if accepted, else `next`)
     second = torch.where(a >= 2, d2, torch.where(a == 1, nxt, torch.full_like(nxt, -1)))
     counts = torch.bincount(first, minlength=vocab).float()
     chi1 = float(((counts - samples * p0) ** 2 / (samples * p0)).sum())
-    # given the first token f, the second must follow p1[f] (rows where a second token was committed)
+    # given the first token f, the second must follow p1[f] (rows where a second token was
+    # committed)
     chi2 = 0.0
     for f in range(vocab):
         rows = (second >= 0) & (first == f)
@@ -67,11 +92,14 @@ def test_rejection_sampling_keeps_the_target_distribution():
 
 
 def broken_verify(draft_ids, num_drafts, draft_probs, target_probs, greedy, generators, shared):
-    """Accepts whenever the target gives the draft any mass (a common bug): skews toward the draft."""
+    """Accepts whenever the target gives the draft any mass (a common bug): skews toward the
+    draft."""
     p_d = target_probs[:, : draft_ids.shape[1]].gather(2, draft_ids.unsqueeze(2)).squeeze(2)
     ok = (p_d > 0).int().cumprod(dim=1)
     accepted = ok.sum(dim=1).clamp(max=num_drafts)
-    nxt = V._next_tokens(accepted, num_drafts, draft_probs, target_probs, greedy, generators, shared)
+    nxt = V._next_tokens(
+        accepted, num_drafts, draft_probs, target_probs, greedy, generators, shared
+    )
     return V.VerifyResult(accepted, nxt)
 
 

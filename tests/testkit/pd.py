@@ -12,7 +12,9 @@ MAX_NEW = 24
 
 
 def post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -24,6 +26,7 @@ def generate(url: str, ids: list[int], retries_until: float = 0.0) -> tuple[int,
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.0}}
     while True:
         status, out = post(url + "/generate", body)
-        if status != 503 or time.monotonic() > retries_until:  # a router may still be registering its workers
+        # a router may still be registering its workers
+        if status != 503 or time.monotonic() > retries_until:
             return status, out
         time.sleep(0.5)

@@ -1,1 +1,2 @@
-"""tests/tools: the tools (sparkrelay/tools/): benchmarks, the demo, the fuzzer, the soak, drafter training."""
+"""tests/tools: the tools (sparkrelay/tools/): benchmarks, the demo, the fuzzer, the soak, drafter
+training."""

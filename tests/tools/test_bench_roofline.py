@@ -1,5 +1,5 @@
-"""The roofline benchmark: its arithmetic on given numbers, and one tiny run whose files are checked for structure
-and for derived figures that follow from the raw ones (never for timings)."""
+"""The roofline benchmark: its arithmetic on given numbers, and one tiny run whose files are checked
+for structure and for derived figures that follow from the raw ones (never for timings)."""
 
 from __future__ import annotations
 
@@ -15,34 +15,46 @@ from sparkrelay.tools.bench import roofline_report as report
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-QWEN3_06B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-             "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936}
+QWEN3_06B = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 3072,
+    "vocab_size": 151936,
+}
 
 
-# -- arithmetic ------------------------------------------------------------------------------------------------------
+# -- arithmetic ------------------------------------------------------------------------------------
+
 
 def test_weight_bytes_of_the_qwen3_06b_shape():
     shape = bw.Shape.from_hf(QWEN3_06B)
-    # per layer: q 1024x2048 + k, v 1024x1024 each + o 2048x1024 + gate, up, down 1024x3072 each = 15,728,640
+    # per layer: q 1024x2048 + k, v 1024x1024 each + o 2048x1024 + gate, up, down 1024x3072 each =
+    # 15,728,640
     assert shape.layer_weights() == 15_728_640
     assert shape.lm_head_weights() == 155_582_464
     weights = 28 * 15_728_640 + 155_582_464  # 595,984,384 (the 1.19 GB of the issue in bf16)
     assert bw.weight_bytes(shape, "bfloat16") == 2 * weights
     assert bw.weight_bytes(shape, "float32") == 4 * weights
-    # int8wo: 1 byte a weight + a 2-byte scale per output channel (2048 + 1024 + 1024 + 1024 + 3072 * 2 = 12,288),
-    # the LM head bf16 (or int8 with a scale per vocabulary row)
+    # int8wo: 1 byte a weight + a 2-byte scale per output channel (2048 + 1024 + 1024 + 1024 + 3072
+    # * 2 = 12,288), the LM head bf16 (or int8 with a scale per vocabulary row)
     assert shape.layer_channels() == 12_288
     assert bw.weight_bytes(shape, "int8wo") == 28 * (15_728_640 + 2 * 12_288) + 2 * 155_582_464
-    assert bw.weight_bytes(shape, "int8wo", int8_lm_head=True) == \
-        28 * (15_728_640 + 2 * 12_288) + 155_582_464 + 2 * 151_936
+    assert (
+        bw.weight_bytes(shape, "int8wo", int8_lm_head=True)
+        == 28 * (15_728_640 + 2 * 12_288) + 155_582_464 + 2 * 151_936
+    )
 
 
 def test_kv_step_bytes_and_roofline():
     shape = bw.Shape.from_hf(QWEN3_06B)
     assert bw.kv_bytes(shape, "bfloat16", 160) == 2 * 28 * 8 * 128 * 160 * 2
     assert bw.kv_bytes(shape, "int8wo", 160) == bw.kv_bytes(shape, "bfloat16", 160)  # KV stays bf16
-    assert bw.step_bytes(shape, "float32", 8, 100) == bw.weight_bytes(shape, "float32") + 8 * bw.kv_bytes(
-        shape, "float32", 100)
+    assert bw.step_bytes(shape, "float32", 8, 100) == bw.weight_bytes(
+        shape, "float32"
+    ) + 8 * bw.kv_bytes(shape, "float32", 100)
     assert bw.roofline_tok_s(24.0, 1.2e9, 1) == pytest.approx(20.0)
     assert bw.roofline_tok_s(24.0, 2.4e9, 8) == pytest.approx(80.0)
     assert bw.fraction(15.0, 20.0) == pytest.approx(0.75) and bw.fraction(None, 20.0) is None
@@ -62,22 +74,50 @@ def test_measure_read_bandwidth_reports_its_method():
 
 def test_predicted_speedup_formula():
     assert bw.predicted_speedup(4.5, 1.2, 0.3) == pytest.approx(3.0)
-    row = {"t_decode_s": 0.1, "t_verify_s": 0.12, "t_draft_s": 0.03, "t_step_s": 0.11, "t_round_s": 0.2,
-           "tau_measured": 2.0, "plain_tok_s": 10.0, "dspark_tok_s": 15.0}
+    row = {
+        "t_decode_s": 0.1,
+        "t_verify_s": 0.12,
+        "t_draft_s": 0.03,
+        "t_step_s": 0.11,
+        "t_round_s": 0.2,
+        "tau_measured": 2.0,
+        "plain_tok_s": 10.0,
+        "dspark_tok_s": 15.0,
+    }
     report._derive_spec(row)
     assert row["verify_ratio"] == pytest.approx(1.2) and row["draft_ratio"] == pytest.approx(0.3)
-    assert row["predicted"] == {"3": pytest.approx(2.0), "4.5": pytest.approx(3.0), "6": pytest.approx(4.0)}
+    assert row["predicted"] == {
+        "3": pytest.approx(2.0),
+        "4.5": pytest.approx(3.0),
+        "6": pytest.approx(4.0),
+    }
     assert row["predicted_at_measured_tau"] == pytest.approx(2.0 / 1.5)
-    assert row["speedup_measured"] == pytest.approx(1.5) and row["round_ratio"] == pytest.approx(0.2 / 0.11)
+    assert row["speedup_measured"] == pytest.approx(1.5) and row["round_ratio"] == pytest.approx(
+        0.2 / 0.11
+    )
 
 
 def test_engine_flags_pass_through_and_the_kv_capacity_fits_the_workload():
     from sparkrelay.tools.bench import roofline
 
-    args, settings = roofline.parse_args(["--batches", "1,4", "--prompt-len", "100", "--new-tokens", "20",
-                                          "--prefill-len", "50", "--page-size", "32", "--enable-torch-compile"])
+    args, settings = roofline.parse_args(
+        [
+            "--batches",
+            "1,4",
+            "--prompt-len",
+            "100",
+            "--new-tokens",
+            "20",
+            "--prefill-len",
+            "50",
+            "--page-size",
+            "32",
+            "--enable-torch-compile",
+        ]
+    )
     assert settings["page_size"] == 32 and settings["enable_torch_compile"] is True
-    assert settings["max_total_tokens"] == 4 * (100 + 20 + 16)  # the largest batch's prompts + outputs + lookahead
+    # the largest batch's prompts + outputs + lookahead
+    assert settings["max_total_tokens"] == 4 * (100 + 20 + 16)
     assert "dtype" not in settings and args.dtypes == ["float32", "bfloat16", "int8wo"]
     _, settings = roofline.parse_args(["--max-total-tokens", "999"])
     assert settings["max_total_tokens"] == 999
@@ -86,7 +126,8 @@ def test_engine_flags_pass_through_and_the_kv_capacity_fits_the_workload():
             roofline.parse_args(bad)
 
 
-# -- one tiny run ----------------------------------------------------------------------------------------------------
+# -- one tiny run ----------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
@@ -98,9 +139,17 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     out = tmp_path_factory.mktemp("roofline-model")
     target, draft = out / "tiny", out / "tiny-dspark"
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                                   tie_word_embeddings=True, max_position_embeddings=512)
+    cfg = transformers.Qwen3Config(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+    )
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(target)
     for f in TOKENIZER_FILES:
         shutil.copy(REPO / "models" / "tiny-qwen3" / f, target / f)
@@ -117,16 +166,52 @@ def test_roofline_run_writes_consistent_files(tiny_pair, tmp_path):
     out = tmp_path / "results"
     threads = torch.get_num_threads()
     try:  # one thread: on a busy 2-core machine more makes torch's kernels spin
-        roofline.main(["--config", str(target), "--pair", "", "--dtypes", "float32,bfloat16", "--batches", "1,2",
-                       "--new-tokens", "4", "--prompt-len", "8", "--prefill-len", "32", "--repeats", "1",
-                       "--spec-prompts", "1", "--threads", "1", "--out", str(out), "--page-size", "8"])
+        roofline.main(
+            [
+                "--config",
+                str(target),
+                "--pair",
+                "",
+                "--dtypes",
+                "float32,bfloat16",
+                "--batches",
+                "1,2",
+                "--new-tokens",
+                "4",
+                "--prompt-len",
+                "8",
+                "--prefill-len",
+                "32",
+                "--repeats",
+                "1",
+                "--spec-prompts",
+                "1",
+                "--threads",
+                "1",
+                "--out",
+                str(out),
+                "--page-size",
+                "8",
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
     raw = json.loads((out / "roofline.json").read_text())
     md = (out / "roofline.md").read_text()
     assert (out / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert {"settings", "machine", "load", "bandwidth", "shapes", "decode", "prefill", "spec", "skipped", "command",
-            "commit"} <= set(raw)
+    assert {
+        "settings",
+        "machine",
+        "load",
+        "bandwidth",
+        "shapes",
+        "decode",
+        "prefill",
+        "spec",
+        "skipped",
+        "command",
+        "commit",
+    } <= set(raw)
     assert raw["command"].startswith("python -m sparkrelay.tools.bench.roofline --config ")
     assert md.splitlines()[2:4] == bc.header_lines(raw)  # after the title: command, host, commit
     assert raw["settings"]["engine"]["page_size"] == 8  # an engine flag passed through
@@ -138,7 +223,12 @@ def test_roofline_run_writes_consistent_files(tiny_pair, tmp_path):
 
 def _check_decode(raw: dict, md: str, target: Path) -> None:
     keys = {(r["dtype"], r["engine"], r["batch"]) for r in raw["decode"]}
-    assert keys == {(d, e, b) for d in ("float32", "bfloat16") for e in ("sparkrelay", "transformers") for b in (1, 2)}
+    assert keys == {
+        (d, e, b)
+        for d in ("float32", "bfloat16")
+        for e in ("sparkrelay", "transformers")
+        for b in (1, 2)
+    }
     gb_s = raw["bandwidth"]["gb_s"]
     shape = bw.Shape.from_hf(json.loads((target / "config.json").read_text()))
     assert raw["shapes"][0]["shape"] == vars(shape)
@@ -151,32 +241,50 @@ def _check_decode(raw: dict, md: str, target: Path) -> None:
         assert r["step_tok_s"] == pytest.approx(r["batch"] / r["median_step_s"])
         assert r["step_fraction"] == pytest.approx(r["step_tok_s"] / r["roofline_tok_s"])
         if r["engine"] == "sparkrelay":
-            ref = next(x for x in raw["decode"] if x["engine"] == "transformers"
-                       and (x["dtype"], x["batch"]) == (r["dtype"], r["batch"]))
+            ref = next(
+                x
+                for x in raw["decode"]
+                if x["engine"] == "transformers"
+                and (x["dtype"], x["batch"]) == (r["dtype"], r["batch"])
+            )
             if r["decode_tok_s"] and ref["decode_tok_s"]:
-                assert r["vs_transformers"] == pytest.approx(r["decode_tok_s"] / ref["decode_tok_s"])
+                assert r["vs_transformers"] == pytest.approx(
+                    r["decode_tok_s"] / ref["decode_tok_s"]
+                )
             assert r["step_vs_transformers"] == pytest.approx(r["step_tok_s"] / ref["step_tok_s"])
         assert len(r["t_new_s"]) == len(r["t_1_s"]) == 1
     f32 = [r for r in raw["decode"] if r["dtype"] == "float32" and r["engine"] == "sparkrelay"]
-    assert all(r["greedy_agreement"] == 1.0 for r in f32)  # same checkpoint, float32: token for token
-    assert "## Decode" in md and "of roofline" in md and "Read bandwidth" in md and "load average" in md
+    # same checkpoint, float32: token for token
+    assert all(r["greedy_agreement"] == 1.0 for r in f32)
+    assert (
+        "## Decode" in md
+        and "of roofline" in md
+        and "Read bandwidth" in md
+        and "load average" in md
+    )
     assert md.count("| tiny ") >= 8 + 4  # 8 decode rows, 4 prefill rows, 2 round-cost rows
 
 
 def _check_prefill_and_spec(raw: dict, md: str) -> None:
     assert {(r["dtype"], r["engine"]) for r in raw["prefill"]} == {
-        (d, e) for d in ("float32", "bfloat16") for e in ("sparkrelay", "transformers")}
+        (d, e) for d in ("float32", "bfloat16") for e in ("sparkrelay", "transformers")
+    }
     for r in raw["prefill"]:
         assert r["prompt_len"] == 32 and r["prefill_tok_s"] > 0
     assert [r["dtype"] for r in raw["spec"]] == ["float32", "bfloat16"]
     for r in raw["spec"]:
         assert r["block"] == 7 and r["new_tokens"] == 24  # >= 3 full rounds of 1 + 7
-        assert r["samples"]["verify"] > 0 and r["samples"]["decode"] > 0 and r["samples"]["draft"] > 0
-        assert r["t_draft_body_s"] > 0 and r["t_draft_markov_s"] > 0  # the draft's parts were timed too
+        assert (
+            r["samples"]["verify"] > 0 and r["samples"]["decode"] > 0 and r["samples"]["draft"] > 0
+        )
+        # the draft's parts were timed too
+        assert r["t_draft_body_s"] > 0 and r["t_draft_markov_s"] > 0
         assert r["verify_ratio"] == pytest.approx(r["t_verify_s"] / r["t_decode_s"])
         assert r["draft_ratio"] == pytest.approx(r["t_draft_s"] / r["t_decode_s"])
         for tau in ("3", "4.5", "6"):
-            assert r["predicted"][tau] == pytest.approx(float(tau) / (r["verify_ratio"] + r["draft_ratio"]))
+            assert r["predicted"][tau] == pytest.approx(
+                float(tau) / (r["verify_ratio"] + r["draft_ratio"])
+            )
         if r["dtype"] == "float32":
             assert r["greedy_equal"] is True  # DSpark greedy = plain greedy
         assert r["speedup_measured"] == pytest.approx(r["dspark_tok_s"] / r["plain_tok_s"])
@@ -184,7 +292,8 @@ def _check_prefill_and_spec(raw: dict, md: str) -> None:
 
 
 def test_roofline_on_a_config_without_weights(tiny_pair, tmp_path):
-    """A folder with only config.json runs with --load-format dummy, and transformers gets the same values."""
+    """A folder with only config.json runs with --load-format dummy, and transformers gets the same
+    values."""
     import torch
 
     from sparkrelay.tools.bench import roofline
@@ -199,9 +308,32 @@ def test_roofline_on_a_config_without_weights(tiny_pair, tmp_path):
         shutil.copy(src / "config.json", dst / "config.json")
     threads = torch.get_num_threads()
     try:
-        result = roofline.main(["--config", str(folder), "--pair", "", "--dtypes", "float32", "--batches", "1",
-                                "--new-tokens", "3", "--prompt-len", "8", "--prefill-len", "0", "--repeats", "1",
-                                "--spec-prompts", "1", "--threads", "1", "--out", str(tmp_path / "out")])
+        result = roofline.main(
+            [
+                "--config",
+                str(folder),
+                "--pair",
+                "",
+                "--dtypes",
+                "float32",
+                "--batches",
+                "1",
+                "--new-tokens",
+                "3",
+                "--prompt-len",
+                "8",
+                "--prefill-len",
+                "0",
+                "--repeats",
+                "1",
+                "--spec-prompts",
+                "1",
+                "--threads",
+                "1",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
     assert [s["weights"] for s in result["shapes"]] == ["dummy"] and result["skipped"] == []
@@ -217,9 +349,30 @@ def test_roofline_resume_keeps_finished_rows(tiny_pair, tmp_path, monkeypatch):
 
     target, _ = tiny_pair
     out = tmp_path / "results"
-    flags = ["--config", str(target), "--pair", "", "--dtypes", "float32", "--batches", "1", "--new-tokens", "4",
-             "--prompt-len", "8", "--prefill-len", "0", "--repeats", "1", "--spec-prompts", "1", "--threads", "1",
-             "--out", str(out)]
+    flags = [
+        "--config",
+        str(target),
+        "--pair",
+        "",
+        "--dtypes",
+        "float32",
+        "--batches",
+        "1",
+        "--new-tokens",
+        "4",
+        "--prompt-len",
+        "8",
+        "--prefill-len",
+        "0",
+        "--repeats",
+        "1",
+        "--spec-prompts",
+        "1",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
     threads = torch.get_num_threads()
     try:
         first = roofline.main(flags)

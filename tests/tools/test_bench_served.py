@@ -1,5 +1,5 @@
-"""Smoke test of the served-vs-offline benchmark on the bundled pair: every round times both sides, the ratio is the
-median of the rounds' own ratios, and the files are written."""
+"""Smoke test of the served-vs-offline benchmark on the bundled pair: every round times both sides,
+the ratio is the median of the rounds' own ratios, and the files are written."""
 
 from __future__ import annotations
 
@@ -15,8 +15,22 @@ from sparkrelay.tools.bench import common as bc
 def test_bench_served_pairs_its_rounds(bundled_model_dir, bundled_drafter_dir, tmp_path, capsys):
     from sparkrelay.tools.bench import served
 
-    rows = served.main(["--model-path", str(bundled_model_dir), "--num-prompts", "1", "--prompt-len", "16",
-                        "--output-len", "12", "--repeats", "2", "--out-dir", str(tmp_path)])
+    rows = served.main(
+        [
+            "--model-path",
+            str(bundled_model_dir),
+            "--num-prompts",
+            "1",
+            "--prompt-len",
+            "16",
+            "--output-len",
+            "12",
+            "--repeats",
+            "2",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     assert [r["engine"] for r in rows] == list(served.ENGINES)
     for r in rows:
         assert len(r["offline_tok_s"]) == len(r["served_tok_s"]) == 2
@@ -27,7 +41,10 @@ def test_bench_served_pairs_its_rounds(bundled_model_dir, bundled_drafter_dir, t
     saved = raw["rows"]
     assert [r["ratio"] for r in saved] == [r["ratio"] for r in rows]
     table = (tmp_path / "bench_served.md").read_text()
-    assert raw["command"].startswith("python -m sparkrelay.tools.bench.served --model-path ") and raw["commit"]
+    assert (
+        raw["command"].startswith("python -m sparkrelay.tools.bench.served --model-path ")
+        and raw["commit"]
+    )
     assert table.splitlines()[2:4] == bc.header_lines(raw)  # after the title: command, host, commit
     assert all(f"| {e} |" in table for e in served.ENGINES)
     assert "round 2" in capsys.readouterr().err

@@ -1,5 +1,6 @@
-"""The TTFT breakdown (tools/bench/breakdown.py) from trace events (trace/timeline.py): segments on the critical
-path add up to the client's TTFT; the timeline writes nothing unless SPARKRELAY_TRACE is set."""
+"""The TTFT breakdown (tools/bench/breakdown.py) from trace events (trace/timeline.py): segments on
+the critical path add up to the client's TTFT; the timeline writes nothing unless SPARKRELAY_TRACE
+is set."""
 
 import pytest
 
@@ -23,7 +24,8 @@ PD_EVENTS = [
     ev(10.024, "decode", "first_token", rid="a", room=7),
     ev(10.025, "decode", "committed", room=7),  # the KV is written after the first token left
     ev(10.025, "router", "replied", rooms=[7], side="prefill"),
-    ev(10.050, "stage0", "chunk", rooms=[9], start=10.050, end=10.060),  # the next request: outside the window
+    # the next request: outside the window
+    ev(10.050, "stage0", "chunk", rooms=[9], start=10.050, end=10.060),
 ]
 
 
@@ -37,11 +39,18 @@ def test_pd_segments_add_up_to_the_ttft():
 
 
 def test_aggregated_and_missing_events():
-    agg = [ev(5.001, "aggregated", "queued", rid="a", room=0), ev(5.011, "aggregated", "first_token", rid="a", room=0)]
+    agg = [
+        ev(5.001, "aggregated", "queued", rid="a", room=0),
+        ev(5.011, "aggregated", "first_token", rid="a", room=0),
+    ]
     b = request_breakdown(agg, 5.0, 5.012)
     assert [round(b[k], 3) for k in SEGMENTS] == [1.0, 0.0, 10.0, 0.0, 0.0, 1.0]
-    assert request_breakdown(PD_EVENTS[:3], 9.999, 10.026) is None  # no stage or decode events: no breakdown
-    assert mean_breakdown([None, b, b])["compute"] == pytest.approx(10.0) and mean_breakdown([None]) is None
+    # no stage or decode events: no breakdown
+    assert request_breakdown(PD_EVENTS[:3], 9.999, 10.026) is None
+    assert (
+        mean_breakdown([None, b, b])["compute"] == pytest.approx(10.0)
+        and mean_breakdown([None]) is None
+    )
 
 
 def test_timeline_writes_only_when_set(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
-"""The demo's verdict and table (sparkrelay/tools/demo.py). The demo itself starts four deployments (minutes on CPU) and is
-run by hand (`python -m sparkrelay.tools.demo`); here its pass/fail rule and its output are checked on given figures."""
+"""The demo's verdict and table (sparkrelay/tools/demo.py). The demo itself starts four deployments
+(minutes on CPU) and is run by hand (`python -m sparkrelay.tools.demo`); here its pass/fail rule and
+its output are checked on given figures."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ M = {"accept": 3.0, "ttft_ms": 50.0, "kib": 100.0, "ctx_kib": 10.0}
 
 
 def _rows(**changes) -> list[dict]:
-    """The aggregated row and one row per mode, all matching; `changes` maps a mode to the fields it changes."""
+    """The aggregated row and one row per mode, all matching; `changes` maps a mode to the fields it
+    changes."""
     rows = [{"mode": None, "differ": [], "accepts": [3.0, 2.5, 4.0], "m": M}]
     for mode in ("hidden", "draft-kv", "tail"):
         base = {"mode": mode, "differ": [], "accepts": [3.0, 2.5, 4.0], "m": M}
@@ -24,7 +26,10 @@ def test_all_modes_matching_pass_and_the_verdict_explains_itself():
     assert passed and lines[-1].startswith("Verdict: PASS")
     text = "\n".join(lines)
     assert "hidden, draft-kv, tail" in text and "aggregated" in text and "greedy" in text
-    assert "last 8 prompt positions" in text and "2.50 tokens per step against the aggregated 3.17" in text
+    assert (
+        "last 8 prompt positions" in text
+        and "2.50 tokens per step against the aggregated 3.17" in text
+    )
     assert "repetitive code" in text and "not a bug" in text
 
 
@@ -58,7 +63,14 @@ def test_table_marks_mismatches_and_has_a_legend_line_per_column():
     out = demo.table(rows)
     assert out[1].split()[:2] == ["aggregated", "-"]
     assert [line.split()[2] for line in out[2:]] == ["yes", "NO", "yes"]
-    header_words = ["deployment", "same text", "accept len", "TTFT ms", "handoff KiB/req", "of which DSpark"]
+    header_words = [
+        "deployment",
+        "same text",
+        "accept len",
+        "TTFT ms",
+        "handoff KiB/req",
+        "of which DSpark",
+    ]
     assert all(w in out[0] for w in header_words)
     assert [line.split("  ")[0] for line in demo.LEGEND] == header_words
 

@@ -1,10 +1,11 @@
-"""Hostile input at the HTTP boundaries: no input gets a 5xx, the process stays up, the engine ends idle
-with no KV in use, and a greedy request afterwards gives the same tokens as before.
+"""Hostile input at the HTTP boundaries: no input gets a 5xx, the process stays up, the engine ends
+idle with no KV in use, and a greedy request afterwards gives the same tokens as before.
 
-Three servers, each a real uvicorn in a thread: the tiny-model API server (schemathesis over its OpenAPI schema,
-valid and invalid data, plus sparkrelay.tools.fuzz's hand-made hostile requests), the PD router against stub
-workers that answer only 200 or 400, and the prefill bootstrap server. The default tests take under a minute;
-`-m slow` runs the long schemathesis run and the heavy bodies (10 MB prompts, 1M-key objects) on every route.
+Three servers, each a real uvicorn in a thread: the tiny-model API server (schemathesis over its
+OpenAPI schema, valid and invalid data, plus sparkrelay.tools.fuzz's hand-made hostile requests),
+the PD router against stub workers that answer only 200 or 400, and the prefill bootstrap server.
+The default tests take under a minute; `-m slow` runs the long schemathesis run and the heavy bodies
+(10 MB prompts, 1M-key objects) on every route.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from sparkrelay.tools.fuzz import cases as C
+from sparkrelay.tools.fuzz import run as F
 from testkit.http import UvicornThread, good_generate, make_app, wait_idle
-from sparkrelay.tools.fuzz import cases as C, run as F
 
-needs_schemathesis = pytest.mark.skipif(importlib.util.find_spec("schemathesis") is None,
-                                        reason="schemathesis is not installed (pip install -e .[test])")
+needs_schemathesis = pytest.mark.skipif(
+    importlib.util.find_spec("schemathesis") is None,
+    reason="schemathesis is not installed (pip install -e .[test])",
+)
 
 FUZZ_CONTEXT = 64  # short generations keep the valid fuzz cases cheap
 
@@ -32,14 +36,19 @@ FUZZ_CONTEXT = 64  # short generations keep the valid fuzz cases cheap
 def api(tiny_model_dir):
     """(base URL, client, AsyncEngine, greedy output ids of a fixed request before any fuzzing)."""
     app, async_engine = make_app(tiny_model_dir, context_length=FUZZ_CONTEXT)
-    with UvicornThread(app) as server, httpx.Client(base_url=server.url, timeout=120, trust_env=False) as client:
+    with (
+        UvicornThread(app) as server,
+        httpx.Client(base_url=server.url, timeout=120, trust_env=False) as client,
+    ):
         yield server.url, client, async_engine, good_generate(client)["output_ids"]
 
 
 def assert_survived(api, report: F.Report) -> None:
     _, client, async_engine, greedy_ids = api
     assert not report.failures, "\n".join(report.failures[:20])
-    assert report.count(lambda s: s == 400) > 0 and report.count(lambda s: s == 200) > 0, report.table()
+    assert report.count(lambda s: s == 400) > 0 and report.count(lambda s: s == 200) > 0, (
+        report.table()
+    )
     assert client.get("/health").status_code == 200
     st = wait_idle(async_engine, timeout=30)
     assert st["kv_used_tokens"] == 0 and st.get("check_error") is None, st
@@ -51,9 +60,14 @@ def assert_survived(api, report: F.Report) -> None:
 def test_schemathesis_api(api):
     report = F.Report()
     F.run_schema(api[0], report, max_examples=25)
-    assert {"POST /generate", "POST /v1/completions", "POST /v1/chat/completions", "GET /health"} <= set(
-        report.statuses)
-    assert report.statuses["POST /generate"].total() > 100  # the bodies are in the schema: coverage has cases
+    assert {
+        "POST /generate",
+        "POST /v1/completions",
+        "POST /v1/chat/completions",
+        "GET /health",
+    } <= set(report.statuses)
+    # the bodies are in the schema: coverage has cases
+    assert report.statuses["POST /generate"].total() > 100
     assert_survived(api, report)
 
 
@@ -65,7 +79,8 @@ def test_hostile_requests_api(api, caplog):
         F.stream_and_leave(api[1], report, path, max_tokens=FUZZ_CONTEXT // 2)
     assert_survived(api, report)
     reasons = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rejected POST")]
-    # a Content-Type with a DEL byte is refused by uvicorn before the app on some h11 versions (one per route)
+    # a Content-Type with a DEL byte is refused by uvicorn before the app on some h11 versions (one
+    # per route)
     rejected = report.count(lambda s: s == 400)
     assert rejected - len(C.ROUTES) <= len(reasons) <= rejected, (len(reasons), report.table())
     assert any("must fit in a signed 64-bit integer" in m for m in reasons)
@@ -73,24 +88,35 @@ def test_hostile_requests_api(api, caplog):
 
 def test_openapi_documents_bodies(api):
     schema = api[1].get("/openapi.json").json()
-    for path, model in ((C.GENERATE, "GenerateRequest"), (C.COMPLETIONS, "CompletionRequest"),
-                        (C.CHAT, "ChatCompletionRequest")):
+    for path, model in (
+        (C.GENERATE, "GenerateRequest"),
+        (C.COMPLETIONS, "CompletionRequest"),
+        (C.CHAT, "ChatCompletionRequest"),
+    ):
         body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{model}"}
         assert schema["components"]["schemas"][model]["additionalProperties"] is False
     assert "GenerateSamplingParams" in schema["components"]["schemas"]
 
 
-@pytest.mark.parametrize("path,body,words", [
-    (C.GENERATE, b'{"text": "hi", "sampling_params": {"temperature": NaN}}', "finite"),
-    (C.COMPLETIONS, b'{"prompt": "hi", "top_k": 18446744073709551616}', "64-bit"),
-    (C.CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "n": 2, "seed": 9223372036854775807}', "64-bit"),
-    (C.GENERATE, b'{"text": "\\ud800 hi"}', "surrogate"),
-    (C.CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "surrogate"),
-    (C.GENERATE, b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
-])
+@pytest.mark.parametrize(
+    "path,body,words",
+    [
+        (C.GENERATE, b'{"text": "hi", "sampling_params": {"temperature": NaN}}', "finite"),
+        (C.COMPLETIONS, b'{"prompt": "hi", "top_k": 18446744073709551616}', "64-bit"),
+        (
+            C.CHAT,
+            b'{"messages": [{"role": "user", "content": "hi"}], "n": 2, "seed": 9223372036854775807}',
+            "64-bit",
+        ),
+        (C.GENERATE, b'{"text": "\\ud800 hi"}', "surrogate"),
+        (C.CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "surrogate"),
+        (C.GENERATE, b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    ],
+)
 def test_fixed_bugs_are_400(api, path, body, words):
-    """Each of these was a 500 (and the int64 ones failed the engine step, aborting every request in flight)."""
+    """Each of these was a 500 (and the int64 ones failed the engine step, aborting every request in
+    flight)."""
     r = api[1].post(path, content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
@@ -106,8 +132,10 @@ def test_schemathesis_api_long(api):
 
 # ---------------------------------------------------------------- PD router against stub workers
 
+
 class StubWorker:
-    """A prefill/decode worker as the router sees it: 200 for a JSON object (SSE when it asks to stream), else 400."""
+    """A prefill/decode worker as the router sees it: 200 for a JSON object (SSE when it asks to
+    stream), else 400."""
 
     def __init__(self, role: str):
         self.role, self.seen = role, 0
@@ -142,7 +170,9 @@ def router_url():
 
     p, d = StubWorker("prefill"), StubWorker("decode")
     with UvicornThread(p.app) as ps, UvicornThread(d.app) as ds:
-        config = RouterConfig((PrefillWorker(ps.url, 8998),), (ds.url,), request_timeout_secs=60, max_retries=1)
+        config = RouterConfig(
+            (PrefillWorker(ps.url, 8998),), (ds.url,), request_timeout_secs=60, max_retries=1
+        )
         with UvicornThread(build_app(config)) as router:
             yield router.url
 
@@ -176,6 +206,7 @@ def test_router_schemathesis(router_url):
 
 # ---------------------------------------------------------------- the PD prefill bootstrap server
 
+
 @pytest.fixture
 def bootstrap_server():
     from sparkrelay.transfer.bootstrap import BootstrapServer
@@ -189,19 +220,26 @@ def bootstrap_server():
 
 
 def test_bootstrap_surrogate_rank_ip(bootstrap_server):
-    """A rank_ip that is no host name (here a lone surrogate) is refused at registration (it used to be stored and
-    make GET /route answer 500); reads afterwards answer 503 (nothing registered), never 5xx otherwise."""
+    """A rank_ip that is no host name (here a lone surrogate) is refused at registration (it used to
+    be stored and make GET /route answer 500); reads afterwards answer 503 (nothing registered),
+    never 5xx otherwise."""
     with httpx.Client(base_url=bootstrap_server.url, timeout=30, trust_env=False) as c:
-        r = c.put("/route", content=C._json({**C.REGISTRATION, "rank_ip": "\ud800"}),
-                  headers={"content-type": "application/json"})
+        r = c.put(
+            "/route",
+            content=C._json({**C.REGISTRATION, "rank_ip": "\ud800"}),
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 400 and "rank_ip" in r.text
-        for path in ("/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
-                     "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"):
+        for path in (
+            "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
+            "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0",
+        ):
             assert c.get(path).status_code == 503
 
 
 def test_bootstrap_hostile_requests(bootstrap_server):
-    """Every hostile request is followed by the two reads a decode server makes; those must keep working."""
+    """Every hostile request is followed by the two reads a decode server makes; those must keep
+    working."""
     import time
 
     from sparkrelay.transfer.bootstrap import fetch_prefill_info, fetch_rank
@@ -213,7 +251,9 @@ def test_bootstrap_hostile_requests(bootstrap_server):
         for h in C.bootstrap_hostile_requests():
             F.send_hostile(c, report, [h, *reads])
         assert not report.failures, "\n".join(report.failures[:20])
-        assert report.count(lambda s: s == 400) > 100 and report.count(lambda s: s == 413) > 0, report.table()
+        assert report.count(lambda s: s == 400) > 100 and report.count(lambda s: s == 413) > 0, (
+            report.table()
+        )
         assert c.get("/health").status_code == 200
         assert c.put("/route", json=C.REGISTRATION).status_code == 200
         deadline = time.monotonic() + 10

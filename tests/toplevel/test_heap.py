@@ -26,9 +26,10 @@ def test_freed_memory_below_a_live_block_goes_back():
     heap = HeapTrimmer(every_s=0.0)
     assert heap.available, "glibc without malloc_trim"
     heap.maybe_trim()
-    # 128 blocks of 1 MiB, each followed by a small block kept alive: freeing the big ones leaves holes that plain
-    # free() does not return (they are not at the top of the heap, and below the mmap threshold, which
-    # reuse_freed_memory fixes at 32 MiB, as every engine process has it: glibc's own moves with what was freed)
+    # 128 blocks of 1 MiB, each followed by a small block kept alive: freeing the big ones leaves
+    # holes that plain free() does not return (they are not at the top of the heap, and below the
+    # mmap threshold, which reuse_freed_memory fixes at 32 MiB, as every engine process has it:
+    # glibc's own moves with what was freed)
     assert reuse_freed_memory()
     big, small = [], []
     for _ in range(128):
@@ -70,8 +71,22 @@ def test_freed_activations_are_reused_without_page_faults(monkeypatch):
 
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     assert not reuse_freed_memory()  # the user's glibc settings win
-    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")}
-    run = lambda how: int(subprocess.run([sys.executable, "-c", CHURN, how], env=env, capture_output=True,  # noqa: E731
-                                         text=True, check=True).stdout)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
+    }
+    run = lambda how: int(
+        subprocess.run(
+            [sys.executable, "-c", CHURN, how],
+            env=env,
+            capture_output=True,  # noqa: E731
+            text=True,
+            check=True,
+        ).stdout
+    )
     default, reused = run("default"), run("reuse")
-    assert reused * 10 < default, (reused, default)  # glibc's defaults fault those pages in again and again
+    assert reused * 10 < default, (
+        reused,
+        default,
+    )  # glibc's defaults fault those pages in again and again

@@ -1,12 +1,13 @@
-"""Imports flow one way: a module may import only modules of a lower rank, or of its own rank inside its own
-package. The rule and the table are docs/architecture.md's opening paragraph and diagram."""
+"""Imports flow one way: a module may import only modules of a lower rank, or of its own rank inside
+its own package. The rule and the table are docs/architecture.md's opening paragraph and diagram."""
 
 import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "sparkrelay"
 
-# One rank per package (a root module is its own box): a module may import lower ranks, and its own package.
+# One rank per package (a root module is its own box): a module may import lower ranks, and its own
+# package.
 RANKS = {
     "sparkrelay": 0,  # the package's lazy re-exports
     "sparkrelay.config": 0,
@@ -31,13 +32,24 @@ RANKS = {
     "sparkrelay.launch_server": 9,
     "sparkrelay.tools": 10,
 }
-TORCH_FREE = ("sparkrelay.codec", "sparkrelay.trace", "sparkrelay.scheduler", "sparkrelay.config", "sparkrelay.envs", "sparkrelay.host",
-              "sparkrelay.spec.stats", "sparkrelay.pipeline.partition", "sparkrelay.transfer", "sparkrelay.router",
-              "sparkrelay.launch_router")
+TORCH_FREE = (
+    "sparkrelay.codec",
+    "sparkrelay.trace",
+    "sparkrelay.scheduler",
+    "sparkrelay.config",
+    "sparkrelay.envs",
+    "sparkrelay.host",
+    "sparkrelay.spec.stats",
+    "sparkrelay.pipeline.partition",
+    "sparkrelay.transfer",
+    "sparkrelay.router",
+    "sparkrelay.launch_router",
+)
 
 
 def box(module: str) -> str:
-    """The package (or root module) a module belongs to: sparkrelay.X for sparkrelay.X[.anything]."""
+    """The package (or root module) a module belongs to: sparkrelay.X for
+    sparkrelay.X[.anything]."""
     parts = module.split(".")
     return ".".join(parts[:2])
 
@@ -65,8 +77,12 @@ def imports(path: Path):
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == "sparkrelay":  # `from sparkrelay import llm` names a submodule, `LLM` a re-export
-                yield from (f"sparkrelay.{a.name}" if is_module(a.name) else "sparkrelay" for a in node.names)
+            # `from sparkrelay import llm` names a submodule, `LLM` a re-export
+            if node.module == "sparkrelay":
+                yield from (
+                    f"sparkrelay.{a.name}" if is_module(a.name) else "sparkrelay"
+                    for a in node.names
+                )
             else:
                 yield node.module
 
@@ -93,7 +109,9 @@ def test_no_import_cycle_between_modules_or_packages():
     for name, path in modules():
         targets = {i for i in imports(path) if i in names and i != name}
         modules_graph[name] = targets
-        packages_graph.setdefault(box(name), set()).update(box(t) for t in targets if box(t) != box(name))
+        packages_graph.setdefault(box(name), set()).update(
+            box(t) for t in targets if box(t) != box(name)
+        )
     for graph in (modules_graph, packages_graph):
         cycle = find_cycle(graph)
         assert not cycle, "import cycle: " + " -> ".join(cycle)
@@ -113,7 +131,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
                 state[path.pop()] = 2
                 stack.pop()
             elif state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             elif nxt not in state:
                 state[nxt] = 1
                 path.append(nxt)
@@ -129,4 +147,6 @@ def test_the_cycle_finder_finds_one():
 def test_scheduler_and_block_manager_are_torch_free():
     for name, path in modules():
         if any(name == t or name.startswith(t + ".") for t in TORCH_FREE):
-            assert not any(i.split(".")[0] == "torch" for i in imports(path)), f"{name} imports torch"
+            assert not any(i.split(".")[0] == "torch" for i in imports(path)), (
+                f"{name} imports torch"
+            )

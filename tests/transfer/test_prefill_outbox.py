@@ -1,9 +1,9 @@
 """A prefill stage's sends to one decode never hold up its rooms for another decode.
 
-Agent level (a real bootstrap server, a PrefillAgent and a DecodeAgent on loopback, no model), with auth on: decode
-X sent its TRANSFER_INFOs and then stopped reading (a PULL socket bound with a tiny receive buffer, never polled);
-decode Y is healthy. Y's rooms complete at once while X's frames are stuck, and X's rooms fail after
-SEND_TIMEOUT_S (shortened here) saying why.
+Agent level (a real bootstrap server, a PrefillAgent and a DecodeAgent on loopback, no model), with
+auth on: decode X sent its TRANSFER_INFOs and then stopped reading (a PULL socket bound with a tiny
+receive buffer, never polled); decode Y is healthy. Y's rooms complete at once while X's frames are
+stuck, and X's rooms fail after SEND_TIMEOUT_S (shortened here) saying why.
 """
 
 from __future__ import annotations
@@ -15,20 +15,31 @@ import zmq
 from sparkrelay.transfer import prefill_agent, wire
 from sparkrelay.transfer.base import KVPoll, Part, PartSpec
 from sparkrelay.transfer.bootstrap import BootstrapServer
-from sparkrelay.transfer.protocol import TransferInfo
 from sparkrelay.transfer.decode_agent import DecodeAgent
 from sparkrelay.transfer.prefill_agent import PrefillAgent
+from sparkrelay.transfer.protocol import TransferInfo
 from testkit.transfer import wait_for
 
 HOST = "127.0.0.1"
 TOKEN = "prefill-outbox-test-token-0123456789"
-SCHEMA = {"version": 1, "page_size": 16, "dtype": "bfloat16", "num_layers": 4, "hidden": 8, "pp_size": 1}
+SCHEMA = {
+    "version": 1,
+    "page_size": 16,
+    "dtype": "bfloat16",
+    "num_layers": 4,
+    "hidden": 8,
+    "pp_size": 1,
+}
 PROMPT_LEN = 2048  # one part of [4, 2, 2048, 8] bf16 = 256 KiB per room
 TIMEOUT_S = 2.0
 
 
 def compare(a: dict, b: dict) -> list[str]:
-    return [f"{k}: prefill={a.get(k)!r} decode={b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return [
+        f"{k}: prefill={a.get(k)!r} decode={b.get(k)!r}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+    ]
 
 
 def expected_parts(schema: dict, prompt_len: int, prefix: int = 0) -> dict[int, list[PartSpec]]:
@@ -41,14 +52,27 @@ def parts(room: int) -> list[Part]:
 
 
 def test_a_stalled_decode_never_holds_up_the_prefills_rooms_for_another(monkeypatch):
-    monkeypatch.setattr(prefill_agent, "SEND_TIMEOUT_S", TIMEOUT_S)  # read when the agent starts its outbox
+    # read when the agent starts its outbox
+    monkeypatch.setattr(prefill_agent, "SEND_TIMEOUT_S", TIMEOUT_S)
     statuses: dict[int, tuple[KVPoll, str, float]] = {}
-    server = BootstrapServer(HOST, 0, 1, SCHEMA, 30000, SCHEMA["page_size"], SCHEMA["dtype"], auth_token=TOKEN)
+    server = BootstrapServer(
+        HOST, 0, 1, SCHEMA, 30000, SCHEMA["page_size"], SCHEMA["dtype"], auth_token=TOKEN
+    )
     server.start()
-    prefill = PrefillAgent(0, 1, SCHEMA, compare, server.url, HOST, 20.0,
-                           lambda room, state, reason: statuses.setdefault(room, (state, reason, time.monotonic())),
-                           auth_token=TOKEN)
-    decode_y = DecodeAgent(SCHEMA, compare, expected_parts, HOST, 20.0, 30.0, 60.0, 2, 0, auth_token=TOKEN)
+    prefill = PrefillAgent(
+        0,
+        1,
+        SCHEMA,
+        compare,
+        server.url,
+        HOST,
+        20.0,
+        lambda room, state, reason: statuses.setdefault(room, (state, reason, time.monotonic())),
+        auth_token=TOKEN,
+    )
+    decode_y = DecodeAgent(
+        SCHEMA, compare, expected_parts, HOST, 20.0, 30.0, 60.0, 2, 0, auth_token=TOKEN
+    )
     ctx = zmq.Context()
     x_pull, x_push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     try:
@@ -60,13 +84,20 @@ def test_a_stalled_decode_never_holds_up_the_prefills_rooms_for_another(monkeypa
         x_port = x_pull.bind_to_random_port(f"tcp://{HOST}")
         x_push.connect(f"tcp://{HOST}:{prefill.port}")
         auth = wire.FrameAuth(TOKEN)
-        x_rooms = list(range(1000, 1096))  # 192 messages, 24 MiB: more than zmq (64 messages) and the kernel hold
+        # 192 messages, 24 MiB: more than zmq (64 messages) and the kernel hold
+        x_rooms = list(range(1000, 1096))
         for room in x_rooms:
             prefill.add_room(room, PROMPT_LEN)
-            x_push.send_multipart(auth.seal(TransferInfo(room, HOST, x_port, PROMPT_LEN, SCHEMA).encode()))
+            x_push.send_multipart(
+                auth.seal(TransferInfo(room, HOST, x_port, PROMPT_LEN, SCHEMA).encode())
+            )
             prefill.send(room, parts(room))
         pushing = (KVPoll.Transferring, KVPoll.Success)  # Success: zmq took all of that room
-        wait_for(lambda: all(prefill.poll(r).state in pushing for r in x_rooms), 5.0, "X's rooms to be pushing")
+        wait_for(
+            lambda: all(prefill.poll(r).state in pushing for r in x_rooms),
+            5.0,
+            "X's rooms to be pushing",
+        )
         time.sleep(0.3)  # X's pipe is full by now
         stuck_at = time.monotonic()
         stuck = [r for r in x_rooms if prefill.poll(r).state == KVPoll.Transferring]
@@ -85,16 +116,26 @@ def test_a_stalled_decode_never_holds_up_the_prefills_rooms_for_another(monkeypa
             decode_y.clear(room)
         y_done = time.monotonic() - stuck_at
         assert max(y_times) < 0.5, y_times  # the old blocking sender: Y's first room 1.7 s
-        assert not any(room in statuses for room in stuck), "X's stuck rooms cannot have gone out yet"
+        assert not any(room in statuses for room in stuck), (
+            "X's stuck rooms cannot have gone out yet"
+        )
         for room in stuck:  # X's rooms fail on their own, after no progress for TIMEOUT_S
-            state, reason, at = wait_for(lambda: statuses.get(room), TIMEOUT_S + 5.0, f"X's room {room} to fail")
+            state, reason, at = wait_for(
+                lambda: statuses.get(room), TIMEOUT_S + 5.0, f"X's room {room} to fail"
+            )
             assert state == KVPoll.Failed, (state, reason)
-            assert reason == f"sending to the decode at {HOST}:{x_port} failed: no progress within {TIMEOUT_S:g} s"
-            assert TIMEOUT_S / 2 <= at - stuck_at <= TIMEOUT_S + 3.0, at - stuck_at  # X's last progress: < stuck_at
+            assert (
+                reason
+                == f"sending to the decode at {HOST}:{x_port} failed: no progress within {TIMEOUT_S:g} s"
+            )
+            # X's last progress: < stuck_at
+            assert TIMEOUT_S / 2 <= at - stuck_at <= TIMEOUT_S + 3.0, at - stuck_at
             assert prefill.poll(room).state == KVPoll.Failed
-        print(f"\nY's 8 rooms (256 KiB each) while X was stuck: max {max(y_times) * 1000:.0f} ms, all in "
-              f"{y_done * 1000:.0f} ms; X: {len(stuck)}/{len(x_rooms)} rooms stuck, failed "
-              f"{max(statuses[r][2] for r in stuck) - stuck_at:.2f} s later")
+        print(
+            f"\nY's 8 rooms (256 KiB each) while X was stuck: max {max(y_times) * 1000:.0f} ms, all in "
+            f"{y_done * 1000:.0f} ms; X: {len(stuck)}/{len(x_rooms)} rooms stuck, failed "
+            f"{max(statuses[r][2] for r in stuck) - stuck_at:.2f} s later"
+        )
     finally:
         x_push.close(0)
         x_pull.close(0)

@@ -1,10 +1,11 @@
 """Hostile input on the transfer sockets and the bootstrap routes, against real agents on loopback.
 
-Every case checks: the input is refused with a logged reason, nothing grows without bound, the agents keep
-serving (a following legitimate room succeeds) and none of their threads died. With a shared token a stranger's
-message is dropped before it is parsed and never fails a live room; a message carrying a valid tag (a peer that
-holds the token, or a capture of one) goes through the same checks as without a token, except that a replayed
-duplicate is dropped instead of failing the room.
+Every case checks: the input is refused with a logged reason, nothing grows without bound, the
+agents keep serving (a following legitimate room succeeds) and none of their threads died. With a
+shared token a stranger's message is dropped before it is parsed and never fails a live room; a
+message carrying a valid tag (a peer that holds the token, or a capture of one) goes through the
+same checks as without a token, except that a replayed duplicate is dropped instead of failing the
+room.
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ import zmq
 from sparkrelay.config import Config, ConfigError, add_cli_args, config_from_args
 from sparkrelay.envs import DisaggEnv
 from sparkrelay.transfer import prefill_room, protocol, wire
-from sparkrelay.transfer.bootstrap import server as bootstrap_mod
 from sparkrelay.transfer.base import KVPoll, Part
 from sparkrelay.transfer.bootstrap import BootstrapError, BootstrapServer, http_request
-from sparkrelay.transfer.protocol import Abort, Data, Status, TransferInfo
+from sparkrelay.transfer.bootstrap import server as bootstrap_mod
 from sparkrelay.transfer.decode_agent import DecodeAgent
 from sparkrelay.transfer.prefill_agent import PrefillAgent
+from sparkrelay.transfer.protocol import Abort, Data, Status, TransferInfo
 from testkit.transfer import HOST, SCHEMA, compare, expected_parts, make_parts, route, wait_for  # noqa: F401
 
 TOKEN = "sr-test-" + "k" * 24
@@ -84,25 +85,37 @@ def still_serving(c, room: int) -> None:
 
 def data_head(room, pp: int = 0, **changes) -> bytes:
     kv = make_parts(pp, 1)[0]
-    return msgpack.packb({"type": "DATA", "room": room, "pp_rank": pp, **kv.spec.header(), **changes})
+    return msgpack.packb(
+        {"type": "DATA", "room": room, "pp_rank": pp, **kv.spec.header(), **changes}
+    )
 
 
-# ---- the tag ---------------------------------------------------------------------------------------------------
+# ---- the tag -------------------------------------------------------------------------------------
+
 
 def test_tag_format_and_checks():
     head, payload = b"\x81\xa4type\xa4DATA", b"\x00" * 100
-    want = hmac.new(TOKEN.encode(), wire.TAG_LABEL + len(head).to_bytes(8, "big") + head
-                    + len(payload).to_bytes(8, "big") + payload, hashlib.sha256).digest()
+    want = hmac.new(
+        TOKEN.encode(),
+        wire.TAG_LABEL
+        + len(head).to_bytes(8, "big")
+        + head
+        + len(payload).to_bytes(8, "big")
+        + payload,
+        hashlib.sha256,
+    ).digest()
     auth = wire.FrameAuth(TOKEN)
     assert auth.seal([head, payload]) == [head, payload, want] and len(want) == wire.TAG_BYTES
     assert auth.open([head, payload, want]) == [head, payload]
-    for bad, needle in [([head, payload], "no authentication tag"),  # a 100-byte "tag"
-                        ([head, payload[:32]], "does not match"),  # a 32-byte payload taken for the tag
-                        ([head], "no authentication tag"),
-                        ([head, payload + b"\x01", want], "does not match"),
-                        ([head + payload[:1], payload[1:], want], "does not match"),  # a shifted split
-                        ([head, payload, want[:-1]], "no authentication tag"),
-                        (seal([head, payload], "another-token"), "does not match")]:
+    for bad, needle in [
+        ([head, payload], "no authentication tag"),  # a 100-byte "tag"
+        ([head, payload[:32]], "does not match"),  # a 32-byte payload taken for the tag
+        ([head], "no authentication tag"),
+        ([head, payload + b"\x01", want], "does not match"),
+        ([head + payload[:1], payload[1:], want], "does not match"),  # a shifted split
+        ([head, payload, want[:-1]], "no authentication tag"),
+        (seal([head, payload], "another-token"), "does not match"),
+    ]:
         with pytest.raises(protocol.AuthError, match=needle) as e:
             auth.open(bad)
         assert e.value.room is None
@@ -125,7 +138,8 @@ def test_tagged_rooms_succeed_and_16_mib_parts(make_cluster):
     assert c.decode.rejected() == {} and all(p.rejected() == {} for p in c.prefills)
 
 
-# ---- strangers, with a token -------------------------------------------------------------------------------------
+# ---- strangers, with a token ---------------------------------------------------------------------
+
 
 def test_strangers_cannot_fail_or_feed_a_live_room(make_cluster, logs):
     c = make_cluster(token=TOKEN)
@@ -140,8 +154,16 @@ def test_strangers_cannot_fail_or_feed_a_live_room(make_cluster, logs):
         ("untagged part", Data.of(room, 0, fake).encode(), "no authentication tag"),
         ("wrong token", seal(Data.of(room, 0, fake).encode(), "guessed-token"), "does not match"),
         ("altered payload", [real[0], fake.data, seal(real)[-1]], "does not match"),
-        ("untagged STATUS failed", Status.failed(room, 0, "forged").encode(), "no authentication tag"),
-        ("forged STATUS success", seal(Status.success(room, 0).encode(), "guessed"), "does not match"),
+        (
+            "untagged STATUS failed",
+            Status.failed(room, 0, "forged").encode(),
+            "no authentication tag",
+        ),
+        (
+            "forged STATUS success",
+            seal(Status.success(room, 0).encode(), "guessed"),
+            "does not match",
+        ),
         ("garbage", [b"\xc1 garbage \x00" * 10], "no authentication tag"),
         ("empty frames", [b"", b"", b""], "no authentication tag"),
         ("msgpack bomb", [b"\x91" * 60000 + b"\xc0", b"\x00" * 32], "does not match"),
@@ -153,10 +175,13 @@ def test_strangers_cannot_fail_or_feed_a_live_room(make_cluster, logs):
             logged(logs, needle, name)
             assert c.decode.poll(room).state == KVPoll.Transferring, name
             assert c.decode.rejected()["auth"] == i + 1
-    info = TransferInfo(room, HOST, 1, 5, SCHEMA).encode()  # a hijack: "send room 500's KV to my port"
-    to_prefill = [("untagged ABORT", Abort(room, "forged").encode()),
-                  ("forged TRANSFER_INFO", seal(info, "guessed")),
-                  ("untagged TRANSFER_INFO", info)]
+    # a hijack: "send room 500's KV to my port"
+    info = TransferInfo(room, HOST, 1, 5, SCHEMA).encode()
+    to_prefill = [
+        ("untagged ABORT", Abort(room, "forged").encode()),
+        ("forged TRANSFER_INFO", seal(info, "guessed")),
+        ("untagged TRANSFER_INFO", info),
+    ]
     with stranger(c.prefills[0].port) as send:
         for name, msg in to_prefill:
             logs.clear()
@@ -171,7 +196,7 @@ def test_strangers_cannot_fail_or_feed_a_live_room(make_cluster, logs):
     still_serving(c, 501)
 
 
-# ---- malformed, oversized and replayed frames (without a token, and from a peer holding it) ----------------------
+# ---- malformed, oversized and replayed frames (without a token, and from a peer holding it) ------
 
 BOMBS = {  # name: (frame, reason logged)
     "nested 60000 deep": (b"\x91" * 60000 + b"\xc0", "StackError"),
@@ -192,7 +217,12 @@ def _decode_cases(room: int, other: int):
         ("truncated header", [head[:-3], kv.data], "undecodable msgpack", False),
         ("wrong shape", [data_head(room, shape=[1, 2, 5, 16]), kv.data], "!= expected", True),
         ("huge shape", [data_head(room, shape=[2**62] * 4), kv.data], "!= expected", True),
-        ("negative shape", [data_head(room, shape=[-1, 2, 5, 8]), kv.data], "non-negative ints", True),
+        (
+            "negative shape",
+            [data_head(room, shape=[-1, 2, 5, 8]), kv.data],
+            "non-negative ints",
+            True,
+        ),
         ("wrong types", [data_head(room, pp_rank="0"), kv.data], "pp_rank must be an int", True),
         ("wrong room: unknown", [data_head(other), kv.data], "unknown room", False),
         ("wrong room: 0", [data_head(0), kv.data], "outside 1..2^63-1", False),
@@ -226,17 +256,20 @@ def test_malformed_frames_to_the_decode(make_cluster, logs, token):
                     reason = c.decode_state(room, KVPoll.Failed).reason
                     assert needle in reason, (name, reason)
                     for pp in (0, 1):
-                        c.prefill_state(pp, room, KVPoll.Failed)  # the decode's ABORT reached every stage
+                        # the decode's ABORT reached every stage
+                        c.prefill_state(pp, room, KVPoll.Failed)
                 else:
                     assert c.decode.poll(room).state == KVPoll.WaitingForInput, name
                     c.decode.abort(room, "next case")
-                assert tracemalloc.get_traced_memory()[1] < 24 << 20, name  # the frame itself is < 100 KiB
+                # the frame itself is < 100 KiB
+                assert tracemalloc.get_traced_memory()[1] < 24 << 20, name
                 still_serving(c, room + 1)
     finally:
         tracemalloc.stop()
     n = len(_decode_cases(1, 2))
     assert c.decode.rejected()["protocol"] == n and "auth" not in c.decode.rejected()
-    assert c.decode.stats()["Failed"] == n and c.decode.stats()["Success"] == n  # failed or aborted; the good ones
+    # failed or aborted; the good ones
+    assert c.decode.stats()["Failed"] == n and c.decode.stats()["Success"] == n
 
 
 @pytest.mark.parametrize("token", [None, TOKEN], ids=["no-token", "token"])
@@ -244,9 +277,14 @@ def test_frame_over_maxmsgsize_drops_the_connection_only(make_cluster, logs, tok
     c = make_cluster(token=token, max_part_bytes=64 << 10)
     live(c, 300)
     with stranger(c.decode.port) as send:
-        send(seal([data_head(300), b"\0" * (1 << 20)], token) if token else [data_head(300), b"\0" * (1 << 20)])
+        send(
+            seal([data_head(300), b"\0" * (1 << 20)], token)
+            if token
+            else [data_head(300), b"\0" * (1 << 20)]
+        )
         logged(logs, "MAXMSGSIZE 65536", "(zmq's disconnect, seen by the monitor)")
-    assert c.decode.poll(300).state == KVPoll.WaitingForInput  # zmq dropped it before the agent saw a byte
+    # zmq dropped it before the agent saw a byte
+    assert c.decode.poll(300).state == KVPoll.WaitingForInput
     c.send(300, 0)
     c.send(300, 1)
     c.decode_state(300, KVPoll.Success)
@@ -269,7 +307,8 @@ def test_replays_without_a_token_fail_the_room(make_cluster, logs):
 
 
 def test_replays_with_a_token_are_dropped(make_cluster, logs):
-    """A capture of the real stage's messages (identical bytes: packing and the tag are deterministic)."""
+    """A capture of the real stage's messages (identical bytes: packing and the tag are
+    deterministic)."""
     c = make_cluster(token=TOKEN)
     live(c, 410)
     part = seal(Data.of(410, 0, make_parts(0, 410)[0]).encode())
@@ -278,7 +317,8 @@ def test_replays_with_a_token_are_dropped(make_cluster, logs):
         send(part)  # the same part twice
         logged(logs, "a second copy of part 'kv' from pp_rank 0 dropped")
         assert c.decode.poll(410).state == KVPoll.Transferring
-        c.send(410, 0)  # the real stage sends it again: also a duplicate, dropped; its STATUS success counts
+        # the real stage sends it again: also a duplicate, dropped; its STATUS success counts
+        c.send(410, 0)
         c.send(410, 1)
         c.decode_state(410, KVPoll.Success)
         assert c.decode.take(410)[0]["kv"].data == make_parts(0, 410)[0].data
@@ -314,19 +354,36 @@ def test_malformed_control_messages_to_the_prefill(make_cluster, logs, token, mo
     p = c.prefills[0]
 
     def info(**changes):
-        return [msgpack.packb({"type": "TRANSFER_INFO", "room": 600, "decode_host": HOST, "decode_port": 5,
-                               "prompt_len": 5, "schema": SCHEMA, **changes})]
+        return [
+            msgpack.packb(
+                {
+                    "type": "TRANSFER_INFO",
+                    "room": 600,
+                    "decode_host": HOST,
+                    "decode_port": 5,
+                    "prompt_len": 5,
+                    "schema": SCHEMA,
+                    **changes,
+                }
+            )
+        ]
 
-    cases = [("garbage", [b"\xc1\xc1 not msgpack"], "undecodable msgpack"),
-             ("two frames", [b"a", b"b"], "expected one control frame, got 2"),
-             ("unknown type", [msgpack.packb({"type": "EXEC", "room": 600})], "unknown message type 'EXEC'"),
-             ("port type", info(decode_port="5"), "decode_port must be an int"),
-             ("port range", info(decode_port=70000), "decode_port must be an int"),
-             ("prompt_len", info(prompt_len=-1), "prompt_len must be an int"),
-             ("host too long", info(decode_host="h" * 300), "decode_host must be a str"),
-             ("schema type", info(schema=[1, 2]), "schema must be a map"),
-             ("room 0", info(room=0), "outside 1..2^63-1"),
-             ("abort room", [msgpack.packb({"type": "ABORT", "room": 2**63})], "outside 1..2^63-1")]
+    cases = [
+        ("garbage", [b"\xc1\xc1 not msgpack"], "undecodable msgpack"),
+        ("two frames", [b"a", b"b"], "expected one control frame, got 2"),
+        (
+            "unknown type",
+            [msgpack.packb({"type": "EXEC", "room": 600})],
+            "unknown message type 'EXEC'",
+        ),
+        ("port type", info(decode_port="5"), "decode_port must be an int"),
+        ("port range", info(decode_port=70000), "decode_port must be an int"),
+        ("prompt_len", info(prompt_len=-1), "prompt_len must be an int"),
+        ("host too long", info(decode_host="h" * 300), "decode_host must be a str"),
+        ("schema type", info(schema=[1, 2]), "schema must be a map"),
+        ("room 0", info(room=0), "outside 1..2^63-1"),
+        ("abort room", [msgpack.packb({"type": "ABORT", "room": 2**63})], "outside 1..2^63-1"),
+    ]
     cases += [(f"bomb: {k}", [frame], why) for k, (frame, why) in BOMBS.items()]
     with stranger(p.port) as send:
         for name, msg, needle in cases:
@@ -342,14 +399,29 @@ def test_malformed_control_messages_to_the_prefill(make_cluster, logs, token, mo
     still_serving(c, 601)
 
 
-# ---- one side without the token, or another token -----------------------------------------------------------------
+# ---- one side without the token, or another token ------------------------------------------------
 
-@pytest.mark.parametrize("prefill_token, decode_token, needle", [
-    (TOKEN, None, "bootstrap server requires --disaggregation-auth-token (no Authorization: Bearer token was sent)"),
-    (TOKEN, "other-token", "bootstrap server requires --disaggregation-auth-token (the Bearer token does not match)"),
-    (None, TOKEN, "runs without --disaggregation-auth-token, this decode with one"),
-], ids=["decode-none", "mismatch", "prefill-none"])
-def test_token_on_one_side_fails_the_request_clearly(make_cluster, logs, prefill_token, decode_token, needle):
+
+@pytest.mark.parametrize(
+    "prefill_token, decode_token, needle",
+    [
+        (
+            TOKEN,
+            None,
+            "bootstrap server requires --disaggregation-auth-token (no Authorization: Bearer token was sent)",
+        ),
+        (
+            TOKEN,
+            "other-token",
+            "bootstrap server requires --disaggregation-auth-token (the Bearer token does not match)",
+        ),
+        (None, TOKEN, "runs without --disaggregation-auth-token, this decode with one"),
+    ],
+    ids=["decode-none", "mismatch", "prefill-none"],
+)
+def test_token_on_one_side_fails_the_request_clearly(
+    make_cluster, logs, prefill_token, decode_token, needle
+):
     c = make_cluster(token=prefill_token, decode_token=decode_token)
     c.add(700)
     c.decode.begin(700, HOST, c.server.port, 5)
@@ -363,8 +435,12 @@ def test_token_on_one_side_fails_the_request_clearly(make_cluster, logs, prefill
 
 def test_prefill_stage_with_a_wrong_token_cannot_register(make_cluster):
     c = make_cluster(token=TOKEN)
-    rogue = PrefillAgent(0, 2, SCHEMA, compare, c.server.url, HOST, 5.0, lambda *a: None, auth_token="wrong")
-    with pytest.raises(BootstrapError, match="HTTP 401: bootstrap server requires --disaggregation-auth-token"):
+    rogue = PrefillAgent(
+        0, 2, SCHEMA, compare, c.server.url, HOST, 5.0, lambda *a: None, auth_token="wrong"
+    )
+    with pytest.raises(
+        BootstrapError, match="HTTP 401: bootstrap server requires --disaggregation-auth-token"
+    ):
         rogue.start()
     assert not rogue.threads_alive()
     still_serving(c, 710)  # its registration did not replace stage 0's endpoint
@@ -382,20 +458,31 @@ def test_tagged_frames_to_an_untagged_agent_say_why(make_cluster, logs):
     still_serving(c, 722)
 
 
-# ---- bootstrap routes ---------------------------------------------------------------------------------------------
+# ---- bootstrap routes ----------------------------------------------------------------------------
 
 INFO_ROUTE = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
-ROUTES = [("PUT", "/route"), ("GET", INFO_ROUTE), ("POST", "/register_dp_rank"), ("POST", "/query_dp_ranks"),
-          ("GET", "/nowhere"), ("POST", "/health")]
+ROUTES = [
+    ("PUT", "/route"),
+    ("GET", INFO_ROUTE),
+    ("POST", "/register_dp_rank"),
+    ("POST", "/query_dp_ranks"),
+    ("GET", "/nowhere"),
+    ("POST", "/health"),
+]
 
 
 def test_bootstrap_requires_the_token(make_cluster, logs):
     c = make_cluster(token=TOKEN)
     url = c.server.url
     for method, path in ROUTES:
-        for token, why in [(None, "no Authorization: Bearer token was sent"),
-                           ("wrong", "the Bearer token does not match"), (TOKEN[:-1], "does not match")]:
-            code, body = http_request(method, url + path, {} if method != "GET" else None, token=token)
+        for token, why in [
+            (None, "no Authorization: Bearer token was sent"),
+            ("wrong", "the Bearer token does not match"),
+            (TOKEN[:-1], "does not match"),
+        ]:
+            code, body = http_request(
+                method, url + path, {} if method != "GET" else None, token=token
+            )
             assert code == 401 and why in json.loads(body)["error"], (method, path, token, body)
             assert "requires --disaggregation-auth-token" in json.loads(body)["error"]
     conn = http.client.HTTPConnection(HOST, c.server.port, timeout=5)
@@ -414,7 +501,8 @@ def test_bootstrap_requires_the_token(make_cluster, logs):
 
 
 def _pipelined(port: int, requests: list[bytes]) -> bytes:
-    """Send every request on one keep-alive connection (HTTP/1.1 pipelining) and read all the answers."""
+    """Send every request on one keep-alive connection (HTTP/1.1 pipelining) and read all the
+    answers."""
     sock = socket.create_connection((HOST, port), timeout=30)
     writer = threading.Thread(target=sock.sendall, args=(b"".join(requests),), daemon=True)
     writer.start()
@@ -431,8 +519,10 @@ def _pipelined(port: int, requests: list[bytes]) -> bytes:
 
 def _post(path: str, body: bytes, token=None, method="POST") -> bytes:
     auth = f"Authorization: Bearer {token}\r\n".encode() if token else b""
-    return (b"%s %s HTTP/1.1\r\nHost: x\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-            % (method.encode(), path.encode(), auth, len(body), body))
+    return (
+        b"%s %s HTTP/1.1\r\nHost: x\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+        % (method.encode(), path.encode(), auth, len(body), body)
+    )
 
 
 @pytest.mark.parametrize("token", [None, TOKEN], ids=["no-token", "token"])
@@ -446,7 +536,9 @@ def test_bootstrap_routes_refuse_bad_bodies(make_cluster, logs, token, monkeypat
             return http_request(method, url + path, body, token=token)
         conn = http.client.HTTPConnection(HOST, c.server.port, timeout=10)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        conn.request(method, path, body=raw, headers=headers, encode_chunked=not isinstance(raw, bytes))
+        conn.request(
+            method, path, body=raw, headers=headers, encode_chunked=not isinstance(raw, bytes)
+        )
         resp = conn.getresponse()
         out = resp.status, resp.read()
         conn.close()
@@ -455,40 +547,106 @@ def test_bootstrap_routes_refuse_bad_bodies(make_cluster, logs, token, monkeypat
     cases = [
         ("malformed JSON", "PUT", "/route", None, b"{not json", 400, "body must be JSON"),
         ("not an object", "POST", "/register_dp_rank", None, b"[1, 2]", 400, "JSON object"),
-        ("nested 30000 deep", "PUT", "/route", None, b"[" * 30000 + b"]" * 30000, 400, "RecursionError"),
-        ("huge int", "POST", "/register_dp_rank", None, b'{"bootstrap_room": ' + b"9" * 5000 + b"}", 400,
-         "body must be JSON"),
+        (
+            "nested 30000 deep",
+            "PUT",
+            "/route",
+            None,
+            b"[" * 30000 + b"]" * 30000,
+            400,
+            "RecursionError",
+        ),
+        (
+            "huge int",
+            "POST",
+            "/register_dp_rank",
+            None,
+            b'{"bootstrap_room": ' + b"9" * 5000 + b"}",
+            400,
+            "body must be JSON",
+        ),
         ("non-utf8", "PUT", "/route", None, b'{"a": "\xff\xfe"}', 400, "body must be JSON"),
         ("huge body", "PUT", "/route", None, b"{" + b" " * (1 << 20) + b"}", 413, "over 65536"),
         ("huge chunked body", "PUT", "/route", None, iter([b" " * 8192] * 64), 413, "over 65536"),
-        ("room type", "POST", "/register_dp_rank", {"bootstrap_room": "5", "dp_rank": 0}, None, 400,
-         "bootstrap_room"),
-        ("room float", "POST", "/register_dp_rank", {"bootstrap_room": 1e300, "dp_rank": 0}, None, 400,
-         "bootstrap_room"),
-        ("dp_rank negative", "POST", "/register_dp_rank", {"bootstrap_room": 5, "dp_rank": -1}, None, 400,
-         "dp_rank"),
-        ("rooms type", "POST", "/query_dp_ranks", {"bootstrap_rooms": {"a": 1}}, None, 400, "bootstrap_rooms"),
+        (
+            "room type",
+            "POST",
+            "/register_dp_rank",
+            {"bootstrap_room": "5", "dp_rank": 0},
+            None,
+            400,
+            "bootstrap_room",
+        ),
+        (
+            "room float",
+            "POST",
+            "/register_dp_rank",
+            {"bootstrap_room": 1e300, "dp_rank": 0},
+            None,
+            400,
+            "bootstrap_room",
+        ),
+        (
+            "dp_rank negative",
+            "POST",
+            "/register_dp_rank",
+            {"bootstrap_room": 5, "dp_rank": -1},
+            None,
+            400,
+            "dp_rank",
+        ),
+        (
+            "rooms type",
+            "POST",
+            "/query_dp_ranks",
+            {"bootstrap_rooms": {"a": 1}},
+            None,
+            400,
+            "bootstrap_rooms",
+        ),
         ("port type", "PUT", "/route", {**good, "rank_port": 1.5}, None, 400, "rank_port"),
         ("port range", "PUT", "/route", {**good, "rank_port": 0}, None, 400, "rank_port"),
         ("bool rank", "PUT", "/route", {**good, "pp_rank": True}, None, 400, "pp_rank"),
         ("ip type", "PUT", "/route", {**good, "rank_ip": ["x"]}, None, 400, "rank_ip"),
-        ("http port", "PUT", "/route", {**good, "prefill_http_port": "80"}, None, 400, "prefill_http_port"),
-        ("query int", "GET", "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank="
-         + "9" * 5000, None, None, 400, "target_pp_rank"),
+        (
+            "http port",
+            "PUT",
+            "/route",
+            {**good, "prefill_http_port": "80"},
+            None,
+            400,
+            "prefill_http_port",
+        ),
+        (
+            "query int",
+            "GET",
+            "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank="
+            + "9" * 5000,
+            None,
+            None,
+            400,
+            "target_pp_rank",
+        ),
     ]
     for name, method, path, body, raw, code, needle in cases:
         logs.clear()
         got, text = call(method, path, body, raw)
         assert got == code and needle in text.decode(errors="replace"), (name, got, text[:200])
         logged(logs, f"bootstrap: refused {method} {path.split('?')[0]}", name)
-    # 10k registrations: dp ranks (the table keeps the newest DP_RANK_TABLE_MAX) and stage re-registrations
-    reqs = [_post("/register_dp_rank", json.dumps({"bootstrap_room": r, "dp_rank": 0}).encode(), token)
-            for r in range(1, 10_001)]
+    # 10k registrations: dp ranks (the table keeps the newest DP_RANK_TABLE_MAX) and stage
+    # re-registrations
+    reqs = [
+        _post("/register_dp_rank", json.dumps({"bootstrap_room": r, "dp_rank": 0}).encode(), token)
+        for r in range(1, 10_001)
+    ]
     answers = _pipelined(c.server.port, reqs)
     assert answers.count(b"HTTP/1.1 200") == 10_000
     assert len(c.server._dp_ranks) == 1000
     reg = json.dumps(good).encode()
-    assert _pipelined(c.server.port, [_post("/route", reg, token, "PUT")] * 500).count(b"HTTP/1.1 200") == 500
+    assert (
+        _pipelined(c.server.port, [_post("/route", reg, token, "PUT")] * 500).count(b"HTTP/1.1 200")
+        == 500
+    )
     assert len(c.server._table) == 2
     rooms = {"bootstrap_rooms": [9_999, 10_000, 5]}
     assert json.loads(call("POST", "/query_dp_ranks", rooms)[1]) == {"9999": 0, "10000": 0}
@@ -496,7 +654,8 @@ def test_bootstrap_routes_refuse_bad_bodies(make_cluster, logs, token, monkeypat
     still_serving(c, 900)
 
 
-# ---- deployment warnings, knobs --------------------------------------------------------------------------------
+# ---- deployment warnings, knobs ------------------------------------------------------------------
+
 
 def test_non_loopback_bind_without_token_warns(caplog):
     assert all(wire.is_loopback(h) for h in ("127.0.0.1", "127.9.9.9", "::1", "[::1]", "localhost"))
@@ -507,59 +666,91 @@ def test_non_loopback_bind_without_token_warns(caplog):
         server = BootstrapServer("0.0.0.0", 0, 1, SCHEMA, None, 16, "bfloat16", token)
         server.start()
         server.stop()
-        decode = DecodeAgent(SCHEMA, compare, expected_parts, "0.0.0.0", 1.0, 1.0, 1.0, 2, 1, auth_token=token)
+        decode = DecodeAgent(
+            SCHEMA, compare, expected_parts, "0.0.0.0", 1.0, 1.0, 1.0, 2, 1, auth_token=token
+        )
         decode.start()
         assert decode.threads_alive()
         decode.close()
         assert not decode.threads_alive()
         text = caplog.text
-        assert (("the bootstrap server binds 0.0.0.0" in text and "decode transfer socket binds 0.0.0.0" in text)
-                == warned), text
+        assert (
+            "the bootstrap server binds 0.0.0.0" in text
+            and "decode transfer socket binds 0.0.0.0" in text
+        ) == warned, text
 
 
 def test_knobs(monkeypatch):
-    for var in ("SPARKRELAY_DISAGGREGATION_AUTH_TOKEN", "SGLANG_DISAGGREGATION_AUTH_TOKEN",
-                "SPARKRELAY_TEST_DISAGG_FAILURE_PROB", "SGLANG_TEST_DISAGG_FAILURE_PROB"):
+    for var in (
+        "SPARKRELAY_DISAGGREGATION_AUTH_TOKEN",
+        "SGLANG_DISAGGREGATION_AUTH_TOKEN",
+        "SPARKRELAY_TEST_DISAGG_FAILURE_PROB",
+        "SGLANG_TEST_DISAGG_FAILURE_PROB",
+    ):
         monkeypatch.delenv(var, raising=False)
     env = DisaggEnv.read()
     assert env.auth_token is None and env.test_failure_prob == 0.0 and env.token(None) is None
     monkeypatch.setenv("SPARKRELAY_DISAGGREGATION_AUTH_TOKEN", TOKEN)
     monkeypatch.setenv("SGLANG_TEST_DISAGG_FAILURE_PROB", "0.25")
     env = DisaggEnv.read()
-    assert env.token(None) == TOKEN and env.token("flag-wins") == "flag-wins" and env.test_failure_prob == 0.25
+    assert (
+        env.token(None) == TOKEN
+        and env.token("flag-wins") == "flag-wins"
+        and env.test_failure_prob == 0.25
+    )
     assert TOKEN not in repr(env)
     monkeypatch.setenv("SPARKRELAY_TEST_DISAGG_FAILURE_PROB", "1.5")
     with pytest.raises(ConfigError, match="SPARKRELAY_TEST_DISAGG_FAILURE_PROB"):
         DisaggEnv.read()
     import argparse
+
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
-    args = parser.parse_args(["--model-path", str(ROOT / "models" / "tiny-qwen3"),
-                              "--disaggregation-auth-token", TOKEN])
+    args = parser.parse_args(
+        ["--model-path", str(ROOT / "models" / "tiny-qwen3"), "--disaggregation-auth-token", TOKEN]
+    )
     assert config_from_args(args).disagg.disaggregation_auth_token == TOKEN
     assert Config().disagg.disaggregation_auth_token is None
 
 
-# ---- nothing is unpickled ------------------------------------------------------------------------------------------
+# ---- nothing is unpickled ------------------------------------------------------------------------
+
 
 def test_no_pickle_or_marshal_in_sparkrelay():
-    banned_modules = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle", "jsonpickle"}
+    banned_modules = {
+        "pickle",
+        "cPickle",
+        "_pickle",
+        "marshal",
+        "shelve",
+        "dill",
+        "cloudpickle",
+        "jsonpickle",
+    }
     found = []
     for path in sorted((ROOT / "sparkrelay").rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         rel = path.relative_to(ROOT)
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
-                found += [f"{rel}:{node.lineno} import {a.name}" for a in node.names
-                          if a.name.split(".")[0] in banned_modules]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in banned_modules:
+                found += [
+                    f"{rel}:{node.lineno} import {a.name}"
+                    for a in node.names
+                    if a.name.split(".")[0] in banned_modules
+                ]
+            elif (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.split(".")[0] in banned_modules
+            ):
                 found.append(f"{rel}:{node.lineno} from {node.module} import")
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 owner = node.func.value
                 name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
                 if name in banned_modules and node.func.attr in ("load", "loads", "Unpickler"):
                     found.append(f"{rel}:{node.lineno} {name}.{node.func.attr}()")
-                # torch.load unpickles: only the offline training tools (their own local files) may use it
+                # torch.load unpickles: only the offline training tools (their own local files) may
+                # use it
                 if name == "torch" and node.func.attr == "load" and rel.parts[1] != "tools":
                     found.append(f"{rel}:{node.lineno} torch.load()")
     assert not found, found

@@ -1,11 +1,12 @@
 """HTTP request models (SGLang-native and OpenAI) and their translation into engine requests.
 
 Every translation error is a RequestError whose message names the offending field (HTTP 400).
-Unknown fields are rejected (extra="forbid") rather than silently ignored. OpenAI's `user` is accepted and
-ignored; the SGLang fields that sglang-router adds to every body it forwards (`return_hidden_states`,
-`continue_final_message`, `separate_reasoning`, ... see SGLANG_EXTRAS) are accepted at their defaults and refused
-by name when they ask for something this server does not do. The PD bootstrap fields are
-accepted everywhere and attached to each engine item (`with_bootstrap`); an aggregated engine ignores them.
+Unknown fields are rejected (extra="forbid") rather than silently ignored. OpenAI's `user` is
+accepted and ignored; the SGLang fields that sglang-router adds to every body it forwards
+(`return_hidden_states`, `continue_final_message`, `separate_reasoning`, ... see SGLANG_EXTRAS) are
+accepted at their defaults and refused by name when they ask for something this server does not do.
+The PD bootstrap fields are accepted everywhere and attached to each engine item (`with_bootstrap`);
+an aggregated engine ignores them.
 
     common.py     Limits, the strict base models, the checks every route shares
     generate.py   SGLang's native /generate
@@ -15,13 +16,43 @@ accepted everywhere and attached to each engine item (`with_bootstrap`); an aggr
 The translations tokenize (and render chat templates): the HTTP layer runs them off the event loop.
 """
 
-from sparkrelay.scheduler.request import RequestError, SamplingParams  # what the translations raise and build
+from sparkrelay.scheduler.request import (
+    RequestError,
+    SamplingParams,
+)  # what the translations raise and build
 from sparkrelay.server.protocol.bootstrap import with_bootstrap
 from sparkrelay.server.protocol.common import SGLANG_EXTRAS, Limits
-from sparkrelay.server.protocol.generate import GenerateRequest, GenerateSamplingParams, generate_items
-from sparkrelay.server.protocol.openai import (ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart,
-                                               StreamOptions, chat_items, chat_prompt_ids, completion_items)
+from sparkrelay.server.protocol.generate import (
+    GenerateRequest,
+    GenerateSamplingParams,
+    generate_items,
+)
+from sparkrelay.server.protocol.openai import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ContentPart,
+    StreamOptions,
+    chat_items,
+    chat_prompt_ids,
+    completion_items,
+)
 
-__all__ = ["RequestError", "SamplingParams", "with_bootstrap", "SGLANG_EXTRAS", "Limits", "GenerateRequest",
-           "GenerateSamplingParams", "generate_items", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
-           "ContentPart", "StreamOptions", "chat_items", "chat_prompt_ids", "completion_items"]
+__all__ = [
+    "RequestError",
+    "SamplingParams",
+    "with_bootstrap",
+    "SGLANG_EXTRAS",
+    "Limits",
+    "GenerateRequest",
+    "GenerateSamplingParams",
+    "generate_items",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "ContentPart",
+    "StreamOptions",
+    "chat_items",
+    "chat_prompt_ids",
+    "completion_items",
+]

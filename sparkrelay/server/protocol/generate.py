@@ -8,26 +8,44 @@ from typing import Any, Optional, Union
 
 import pydantic
 
-from sparkrelay.scheduler.request import RequestError, SamplingParams
 from sparkrelay.manager.messages import GenerationItem
-from sparkrelay.server.protocol.common import (Limits, Routed, Strict, build_params, check_extras, check_max_tokens,
-                                              check_prompt, tokenize)
+from sparkrelay.scheduler.request import RequestError, SamplingParams
+from sparkrelay.server.protocol.common import (
+    Limits,
+    Routed,
+    Strict,
+    build_params,
+    check_extras,
+    check_max_tokens,
+    check_prompt,
+    tokenize,
+)
 
-
-# SGLang's `sampling_params` object: SamplingParams' own fields (the logprob ones sit beside it in SGLang's body),
-# with the JSON shapes SGLang accepts for `stop` and `stop_token_ids`, plus the HTTP-only `sampling_seed` and `n`
+# SGLang's `sampling_params` object: SamplingParams' own fields (the logprob ones sit beside it in
+# SGLang's body), with the JSON shapes SGLang accepts for `stop` and `stop_token_ids`, plus the
+# HTTP-only `sampling_seed` and `n`
 _BESIDE = {"return_logprob", "top_logprobs_num", "logprob_start_len"}
-_JSON_SHAPES = {"stop": (Union[str, list[str], None], None), "stop_token_ids": (Optional[list[int]], None)}
+_JSON_SHAPES = {
+    "stop": (Union[str, list[str], None], None),
+    "stop_token_ids": (Optional[list[int]], None),
+}
 _HINTS = typing.get_type_hints(SamplingParams)
 GenerateSamplingParams = pydantic.create_model(
-    "GenerateSamplingParams", __base__=Strict,
-    **{f.name: _JSON_SHAPES.get(f.name, (_HINTS[f.name], f.default)) for f in dataclasses.fields(SamplingParams)
-       if f.name not in _BESIDE},
-    sampling_seed=(Optional[int], None), n=(int, 1))
+    "GenerateSamplingParams",
+    __base__=Strict,
+    **{
+        f.name: _JSON_SHAPES.get(f.name, (_HINTS[f.name], f.default))
+        for f in dataclasses.fields(SamplingParams)
+        if f.name not in _BESIDE
+    },
+    sampling_seed=(Optional[int], None),
+    n=(int, 1),
+)
 
 
 class GenerateRequest(Routed):
-    # defaults sglang-router adds to every /generate body it forwards (SGLANG_EXTRAS: only the defaults are served)
+    # defaults sglang-router adds to every /generate body it forwards (SGLANG_EXTRAS: only the
+    # defaults are served)
     return_text_in_logprobs: bool = False
     log_metrics: bool = True
     return_hidden_states: bool = False
@@ -58,17 +76,28 @@ def _generate_prompts(req: GenerateRequest, tokenizer) -> tuple[list[list[int]],
     return [check_prompt(list(p), f"input_ids[{i}]") for i, p in enumerate(prompts)], batch
 
 
-def _generate_params(sp: GenerateSamplingParams, limits: Limits, logprobs: dict[str, Any]) -> SamplingParams:
+def _generate_params(
+    sp: GenerateSamplingParams, limits: Limits, logprobs: dict[str, Any]
+) -> SamplingParams:
     if sp.n != 1:
-        raise RequestError("`sampling_params.n` > 1 is not supported on /generate; use /v1/completions")
+        raise RequestError(
+            "`sampling_params.n` > 1 is not supported on /generate; use /v1/completions"
+        )
     if sp.seed is not None and sp.sampling_seed is not None and sp.seed != sp.sampling_seed:
         raise RequestError("`seed` and `sampling_seed` disagree")
     check_max_tokens("max_new_tokens", sp.max_new_tokens, limits)
-    return build_params(sp, seed=sp.seed if sp.seed is not None else sp.sampling_seed,
-                        stop=sp.stop or (), stop_token_ids=sp.stop_token_ids or (), **logprobs)
+    return build_params(
+        sp,
+        seed=sp.seed if sp.seed is not None else sp.sampling_seed,
+        stop=sp.stop or (),
+        stop_token_ids=sp.stop_token_ids or (),
+        **logprobs,
+    )
 
 
-def generate_items(req: GenerateRequest, tokenizer, limits: Limits, new_id) -> tuple[list[GenerationItem], bool]:
+def generate_items(
+    req: GenerateRequest, tokenizer, limits: Limits, new_id
+) -> tuple[list[GenerationItem], bool]:
     """Engine items for a /generate request and whether the answer is a list (batch input)."""
     check_extras(req)
     prompts, batch = _generate_prompts(req, tokenizer)
@@ -77,10 +106,14 @@ def generate_items(req: GenerateRequest, tokenizer, limits: Limits, new_id) -> t
     rids = req.rid if req.rid is not None else [new_id() for _ in prompts]
     rids = [rids] if isinstance(rids, str) else rids
     if len(sps) != len(prompts) or len(rids) != len(prompts):
-        raise RequestError(f"batch of {len(prompts)} prompts needs as many `sampling_params` and `rid` entries")
+        raise RequestError(
+            f"batch of {len(prompts)} prompts needs as many `sampling_params` and `rid` entries"
+        )
     logprobs = _generate_logprobs(req, len(prompts))
-    items = [GenerationItem(r, p, _generate_params(s, limits, lp))
-             for r, p, s, lp in zip(rids, prompts, sps, logprobs)]
+    items = [
+        GenerationItem(r, p, _generate_params(s, limits, lp))
+        for r, p, s, lp in zip(rids, prompts, sps, logprobs)
+    ]
     return items, batch
 
 

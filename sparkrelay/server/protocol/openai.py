@@ -1,5 +1,5 @@
-"""OpenAI's /v1/completions and /v1/chat/completions (with the SGLang / vLLM extensions): the request models and
-their translation into engine items (n items per prompt, prompt-major)."""
+"""OpenAI's /v1/completions and /v1/chat/completions (with the SGLang / vLLM extensions): the
+request models and their translation into engine items (n items per prompt, prompt-major)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,20 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sparkrelay.scheduler.request import MAX_TOP_LOGPROBS, RequestError
 from sparkrelay.manager.messages import GenerationItem
-from sparkrelay.server.protocol.common import (Limits, Routed, Strict, build_params, check_extras, check_max_tokens,
-                                              check_n, check_prompt, tokenize, unsupported)
+from sparkrelay.scheduler.request import MAX_TOP_LOGPROBS, RequestError
+from sparkrelay.server.protocol.common import (
+    Limits,
+    Routed,
+    Strict,
+    build_params,
+    check_extras,
+    check_max_tokens,
+    check_n,
+    check_prompt,
+    tokenize,
+    unsupported,
+)
 
 
 class StreamOptions(Strict):
@@ -47,7 +57,9 @@ class CompletionRequest(OpenAIRequest):
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
-    logprobs: Optional[int] = None  # 0..20: the chosen token's logprob and this many top ones (null: off)
+    logprobs: Optional[int] = (
+        None  # 0..20: the chosen token's logprob and this many top ones (null: off)
+    )
 
 
 class ContentPart(Strict):
@@ -56,7 +68,8 @@ class ContentPart(Strict):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # e.g. `name`; only role and content reach the template
+    # e.g. `name`; only role and content reach the template
+    model_config = ConfigDict(extra="allow")
     role: str
     content: Union[str, list[ContentPart], None] = None
 
@@ -69,8 +82,8 @@ class ChatCompletionRequest(OpenAIRequest):
     tools: Optional[list[Any]] = None
     tool_choice: Any = None
     response_format: Optional[dict[str, Any]] = None
-    # SGLang extensions that sglang-router adds to every chat body. Without a reasoning parser (this server has
-    # none) SGLang ignores both reasoning flags, so either value is served the same way.
+    # SGLang extensions that sglang-router adds to every chat body. Without a reasoning parser (this
+    # server has none) SGLang ignores both reasoning flags, so either value is served the same way.
     continue_final_message: bool = False
     separate_reasoning: bool = True
     stream_reasoning: bool = True
@@ -84,24 +97,32 @@ def _openai_common(req: OpenAIRequest, limits: Limits) -> dict[str, Any]:
     return dict(stop=req.stop or (), stop_token_ids=req.stop_token_ids or ())
 
 
-def _expand(req: OpenAIRequest, prompts: list[list[int]], max_tokens: list[int], common: dict,
-            base_id: str) -> list[GenerationItem]:
-    """n items per prompt, prompt-major (choice index = prompt * n + sample); seed + sample if seeded."""
+def _expand(
+    req: OpenAIRequest, prompts: list[list[int]], max_tokens: list[int], common: dict, base_id: str
+) -> list[GenerationItem]:
+    """n items per prompt, prompt-major (choice index = prompt * n + sample); seed + sample if
+    seeded."""
     items, n, seed = [], req.n, req.seed
     for p, (ids, mt) in enumerate(zip(prompts, max_tokens)):
         for j in range(n):
-            params = build_params(req, **common, max_new_tokens=mt, seed=None if seed is None else seed + j)
+            params = build_params(
+                req, **common, max_new_tokens=mt, seed=None if seed is None else seed + j
+            )
             items.append(GenerationItem(f"{base_id}-{p * n + j}", ids, params))
     return items
 
 
-def completion_items(req: CompletionRequest, tokenizer, limits: Limits, base_id: str) -> list[GenerationItem]:
+def completion_items(
+    req: CompletionRequest, tokenizer, limits: Limits, base_id: str
+) -> list[GenerationItem]:
     if req.echo:
         raise unsupported("echo")
     if req.suffix:
         raise unsupported("suffix")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
-        raise RequestError(f"`logprobs` must be in 0..{MAX_TOP_LOGPROBS} (or null: off), got {req.logprobs}")
+        raise RequestError(
+            f"`logprobs` must be in 0..{MAX_TOP_LOGPROBS} (or null: off), got {req.logprobs}"
+        )
     if req.best_of not in (None, 1, req.n):
         raise unsupported("best_of")
     common = _openai_common(req, limits)
@@ -116,33 +137,53 @@ def completion_items(req: CompletionRequest, tokenizer, limits: Limits, base_id:
         prompts = [list(x) for x in p]
     else:
         prompts = [list(p)]
-    prompts = [check_prompt(x, f"prompt[{i}]" if len(prompts) > 1 else "prompt") for i, x in enumerate(prompts)]
+    prompts = [
+        check_prompt(x, f"prompt[{i}]" if len(prompts) > 1 else "prompt")
+        for i, x in enumerate(prompts)
+    ]
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
     check_max_tokens("max_tokens", max_tokens, limits)
     return _expand(req, prompts, [max_tokens] * len(prompts), common, base_id)
 
 
 def _message_dict(m: ChatMessage) -> dict[str, str]:
-    content = m.content if isinstance(m.content, str) or m.content is None else "".join(c.text for c in m.content)
+    content = (
+        m.content
+        if isinstance(m.content, str) or m.content is None
+        else "".join(c.text for c in m.content)
+    )
     return {"role": m.role, "content": content or ""}
 
 
 def chat_prompt_ids(req: ChatCompletionRequest, tokenizer) -> list[int]:
     messages = [_message_dict(m) for m in req.messages]
-    cont = req.continue_final_message  # SGLang / vLLM: the reply extends the last (assistant) message
+    # SGLang / vLLM: the reply extends the last (assistant) message
+    cont = req.continue_final_message
     if cont and messages[-1]["role"] != "assistant":
-        raise RequestError("`continue_final_message` needs the last message to have role 'assistant'")
+        raise RequestError(
+            "`continue_final_message` needs the last message to have role 'assistant'"
+        )
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=not cont, tokenize=False,
-                                             **({"continue_final_message": True} if cont else {}))
+        text = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=not cont,
+            tokenize=False,
+            **({"continue_final_message": True} if cont else {}),
+        )
     except Exception as e:  # a template may raise on roles or orders it does not support
         raise RequestError(f"chat template failed on `messages`: {e}") from e
-    return check_prompt(list(tokenizer.encode(text, add_special_tokens=False)), "templated chat prompt")
+    return check_prompt(
+        list(tokenizer.encode(text, add_special_tokens=False)), "templated chat prompt"
+    )
 
 
-def chat_items(req: ChatCompletionRequest, tokenizer, limits: Limits, base_id: str) -> list[GenerationItem]:
+def chat_items(
+    req: ChatCompletionRequest, tokenizer, limits: Limits, base_id: str
+) -> list[GenerationItem]:
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise RequestError(f"`top_logprobs` must be in 0..{MAX_TOP_LOGPROBS}, got {req.top_logprobs}")
+        raise RequestError(
+            f"`top_logprobs` must be in 0..{MAX_TOP_LOGPROBS}, got {req.top_logprobs}"
+        )
     if req.top_logprobs and not req.logprobs:
         raise RequestError("`top_logprobs` needs `logprobs: true`")
     if req.tools or req.tool_choice not in (None, "none"):
@@ -153,12 +194,18 @@ def chat_items(req: ChatCompletionRequest, tokenizer, limits: Limits, base_id: s
     if req.logprobs:
         common |= dict(return_logprob=True, top_logprobs_num=req.top_logprobs or 0)
     ids = chat_prompt_ids(req, tokenizer)
-    if None not in (req.max_tokens, req.max_completion_tokens) and req.max_tokens != req.max_completion_tokens:
+    if (
+        None not in (req.max_tokens, req.max_completion_tokens)
+        and req.max_tokens != req.max_completion_tokens
+    ):
         raise RequestError("`max_tokens` and `max_completion_tokens` disagree")
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if given is not None:
-        check_max_tokens("max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
-                         given, limits)
+        check_max_tokens(
+            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+            given,
+            limits,
+        )
     # Without a limit, generate up to the context; a prompt that fills it is rejected by the engine.
     max_tokens = given if given is not None else max(limits.context_length - len(ids), 1)
     return _expand(req, [ids], [max_tokens], common, base_id)

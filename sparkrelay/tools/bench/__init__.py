@@ -1,1 +1,2 @@
-"""Benchmarks: offline engine, HTTP serving, PD time to first token; their shared prompts and reports."""
+"""Benchmarks: offline engine, HTTP serving, PD time to first token; their shared prompts and
+reports."""

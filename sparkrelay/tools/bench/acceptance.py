@@ -1,21 +1,24 @@
-"""DSpark acceptance in the paper's protocol, and DSpark against plain decoding, on a chat model and its drafter.
+"""DSpark acceptance in the paper's protocol, and DSpark against plain decoding, on a chat model and
+its drafter.
 
     python -m sparkrelay.tools.bench.acceptance --target models/smollm2-135m-instruct \\
         --drafter models/smollm2-135m-instruct-dspark --prompts ../shared/data/prompts [--limit N]
 
-Protocol (DSpark paper, Table 1): per prompt set, the evaluation split only (tools/corpus.py prompt_split: the
-drafter never trained on it), the first user turn alone under the chat template with no system message, fixed
-blocks of 7 drafts (no confidence cut), at most 256 new tokens, greedy and temperature 1.0. Reported per set: the
-mean acceptance length per verify round (accepted drafts + the bonus token), the rate at which each draft position
-is accepted, and, greedy, whether every DSpark output equals plain greedy decoding token for token (float32).
+Protocol (DSpark paper, Table 1): per prompt set, the evaluation split only (tools/corpus.py
+prompt_split: the drafter never trained on it), the first user turn alone under the chat template
+with no system message, fixed blocks of 7 drafts (no confidence cut), at most 256 new tokens, greedy
+and temperature 1.0. Reported per set: the mean acceptance length per verify round (accepted drafts
++ the bonus token), the rate at which each draft position is accepted, and, greedy, whether every
+DSpark output equals plain greedy decoding token for token (float32).
 
-Speed: decode tokens per second of DSpark against plain decoding, batch 1 (one request at a time) and batch 8 (8
-concurrent requests), in bfloat16 and float32, on `--speed-prompts` evaluation prompts, the variants interleaved
-over `--rounds` rounds (min and median reported). Decode time is from a request's first token to its last.
-PD (`--pd-modes hidden,draft-kv`): for each mode, router + prefill (`--pp-size 2`, no drafter) + DSpark decode as
-subprocesses; every greedy evaluation prompt goes through the router (`--pd-concurrency` at a time), and its tokens
-and verify rounds must equal the aggregated DSpark engine's for that prompt (equal tokens and rounds: equal
-acceptance). Writes acceptance.md, acceptance.json and acceptance.png under --out-dir, headed by host, commit and
+Speed: decode tokens per second of DSpark against plain decoding, batch 1 (one request at a time)
+and batch 8 (8 concurrent requests), in bfloat16 and float32, on `--speed-prompts` evaluation
+prompts, the variants interleaved over `--rounds` rounds (min and median reported). Decode time is
+from a request's first token to its last. PD (`--pd-modes hidden,draft-kv`): for each mode, router +
+prefill (`--pp-size 2`, no drafter) + DSpark decode as subprocesses; every greedy evaluation prompt
+goes through the router (`--pd-concurrency` at a time), and its tokens and verify rounds must equal
+the aggregated DSpark engine's for that prompt (equal tokens and rounds: equal acceptance). Writes
+acceptance.md, acceptance.json and acceptance.png under --out-dir, headed by host, commit and
 command.
 """
 
@@ -29,18 +32,41 @@ import time
 from pathlib import Path
 
 from sparkrelay.tools.bench.common import (
-    bar_chart, header_lines, line_chart, markdown_table, provenance, write_json, write_markdown)
+    bar_chart,
+    header_lines,
+    line_chart,
+    markdown_table,
+    provenance,
+    write_json,
+    write_markdown,
+)
 from sparkrelay.tools.corpus import PROMPT_SETS, read_prompt_set
 
-PAPER_TABLE1 = {"gsm8k": 6.11, "math500": 5.70, "humaneval": 5.38, "mbpp": 5.13, "mt-bench": 3.64,
-                "livecodebench": 4.86}  # Qwen3-4B + its DSpark drafter, temperature 1.0 (DSpark paper, Table 1)
+PAPER_TABLE1 = {
+    "gsm8k": 6.11,
+    "math500": 5.70,
+    "humaneval": 5.38,
+    "mbpp": 5.13,
+    "mt-bench": 3.64,
+    "livecodebench": 4.86,
+}  # Qwen3-4B + its DSpark drafter, temperature 1.0 (DSpark paper, Table 1)
 
 
 def engine(args: argparse.Namespace, dtype: str, dspark: bool, batch: int):
     from sparkrelay import LLM
 
-    spec = dict(speculative_algorithm="DSPARK", speculative_draft_model_path=args.drafter) if dspark else {}
-    return LLM(args.target, dtype=dtype, max_running_requests=batch, max_total_tokens=args.kv_tokens, **spec)
+    spec = (
+        dict(speculative_algorithm="DSPARK", speculative_draft_model_path=args.drafter)
+        if dspark
+        else {}
+    )
+    return LLM(
+        args.target,
+        dtype=dtype,
+        max_running_requests=batch,
+        max_total_tokens=args.kv_tokens,
+        **spec,
+    )
 
 
 def chat_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -50,8 +76,8 @@ def chat_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def run_timed(llm, prompts: list[list[int]], params) -> list[dict]:
-    """Generate (`params` one SamplingParams or one per prompt), recording each request's first- and last-token
-    times (the engine stepped here, not by LLM)."""
+    """Generate (`params` one SamplingParams or one per prompt), recording each request's first- and
+    last-token times (the engine stepped here, not by LLM)."""
     rids = [f"bench-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
     per = params if isinstance(params, list) else [params] * len(prompts)
     for rid, ids, p in zip(rids, prompts, per):
@@ -64,22 +90,33 @@ def run_timed(llm, prompts: list[list[int]], params) -> list[dict]:
                 first[o.rid] = now
             if o.finished and o.rid in pending:
                 pending.discard(o.rid)
-                out[o.rid] = {"ids": o.output_ids, "first": first.get(o.rid, now), "end": now,
-                              "rounds": o.spec_verify_ct}
+                out[o.rid] = {
+                    "ids": o.output_ids,
+                    "first": first.get(o.rid, now),
+                    "end": now,
+                    "rounds": o.spec_verify_ct,
+                }
     return [out[r] for r in rids]
 
 
 def stats_delta(llm, before: dict) -> dict:
     s = llm.engine.spec_stats
-    return {"rounds": s.rounds - before["rounds"], "committed": s.committed - before["committed"],
-            "proposed_at": [a - b for a, b in zip(s.proposed_at, before["proposed_at"])],
-            "accepted_at": [a - b for a, b in zip(s.accepted_at, before["accepted_at"])]}
+    return {
+        "rounds": s.rounds - before["rounds"],
+        "committed": s.committed - before["committed"],
+        "proposed_at": [a - b for a, b in zip(s.proposed_at, before["proposed_at"])],
+        "accepted_at": [a - b for a, b in zip(s.accepted_at, before["accepted_at"])],
+    }
 
 
 def snapshot(llm) -> dict:
     s = llm.engine.spec_stats
-    return {"rounds": s.rounds, "committed": s.committed, "proposed_at": list(s.proposed_at),
-            "accepted_at": list(s.accepted_at)}
+    return {
+        "rounds": s.rounds,
+        "committed": s.committed,
+        "proposed_at": list(s.proposed_at),
+        "accepted_at": list(s.accepted_at),
+    }
 
 
 def acceptance_run(args, spec_llm, plain_llm, name: str, prompts: list[list[int]]) -> dict:
@@ -90,26 +127,33 @@ def acceptance_run(args, spec_llm, plain_llm, name: str, prompts: list[list[int]
     greedy = SamplingParams(max_new_tokens=args.max_new, temperature=0.0)
     for label, params in (("greedy", greedy), ("t1", None)):
         before = snapshot(spec_llm)
-        sampled = [SamplingParams(max_new_tokens=args.max_new, temperature=1.0, seed=1000 + i)
-                   for i in range(len(prompts))]
+        sampled = [
+            SamplingParams(max_new_tokens=args.max_new, temperature=1.0, seed=1000 + i)
+            for i in range(len(prompts))
+        ]
         outs = run_timed(spec_llm, prompts, params or sampled)
         d = stats_delta(spec_llm, before)
         row[f"tau_{label}"] = round(d["committed"] / max(d["rounds"], 1), 3)
-        row[f"accept_rate_{label}"] = [round(a / p, 3) if p else 0.0
-                                       for a, p in zip(d["accepted_at"], d["proposed_at"])]
+        row[f"accept_rate_{label}"] = [
+            round(a / p, 3) if p else 0.0 for a, p in zip(d["accepted_at"], d["proposed_at"])
+        ]
         row[f"rounds_{label}"] = d["rounds"]
         if params is not None:
             plain = run_timed(plain_llm, prompts, params)
             row["greedy_equal"] = sum(a["ids"] == b["ids"] for a, b in zip(outs, plain))
             row["tokens"] = sum(len(o["ids"]) for o in outs)
             row["greedy_runs"] = [{"ids": o["ids"], "rounds": o["rounds"]} for o in outs]
-    print(f"{name}: {row['prompts']} prompts, tau greedy {row['tau_greedy']}, T=1 {row['tau_t1']}, "
-          f"greedy equal to plain {row['greedy_equal']}/{row['prompts']}", flush=True)
+    print(
+        f"{name}: {row['prompts']} prompts, tau greedy {row['tau_greedy']}, T=1 {row['tau_t1']}, "
+        f"greedy equal to plain {row['greedy_equal']}/{row['prompts']}",
+        flush=True,
+    )
     return row
 
 
 def pd_runs(args, rows: list[dict], prompts: dict[str, list[list[int]]]) -> list[dict]:
-    """Each PD mode against the aggregated greedy runs: per set, prompts whose tokens and verify rounds are equal."""
+    """Each PD mode against the aggregated greedy runs: per set, prompts whose tokens and verify
+    rounds are equal."""
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
@@ -118,37 +162,60 @@ def pd_runs(args, rows: list[dict], prompts: dict[str, list[list[int]]]) -> list
     out = []
     for mode in args.pd_modes:
         with tempfile.TemporaryDirectory() as logs:
-            cluster = start_pd(PDSettings(model=args.target, drafter=args.drafter, pp_size=2, handoff=mode), logs)
+            cluster = start_pd(
+                PDSettings(model=args.target, drafter=args.drafter, pp_size=2, handoff=mode), logs
+            )
             try:
                 for row in rows:
                     with ThreadPoolExecutor(args.pd_concurrency) as pool:
-                        got = list(pool.map(lambda ids: generate_ids(cluster.url, ids, args.max_new),
-                                            prompts[row["set"]]))
+                        got = list(
+                            pool.map(
+                                lambda ids: generate_ids(cluster.url, ids, args.max_new),
+                                prompts[row["set"]],
+                            )
+                        )
                     ref = row["greedy_runs"]
                     same_tokens = sum(g["ids"] == r["ids"] for g, r in zip(got, ref))
-                    same_accept = sum(g["ids"] == r["ids"] and g["rounds"] == r["rounds"] for g, r in zip(got, ref))
-                    out.append({"mode": mode, "set": row["set"], "prompts": len(ref), "same_tokens": same_tokens,
-                                "same_acceptance": same_accept})
-                    print(f"PD {mode} {row['set']}: tokens equal {same_tokens}/{len(ref)}, acceptance equal "
-                          f"{same_accept}/{len(ref)}", flush=True)
+                    same_accept = sum(
+                        g["ids"] == r["ids"] and g["rounds"] == r["rounds"]
+                        for g, r in zip(got, ref)
+                    )
+                    out.append(
+                        {
+                            "mode": mode,
+                            "set": row["set"],
+                            "prompts": len(ref),
+                            "same_tokens": same_tokens,
+                            "same_acceptance": same_accept,
+                        }
+                    )
+                    print(
+                        f"PD {mode} {row['set']}: tokens equal {same_tokens}/{len(ref)}, acceptance equal "
+                        f"{same_accept}/{len(ref)}",
+                        flush=True,
+                    )
             finally:
                 cluster.stop()
     return out
 
 
 def decode_rate(outs: list[dict]) -> float:
-    """Decode tokens per second: tokens after each request's first, over the span from the first first-token to
-    the last last-token (batch 1: requests run one after another, so their spans add)."""
+    """Decode tokens per second: tokens after each request's first, over the span from the first
+    first-token to the last last-token (batch 1: requests run one after another, so their spans
+    add)."""
     tokens = sum(len(o["ids"]) - 1 for o in outs)
     return tokens / max(sum(o["end"] - o["first"] for o in outs), 1e-9)
 
 
 def speed_runs(args, prompts: list[list[int]]) -> list[dict]:
-    """Every (dtype, batch, mode), interleaved round by round; min and median tok/s over the rounds."""
+    """Every (dtype, batch, mode), interleaved round by round; min and median tok/s over the
+    rounds."""
     from sparkrelay import SamplingParams
 
     greedy = SamplingParams(max_new_tokens=args.max_new, temperature=0.0)
-    cells = [(dt, b, m) for dt in ("bfloat16", "float32") for b in (1, 8) for m in ("plain", "dspark")]
+    cells = [
+        (dt, b, m) for dt in ("bfloat16", "float32") for b in (1, 8) for m in ("plain", "dspark")
+    ]
     engines = {}
     rates: dict[tuple, list[float]] = {c: [] for c in cells}
     for r in range(args.rounds):
@@ -162,62 +229,137 @@ def speed_runs(args, prompts: list[list[int]]) -> list[dict]:
             else:
                 outs = []
                 for i in range(0, len(prompts), 8):
-                    wave = run_timed(llm, prompts[i: i + 8], greedy)
+                    wave = run_timed(llm, prompts[i : i + 8], greedy)
                     start = min(o["first"] for o in wave)
                     end = max(o["end"] for o in wave)
-                    outs.append({"ids": [0] * (sum(len(o["ids"]) - 1 for o in wave) + 1), "first": start, "end": end})
+                    outs.append(
+                        {
+                            "ids": [0] * (sum(len(o["ids"]) - 1 for o in wave) + 1),
+                            "first": start,
+                            "end": end,
+                        }
+                    )
             rates[(dt, b, m)].append(decode_rate(outs))
-            print(f"round {r + 1}: {dt} batch {b} {m} {rates[(dt, b, m)][-1]:.1f} tok/s", flush=True)
+            print(
+                f"round {r + 1}: {dt} batch {b} {m} {rates[(dt, b, m)][-1]:.1f} tok/s", flush=True
+            )
     rows = []
     for dt in ("bfloat16", "float32"):
         for b in (1, 8):
             plain, spec = rates[(dt, b, "plain")], rates[(dt, b, "dspark")]
             ratios = [s / p for s, p in zip(spec, plain)]
-            rows.append({"dtype": dt, "batch": b, "plain_min": min(plain), "plain_median": statistics.median(plain),
-                         "dspark_min": min(spec), "dspark_median": statistics.median(spec),
-                         "speedup_min": min(ratios), "speedup_median": statistics.median(ratios)})
+            rows.append(
+                {
+                    "dtype": dt,
+                    "batch": b,
+                    "plain_min": min(plain),
+                    "plain_median": statistics.median(plain),
+                    "dspark_min": min(spec),
+                    "dspark_median": statistics.median(spec),
+                    "speedup_min": min(ratios),
+                    "speedup_median": statistics.median(ratios),
+                }
+            )
     return rows
 
 
 def report(args, rows: list[dict], speed: list[dict], pd: list[dict], argv: list[str]) -> None:
     out = Path(args.out_dir)
     record = provenance("sparkrelay.tools.bench.acceptance", argv)
-    header = [*header_lines(record),
-              f"target {args.target}, drafter {args.drafter}, block 7, at most {args.max_new} new tokens, "
-              "evaluation split, chat template, no system message; acceptance in float32"]
+    header = [
+        *header_lines(record),
+        f"target {args.target}, drafter {args.drafter}, block 7, at most {args.max_new} new tokens, "
+        "evaluation split, chat template, no system message; acceptance in float32",
+    ]
     acc = markdown_table(
-        ["set", "prompts", "tau greedy", "tau T=1", "paper DSpark (Qwen3-4B, T=1)", "greedy = plain",
-         "accept rate by position, greedy"],
-        [[r["set"], r["prompts"], r["tau_greedy"], r["tau_t1"], PAPER_TABLE1.get(r["set"], "-"),
-          f"{r['greedy_equal']}/{r['prompts']}", " ".join(f"{x:.2f}" for x in r["accept_rate_greedy"])]
-         for r in rows] + [["mean of sets", sum(r["prompts"] for r in rows),
-                            round(statistics.fmean(r["tau_greedy"] for r in rows), 3),
-                            round(statistics.fmean(r["tau_t1"] for r in rows), 3),
-                            round(statistics.fmean(PAPER_TABLE1[r["set"]] for r in rows), 2), "", ""]])
-    spd = markdown_table(["dtype", "batch", "plain tok/s (min / median)", "DSpark tok/s (min / median)",
-                          "DSpark / plain (min / median)"],
-                         [[s["dtype"], s["batch"], f"{s['plain_min']:.1f} / {s['plain_median']:.1f}",
-                           f"{s['dspark_min']:.1f} / {s['dspark_median']:.1f}",
-                           f"{s['speedup_min']:.2f}x / {s['speedup_median']:.2f}x"] for s in speed])
-    pdt = markdown_table(["PD mode (PP=2 prefill, no drafter)", "set", "prompts", "tokens = aggregated",
-                          "acceptance = aggregated"],
-                         [[r["mode"], r["set"], r["prompts"], r["same_tokens"], r["same_acceptance"]] for r in pd])
+        [
+            "set",
+            "prompts",
+            "tau greedy",
+            "tau T=1",
+            "paper DSpark (Qwen3-4B, T=1)",
+            "greedy = plain",
+            "accept rate by position, greedy",
+        ],
+        [
+            [
+                r["set"],
+                r["prompts"],
+                r["tau_greedy"],
+                r["tau_t1"],
+                PAPER_TABLE1.get(r["set"], "-"),
+                f"{r['greedy_equal']}/{r['prompts']}",
+                " ".join(f"{x:.2f}" for x in r["accept_rate_greedy"]),
+            ]
+            for r in rows
+        ]
+        + [
+            [
+                "mean of sets",
+                sum(r["prompts"] for r in rows),
+                round(statistics.fmean(r["tau_greedy"] for r in rows), 3),
+                round(statistics.fmean(r["tau_t1"] for r in rows), 3),
+                round(statistics.fmean(PAPER_TABLE1[r["set"]] for r in rows), 2),
+                "",
+                "",
+            ]
+        ],
+    )
+    spd = markdown_table(
+        [
+            "dtype",
+            "batch",
+            "plain tok/s (min / median)",
+            "DSpark tok/s (min / median)",
+            "DSpark / plain (min / median)",
+        ],
+        [
+            [
+                s["dtype"],
+                s["batch"],
+                f"{s['plain_min']:.1f} / {s['plain_median']:.1f}",
+                f"{s['dspark_min']:.1f} / {s['dspark_median']:.1f}",
+                f"{s['speedup_min']:.2f}x / {s['speedup_median']:.2f}x",
+            ]
+            for s in speed
+        ],
+    )
+    pdt = markdown_table(
+        [
+            "PD mode (PP=2 prefill, no drafter)",
+            "set",
+            "prompts",
+            "tokens = aggregated",
+            "acceptance = aggregated",
+        ],
+        [[r["mode"], r["set"], r["prompts"], r["same_tokens"], r["same_acceptance"]] for r in pd],
+    )
     curve = learning_curve(args.drafter, out)
     body = acc + "\n\n" + spd + ("\n\n" + pdt if pd else "") + ("\n\n" + curve if curve else "")
     write_markdown(out / "acceptance.md", "DSpark acceptance and speed", header, body)
     slim = [{k: v for k, v in r.items() if k != "greedy_runs"} for r in rows]
-    write_json(out / "acceptance.json", {**record, "sets": slim, "speed": speed, "pd": pd,
-                                         "paper_table1": PAPER_TABLE1})
-    bar_chart(out / "acceptance.png", [r["set"] for r in rows],
-              {"greedy": [r["tau_greedy"] for r in rows], "T=1": [r["tau_t1"] for r in rows],
-               "paper (Qwen3-4B, T=1)": [PAPER_TABLE1.get(r["set"]) for r in rows]},
-              "DSpark acceptance length per verify round (incl. bonus)", "tokens per round")
+    write_json(
+        out / "acceptance.json",
+        {**record, "sets": slim, "speed": speed, "pd": pd, "paper_table1": PAPER_TABLE1},
+    )
+    bar_chart(
+        out / "acceptance.png",
+        [r["set"] for r in rows],
+        {
+            "greedy": [r["tau_greedy"] for r in rows],
+            "T=1": [r["tau_t1"] for r in rows],
+            "paper (Qwen3-4B, T=1)": [PAPER_TABLE1.get(r["set"]) for r in rows],
+        },
+        "DSpark acceptance length per verify round (incl. bonus)",
+        "tokens per round",
+    )
     print(body)
 
 
 def learning_curve(drafter: str, out: Path) -> str:
-    """The drafter's learning curve from its train_report.json (offline greedy acceptance on the evaluation
-    prompts against training steps and CPU hours): a markdown table, and acceptance_curve.png; "" without one."""
+    """The drafter's learning curve from its train_report.json (offline greedy acceptance on the
+    evaluation prompts against training steps and CPU hours): a markdown table, and
+    acceptance_curve.png; "" without one."""
     path = Path(drafter) / "train_report.json"
     points = json.loads(path.read_text()).get("learning_curve", []) if path.is_file() else []
     if not points:
@@ -226,30 +368,53 @@ def learning_curve(drafter: str, out: Path) -> str:
     hours = [p["cpu_hours"] for p in points]
     series = {"mean of sets": (hours, [p["tau"] for p in points])}
     series |= {s: (hours, [p[f"tau_{s}"] for p in points]) for s in sets}
-    line_chart(out / "acceptance_curve.png", series, f"Learning curve of {drafter} (offline greedy acceptance)",
-               "training CPU hours (2 cores)", "tokens per round")
+    line_chart(
+        out / "acceptance_curve.png",
+        series,
+        f"Learning curve of {drafter} (offline greedy acceptance)",
+        "training CPU hours (2 cores)",
+        "tokens per round",
+    )
     step = max(1, len(points) // 12)  # about a dozen rows; the last point always shown
     shown = points[::step] + ([points[-1]] if (len(points) - 1) % step else [])
-    table = markdown_table(["step", "CPU hours", "tau, mean of sets", *(f"tau {s}" for s in sets)],
-                           [[p["step"], f"{p['cpu_hours']:.2f}", *(f"{v:.2f}" for v in (p["tau"], *(p[f"tau_{s}"] for s in sets)))]
-                            for p in shown])
-    return (f"Learning curve (`{path}`; offline greedy acceptance on {drafter}'s evaluation prompts, the drafter "
-            "tool's own measure; acceptance_curve.png):\n\n" + table)
+    table = markdown_table(
+        ["step", "CPU hours", "tau, mean of sets", *(f"tau {s}" for s in sets)],
+        [
+            [
+                p["step"],
+                f"{p['cpu_hours']:.2f}",
+                *(f"{v:.2f}" for v in (p["tau"], *(p[f"tau_{s}"] for s in sets))),
+            ]
+            for p in shown
+        ],
+    )
+    return (
+        f"Learning curve (`{path}`; offline greedy acceptance on {drafter}'s evaluation prompts, the drafter "
+        "tool's own measure; acceptance_curve.png):\n\n" + table
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--target", default="models/smollm2-135m-instruct")
     p.add_argument("--drafter", default="models/smollm2-135m-instruct-dspark")
     p.add_argument("--prompts", default="../shared/data/prompts")
     p.add_argument("--sets", nargs="+", default=list(PROMPT_SETS))
-    p.add_argument("--limit", type=int, default=0, help="evaluation prompts per set (0: the whole split)")
+    p.add_argument(
+        "--limit", type=int, default=0, help="evaluation prompts per set (0: the whole split)"
+    )
     p.add_argument("--max-new", type=int, default=256)
     p.add_argument("--speed-prompts", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--kv-tokens", type=int, default=32768, help="KV cache tokens of each engine")
-    p.add_argument("--pd-modes", type=lambda t: [m for m in t.split(",") if m], default=[],
-                   help="comma-separated handoff modes to check through a PD deployment (e.g. hidden,draft-kv)")
+    p.add_argument(
+        "--pd-modes",
+        type=lambda t: [m for m in t.split(",") if m],
+        default=[],
+        help="comma-separated handoff modes to check through a PD deployment (e.g. hidden,draft-kv)",
+    )
     p.add_argument("--pd-concurrency", type=int, default=8)
     p.add_argument("--no-speed", action="store_true", help="skip the speed runs")
     p.add_argument("--out-dir", default="benchmarks/results/acceptance")
@@ -266,7 +431,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = [acceptance_run(args, spec_llm, plain_llm, s, prompts[s]) for s in args.sets]
     del spec_llm, plain_llm
     pd = pd_runs(args, rows, prompts) if args.pd_modes else []
-    mixed = [p for group in zip(*prompts.values()) for p in group][: args.speed_prompts]  # the sets interleaved
+    mixed = [p for group in zip(*prompts.values()) for p in group][
+        : args.speed_prompts
+    ]  # the sets interleaved
     report(args, rows, [] if args.no_speed else speed_runs(args, mixed), pd, argv)
 
 

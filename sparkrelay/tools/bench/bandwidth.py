@@ -1,10 +1,11 @@
 """The decode roofline: the machine's measured read bandwidth and the bytes a decode step must read.
 
-Bandwidth (`measure_read_bandwidth`): the fastest of several one-pass reads of a 1 GiB tensor (every byte read
-once, one number written): `torch.sum` and `torch.amax` over float32, `torch.sum` over bfloat16 (READS); each
-after one untimed pass, its median over the repeats, in GB/s (10^9 bytes/s). The fastest is the physical limit a
-decode kernel can approach: on a 2-core EPYC the float32 sum read ~34 GB/s where the bfloat16 one read ~48 GB/s
-(and 27.6 against 31.4 in a later run), so any one read alone may understate the limit.
+Bandwidth (`measure_read_bandwidth`): the fastest of several one-pass reads of a 1 GiB tensor (every
+byte read once, one number written): `torch.sum` and `torch.amax` over float32, `torch.sum` over
+bfloat16 (READS); each after one untimed pass, its median over the repeats, in GB/s (10^9 bytes/s).
+The fastest is the physical limit a decode kernel can approach: on a 2-core EPYC the float32 sum
+read ~34 GB/s where the bfloat16 one read ~48 GB/s (and 27.6 against 31.4 in a later run), so any
+one read alone may understate the limit.
 
 Bytes of one decode step at batch b with L context positions per sequence (`step_bytes`):
     bytes(b) = W + b * KV(L)
@@ -32,7 +33,8 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Width:
-    """Bytes per element of the weights, the per-output-channel scales, the LM head and the KV cache."""
+    """Bytes per element of the weights, the per-output-channel scales, the LM head and the KV
+    cache."""
 
     weight: float
     scale: float
@@ -50,7 +52,8 @@ WIDTHS = {
 
 @dataclass(frozen=True)
 class Shape:
-    """The dimensions of a Qwen3 decoder that fix its bytes per step (from a Hugging Face config.json)."""
+    """The dimensions of a Qwen3 decoder that fix its bytes per step (from a Hugging Face
+    config.json)."""
 
     hidden: int
     layers: int
@@ -64,8 +67,15 @@ class Shape:
     def from_hf(cls, cfg: dict) -> "Shape":
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        return cls(hidden, int(cfg["num_hidden_layers"]), heads, int(cfg.get("num_key_value_heads", heads)),
-                   int(cfg.get("head_dim") or hidden // heads), int(cfg["intermediate_size"]), int(cfg["vocab_size"]))
+        return cls(
+            hidden,
+            int(cfg["num_hidden_layers"]),
+            heads,
+            int(cfg.get("num_key_value_heads", heads)),
+            int(cfg.get("head_dim") or hidden // heads),
+            int(cfg["intermediate_size"]),
+            int(cfg["vocab_size"]),
+        )
 
     def layer_weights(self) -> int:
         """Weights of one decoder layer's linears: q, k, v, o, gate, up, down."""
@@ -97,7 +107,9 @@ def kv_bytes(shape: Shape, dtype: str, context: float) -> float:
     return float(2 * shape.layers * shape.kv_heads * shape.head_dim * context * WIDTHS[dtype].kv)
 
 
-def step_bytes(shape: Shape, dtype: str, batch: int, context: float, int8_lm_head: bool = False) -> float:
+def step_bytes(
+    shape: Shape, dtype: str, batch: int, context: float, int8_lm_head: bool = False
+) -> float:
     """bytes(b) = W + b * KV(L)."""
     return weight_bytes(shape, dtype, int8_lm_head) + batch * kv_bytes(shape, dtype, context)
 
@@ -128,17 +140,24 @@ READS = (("float32", "sum"), ("float32", "amax"), ("bfloat16", "sum"))  # (dtype
 
 
 def measure_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7, device: str = "cpu") -> dict:
-    """The read bandwidth: the fastest median of the READS, each one pass over `nbytes` (module docstring)."""
+    """The read bandwidth: the fastest median of the READS, each one pass over `nbytes` (module
+    docstring)."""
     import torch
 
-    reads = {f"{kind} {dtype}": _time_read(getattr(torch, dtype), kind, nbytes, repeats, device)
-             for dtype, kind in READS}
+    reads = {
+        f"{kind} {dtype}": _time_read(getattr(torch, dtype), kind, nbytes, repeats, device)
+        for dtype, kind in READS
+    }
     best = max(reads, key=lambda k: bandwidth_gb_s(nbytes, reads[k]))
-    return {"gb_s": bandwidth_gb_s(nbytes, reads[best]), "bytes": nbytes, "seconds": reads[best],
-            "reads_gb_s": {k: bandwidth_gb_s(nbytes, v) for k, v in reads.items()},
-            "method": f"fastest of torch.{', torch.'.join(reads)} over a {nbytes / 2**30:g} GiB tensor on {device} "
-                      f"with {torch.get_num_threads()} threads (here torch.{best}), median of {repeats} passes "
-                      "after one untimed pass"}
+    return {
+        "gb_s": bandwidth_gb_s(nbytes, reads[best]),
+        "bytes": nbytes,
+        "seconds": reads[best],
+        "reads_gb_s": {k: bandwidth_gb_s(nbytes, v) for k, v in reads.items()},
+        "method": f"fastest of torch.{', torch.'.join(reads)} over a {nbytes / 2**30:g} GiB tensor on {device} "
+        f"with {torch.get_num_threads()} threads (here torch.{best}), median of {repeats} passes "
+        "after one untimed pass",
+    }
 
 
 def _time_read(dtype, kind: str, nbytes: int, repeats: int, device: str) -> list[float]:
@@ -147,7 +166,8 @@ def _time_read(dtype, kind: str, nbytes: int, repeats: int, device: str) -> list
 
     from sparkrelay.tools.bench.common import sync
 
-    x = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)  # written once: every page resident
+    # written once: every page resident
+    x = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)
     read = getattr(x, kind)
     read()  # untimed pass
     seconds = []

@@ -1,6 +1,6 @@
-"""Where a request's time to first token goes: its events (trace/timeline.py, SPARKRELAY_TRACE) between the client's
-send and its first streamed chunk, cut into segments on the critical path. Pure functions; bench/pd.py runs the
-deployments and draws the figures.
+"""Where a request's time to first token goes: its events (trace/timeline.py, SPARKRELAY_TRACE)
+between the client's send and its first streamed chunk, cut into segments on the critical path. Pure
+functions; bench/pd.py runs the deployments and draws the figures.
 
 PD (router + PP prefill + decode), in order:
     to engine     client send -> the prefill engine queued it (client -> router -> prefill HTTP -> engine thread)
@@ -25,9 +25,15 @@ from typing import Optional
 SEGMENTS = ("to engine", "queue", "compute", "transfer", "commit", "to client")
 
 
-def _first(events: list[dict], source: str, event: str, room: Optional[int] = None) -> Optional[dict]:
+def _first(
+    events: list[dict], source: str, event: str, room: Optional[int] = None
+) -> Optional[dict]:
     for e in events:
-        if e["source"] == source and e["event"] == event and (room is None or e.get("room") == room):
+        if (
+            e["source"] == source
+            and e["event"] == event
+            and (room is None or e.get("room") == room)
+        ):
             return e
     return None
 
@@ -46,29 +52,58 @@ def request_breakdown(events: list[dict], t_send: float, t_first: float) -> Opti
     room = router["rooms"][0]
     queued = _first(window, "prefill", "queued", room)
     chunks = [e for e in window if e["event"] == "chunk" and room in e["rooms"]]
-    arrived, out = _first(window, "decode", "arrived", room), _first(window, "decode", "first_token", room)
+    arrived, out = (
+        _first(window, "decode", "arrived", room),
+        _first(window, "decode", "first_token", room),
+    )
     if queued is None or not chunks or arrived is None or out is None:
         return None
     start, end = min(c["start"] for c in chunks), max(c["end"] for c in chunks)
     sends = [e["t"] for e in window if e["event"] == "send" and e.get("room") == room]
-    reply = next((e for e in window if e["source"] == "router" and e["event"] == "replied" and e["side"] == "prefill"
-                  and room in e["rooms"]), None)
-    out = {"to engine": _ms(t_send, queued["t"]), "queue": _ms(queued["t"], start), "compute": _ms(start, end),
-           "transfer": max(0.0, _ms(end, arrived["t"])), "commit": _ms(arrived["t"], out["t"]),
-           "to client": _ms(out["t"], t_first), "router hop": _ms(t_send, router["t"]),
-           "transfer span": _ms(min(sends), arrived["t"]) if sends else 0.0,
-           "prefill reply": _ms(out["t"], reply["t"]) if reply is not None else float("nan")}
+    reply = next(
+        (
+            e
+            for e in window
+            if e["source"] == "router"
+            and e["event"] == "replied"
+            and e["side"] == "prefill"
+            and room in e["rooms"]
+        ),
+        None,
+    )
+    out = {
+        "to engine": _ms(t_send, queued["t"]),
+        "queue": _ms(queued["t"], start),
+        "compute": _ms(start, end),
+        "transfer": max(0.0, _ms(end, arrived["t"])),
+        "commit": _ms(arrived["t"], out["t"]),
+        "to client": _ms(out["t"], t_first),
+        "router hop": _ms(t_send, router["t"]),
+        "transfer span": _ms(min(sends), arrived["t"]) if sends else 0.0,
+        "prefill reply": _ms(out["t"], reply["t"]) if reply is not None else float("nan"),
+    }
     for stage in sorted({c["source"] for c in chunks}):
-        out[f"{stage} busy"] = sum(_ms(c["start"], c["end"]) for c in chunks if c["source"] == stage)
+        out[f"{stage} busy"] = sum(
+            _ms(c["start"], c["end"]) for c in chunks if c["source"] == stage
+        )
     return out
 
 
 def _aggregated(window: list[dict], t_send: float, t_first: float) -> Optional[dict]:
-    queued, first = _first(window, "aggregated", "queued"), _first(window, "aggregated", "first_token")
+    queued, first = (
+        _first(window, "aggregated", "queued"),
+        _first(window, "aggregated", "first_token"),
+    )
     if queued is None or first is None:
         return None
-    return {"to engine": _ms(t_send, queued["t"]), "queue": 0.0, "compute": _ms(queued["t"], first["t"]),
-            "transfer": 0.0, "commit": 0.0, "to client": _ms(first["t"], t_first)}
+    return {
+        "to engine": _ms(t_send, queued["t"]),
+        "queue": 0.0,
+        "compute": _ms(queued["t"], first["t"]),
+        "transfer": 0.0,
+        "commit": 0.0,
+        "to client": _ms(first["t"], t_first),
+    }
 
 
 def mean_breakdown(rows: list[Optional[dict]]) -> Optional[dict]:
@@ -83,10 +118,18 @@ def mean_breakdown(rows: list[Optional[dict]]) -> Optional[dict]:
 def markdown(rows: list[dict]) -> list[str]:
     """rows: bench/pd.py's, each with a "breakdown" (mean_breakdown) -> a table, one line per deployment and
     prompt length."""
-    stages = sorted({k for r in rows if r.get("breakdown") for k in r["breakdown"] if k.endswith(" busy")})
+    stages = sorted(
+        {k for r in rows if r.get("breakdown") for k in r["breakdown"] if k.endswith(" busy")}
+    )
     extra = ["router hop", *stages, "transfer span", "prefill reply"]
-    lines = ["| deployment | prompt len | TTFT ms | " + " | ".join(SEGMENTS) + " | " + " | ".join(extra) + " |",
-             "|---|---|---|" + "---|" * (len(SEGMENTS) + len(extra))]
+    lines = [
+        "| deployment | prompt len | TTFT ms | "
+        + " | ".join(SEGMENTS)
+        + " | "
+        + " | ".join(extra)
+        + " |",
+        "|---|---|---|" + "---|" * (len(SEGMENTS) + len(extra)),
+    ]
     for r in rows:
         b = r.get("breakdown")
         if not b:
@@ -111,11 +154,20 @@ def plot(rows: list[dict], path) -> None:
     colors = plt.get_cmap("tab10").colors
     for ax, n in zip(axes[0], lengths):
         for i, name in enumerate(names):
-            b = next((r["breakdown"] for r in rows if r["prompt_len"] == n and r["deployment"] == name), None)
+            b = next(
+                (r["breakdown"] for r in rows if r["prompt_len"] == n and r["deployment"] == name),
+                None,
+            )
             bottom = 0.0
             for j, seg in enumerate(SEGMENTS):
                 v = b.get(seg, 0.0) if b else 0.0
-                ax.bar(i, v, bottom=bottom, color=colors[j], label=seg if (n, i) == (lengths[0], 0) else None)
+                ax.bar(
+                    i,
+                    v,
+                    bottom=bottom,
+                    color=colors[j],
+                    label=seg if (n, i) == (lengths[0], 0) else None,
+                )
                 bottom += v
         ax.set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=8)
         ax.set_title(f"{n}-token prompts")

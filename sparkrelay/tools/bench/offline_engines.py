@@ -1,6 +1,7 @@
-"""The engine configurations of the offline benchmark (python -m sparkrelay.tools.bench.offline): a `Runner` per
-engine (sparkrelay's `LLM`, with or without DSpark and torch.compile, and the transformers reference) and the
-table of their names. Another configuration is one `EngineConfig` appended to `ENGINE_CONFIGS`."""
+"""The engine configurations of the offline benchmark (python -m sparkrelay.tools.bench.offline): a
+`Runner` per engine (sparkrelay's `LLM`, with or without DSpark and torch.compile, and the
+transformers reference) and the table of their names. Another configuration is one `EngineConfig`
+appended to `ENGINE_CONFIGS`."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ REFERENCE = "transformers"  # ratios and greedy agreement are taken against this
 
 
 class Runner(Protocol):
-    """A loaded engine: greedy-generates exactly `output_len` tokens (EOS ignored) for each prompt of a group
-    submitted together, and returns the new token ids in prompt order."""
+    """A loaded engine: greedy-generates exactly `output_len` tokens (EOS ignored) for each prompt
+    of a group submitted together, and returns the new token ids in prompt order."""
 
     def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]: ...
 
@@ -29,7 +30,8 @@ class EngineConfig:
     load: Callable[[argparse.Namespace], Runner]
 
 
-# -- sparkrelay ----------------------------------------------------------------------------------------------------
+# -- sparkrelay ------------------------------------------------------------------------------------
+
 
 class SparkrelayRunner:
     def __init__(self, args: argparse.Namespace, **settings) -> None:
@@ -52,7 +54,8 @@ class SparkrelayRunner:
         if engine.spec_stats is None:
             return None
         summary = engine.spec_stats.summary()
-        engine.spec_stats = type(engine.spec_stats)(engine.spec_stats.max_drafts)  # start a fresh count
+        # start a fresh count
+        engine.spec_stats = type(engine.spec_stats)(engine.spec_stats.max_drafts)
         return summary
 
 
@@ -63,9 +66,14 @@ def load_sparkrelay(args: argparse.Namespace) -> Runner:
 def load_dspark(args: argparse.Namespace, **settings) -> Runner:
     if not Path(args.draft_model_path).is_dir():
         raise SystemExit(f"--draft-model-path {args.draft_model_path!r} is not a folder")
-    return SparkrelayRunner(args, speculative_algorithm="DSPARK", speculative_draft_model_path=args.draft_model_path,
-                            speculative_dspark_confidence_threshold=args.confidence_threshold,
-                            speculative_num_draft_tokens=args.num_draft_tokens, **settings)
+    return SparkrelayRunner(
+        args,
+        speculative_algorithm="DSPARK",
+        speculative_draft_model_path=args.draft_model_path,
+        speculative_dspark_confidence_threshold=args.confidence_threshold,
+        speculative_num_draft_tokens=args.num_draft_tokens,
+        **settings,
+    )
 
 
 def load_compiled(args: argparse.Namespace) -> Runner:
@@ -76,10 +84,12 @@ def load_dspark_compiled(args: argparse.Namespace) -> Runner:
     return load_dspark(args, enable_torch_compile=True)
 
 
-# -- transformers --------------------------------------------------------------------------------------------------
+# -- transformers ----------------------------------------------------------------------------------
+
 
 class TransformersRunner:
-    """`AutoModelForCausalLM.generate` on left-padded groups, greedy, no EOS (so it never stops early)."""
+    """`AutoModelForCausalLM.generate` on left-padded groups, greedy, no EOS (so it never stops
+    early)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
@@ -90,14 +100,22 @@ class TransformersRunner:
         self.torch = torch
         self.device = args.device
         dtype = getattr(torch, args.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).to(args.device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype)
+            .to(args.device)
+            .eval()
+        )
         tok = AutoTokenizer.from_pretrained(args.model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         gc = self.model.generation_config
         gc.eos_token_id = None  # ignore_eos: run to max_new_tokens, and let EOS itself be generated
         gc.pad_token_id = self.pad_id
         gc.do_sample = False
-        for name in ("temperature", "top_p", "top_k"):  # silence "sampling flag set but do_sample=False"
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+        ):  # silence "sampling flag set but do_sample=False"
             if hasattr(gc, name):
                 setattr(gc, name, None)
 
@@ -107,11 +125,16 @@ class TransformersRunner:
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):  # left padding
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         with torch.inference_mode():
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len)
+            out = self.model.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                do_sample=False,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+            )
         return out[:, width:].tolist()
 
     def close(self) -> None:
@@ -137,4 +160,3 @@ DEFAULT_ENGINES = (PLAIN, DSPARK, REFERENCE)
 def plain_of(engine: str) -> str:
     """The non-speculative row a speculative row is compared with (same compile setting)."""
     return engine.replace("+dspark", "")
-

@@ -1,5 +1,6 @@
-"""The offline benchmark's comparisons and report: ratios between rows, greedy agreement with the reference
-engine, the pass/fail verdict and the markdown tables (python -m sparkrelay.tools.bench.offline)."""
+"""The offline benchmark's comparisons and report: ratios between rows, greedy agreement with the
+reference engine, the pass/fail verdict and the markdown tables (python -m
+sparkrelay.tools.bench.offline)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Optional
 from sparkrelay.tools.bench import common as bc
 from sparkrelay.tools.bench.offline_engines import REFERENCE, plain_of
 
+# -- comparisons -----------------------------------------------------------------------------------
 
-# -- comparisons ---------------------------------------------------------------------------------------------------
 
 def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
     """Index of the first differing token, None when equal."""
@@ -21,8 +22,8 @@ def first_divergence(a: list[int], b: list[int]) -> Optional[int]:
 
 
 def add_comparisons(rows: list[dict]) -> None:
-    """Ratios vs the reference engine at the same batch and vs the row's own batch 1 (smallest batch), and greedy
-    agreement with the reference's smallest batch; filled into each row dict."""
+    """Ratios vs the reference engine at the same batch and vs the row's own batch 1 (smallest
+    batch), and greedy agreement with the reference's smallest batch; filled into each row dict."""
     by_key = {(r["engine"], r["batch"]): r for r in rows}
     ref_rows = sorted((r for r in rows if r["engine"] == REFERENCE), key=lambda r: r["batch"])
     ref_out = ref_rows[0]["outputs"] if ref_rows else None
@@ -42,10 +43,14 @@ def add_comparisons(rows: list[dict]) -> None:
 
 
 def verdict(rows: list[dict], num_prompts: int) -> list[str]:
-    """Rows whose greedy outputs are not all equal to the reference's at batch 1 (a wrong answer fails the run)."""
-    return [f"{r['engine']} batch {r['batch']}: {num_prompts - r['match']} of {num_prompts} outputs differ from "
-            f"{REFERENCE} (first differing token per prompt: {r['first_divergence']})"
-            for r in rows if r["match"] is not None and r["match"] < num_prompts]
+    """Rows whose greedy outputs are not all equal to the reference's at batch 1 (a wrong answer
+    fails the run)."""
+    return [
+        f"{r['engine']} batch {r['batch']}: {num_prompts - r['match']} of {num_prompts} outputs differ from "
+        f"{REFERENCE} (first differing token per prompt: {r['first_divergence']})"
+        for r in rows
+        if r["match"] is not None and r["match"] < num_prompts
+    ]
 
 
 def verdict_line(why: list[str]) -> str:
@@ -58,10 +63,12 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
-# -- report --------------------------------------------------------------------------------------------------------
+# -- report ----------------------------------------------------------------------------------------
+
 
 def header_lines(args: argparse.Namespace, record: dict, prompts: list[bc.Prompt]) -> list[str]:
-    """The common header of `record` (common.provenance), then the workload and the torch threads."""
+    """The common header of `record` (common.provenance), then the workload and the torch
+    threads."""
     files = sorted({p.source for p in prompts})
     machine = record["machine"]
     return [
@@ -74,25 +81,55 @@ def header_lines(args: argparse.Namespace, record: dict, prompts: list[bc.Prompt
 
 
 def table(rows: list[dict], num_prompts: int) -> str:
-    headers = ["engine", "batch", "e2e tok/s", "decode tok/s", f"vs {REFERENCE}", "vs own b1", "vs plain",
-               "accept len", f"= {REFERENCE} b1"]
-    body = [[r["engine"], r["batch"], r["e2e_tok_s"], r["decode_tok_s"], _x(r["vs_reference"]), _x(r["vs_own_b1"]),
-             _x(r["vs_plain"]), "-" if not r.get("spec") else f"{r['spec']['spec_accept_length']:.2f}",
-             "-" if r["match"] is None else f"{r['match']}/{num_prompts}"] for r in rows]
+    headers = [
+        "engine",
+        "batch",
+        "e2e tok/s",
+        "decode tok/s",
+        f"vs {REFERENCE}",
+        "vs own b1",
+        "vs plain",
+        "accept len",
+        f"= {REFERENCE} b1",
+    ]
+    body = [
+        [
+            r["engine"],
+            r["batch"],
+            r["e2e_tok_s"],
+            r["decode_tok_s"],
+            _x(r["vs_reference"]),
+            _x(r["vs_own_b1"]),
+            _x(r["vs_plain"]),
+            "-" if not r.get("spec") else f"{r['spec']['spec_accept_length']:.2f}",
+            "-" if r["match"] is None else f"{r['match']}/{num_prompts}",
+        ]
+        for r in rows
+    ]
     return bc.markdown_table(headers, body)
 
 
 def accept_table(rows: list[dict]) -> str:
-    """Per-position accept rates of the speculative rows: accept_rate@k = the rounds whose accepted prefix reached
-    draft slot k / the rounds that proposed it."""
+    """Per-position accept rates of the speculative rows: accept_rate@k = the rounds whose accepted
+    prefix reached draft slot k / the rounds that proposed it."""
     spec_rows = [r for r in rows if r.get("spec")]
     if not spec_rows:
         return ""
     width = max(len(r["spec"]["spec_accept_rate_per_position"]) for r in spec_rows)
-    headers = ["engine", "batch", "rounds", "accept len", "verify rate"] + [f"@{k}" for k in range(width)]
-    body = [[r["engine"], r["batch"], r["spec"]["spec_rounds"], f"{r['spec']['spec_accept_length']:.2f}",
-             f"{r['spec']['spec_verify_rate']:.2f}"] + [f"{a:.2f}" for a in r["spec"]["spec_accept_rate_per_position"]]
-            for r in spec_rows]
+    headers = ["engine", "batch", "rounds", "accept len", "verify rate"] + [
+        f"@{k}" for k in range(width)
+    ]
+    body = [
+        [
+            r["engine"],
+            r["batch"],
+            r["spec"]["spec_rounds"],
+            f"{r['spec']['spec_accept_length']:.2f}",
+            f"{r['spec']['spec_verify_rate']:.2f}",
+        ]
+        + [f"{a:.2f}" for a in r["spec"]["spec_accept_rate_per_position"]]
+        for r in spec_rows
+    ]
     return bc.markdown_table(headers, body)
 
 
@@ -101,8 +138,10 @@ def tables(rows: list[dict], num_prompts: int) -> str:
     text = table(rows, num_prompts)
     accepts = accept_table(rows)
     if accepts:
-        text += "\n\nPer-position accept rates (rounds whose accepted prefix reached draft slot k / rounds that " \
-                "proposed it):\n\n" + accepts
+        text += (
+            "\n\nPer-position accept rates (rounds whose accepted prefix reached draft slot k / rounds that "
+            "proposed it):\n\n" + accepts
+        )
     return text
 
 
@@ -118,4 +157,3 @@ NOTES = [
     "The last column counts prompts whose greedy output equals "
     f"{REFERENCE}'s at batch 1, token for token.",
 ]
-

@@ -1,15 +1,18 @@
-"""The engines of the roofline benchmark (python -m sparkrelay.tools.bench.roofline) and how each is timed.
+"""The engines of the roofline benchmark (python -m sparkrelay.tools.bench.roofline) and how each is
+timed.
 
-A `Target` is one model folder: a real checkpoint (*.safetensors: both engines read it) or a config folder
-without weights (sparkrelay loads it with load_format="dummy"; transformers builds it with `from_config`, its
-values filled from the same per-key seeds as sparkrelay's dummy loader, so both hold the same weights and the
-greedy outputs can be compared; on a build without that loader, transformers' seeded init, outputs not compared).
+A `Target` is one model folder: a real checkpoint (*.safetensors: both engines read it) or a config
+folder without weights (sparkrelay loads it with load_format="dummy"; transformers builds it with
+`from_config`, its values filled from the same per-key seeds as sparkrelay's dummy loader, so both
+hold the same weights and the greedy outputs can be compared; on a build without that loader,
+transformers' seeded init, outputs not compared).
 
-Decode tok/s (`decode_rates`): one call generates `new_tokens` for a static batch of equal-length prompts, greedy,
-EOS ignored; another generates 1 token. decode tok/s = batch * (new_tokens - 1) / (t_new - t_1), medians of the
-repeats, the two engines interleaved (A, B, A, B) so background load hits both alike. Also, sturdier against a
-load spike: step tok/s = batch / the median decode step (the time between consecutive token emissions: sparkrelay's
-engine steps, transformers' generation steps stamped by a logits processor) over every step of the repeats.
+Decode tok/s (`decode_rates`): one call generates `new_tokens` for a static batch of equal-length
+prompts, greedy, EOS ignored; another generates 1 token. decode tok/s = batch * (new_tokens - 1) /
+(t_new - t_1), medians of the repeats, the two engines interleaved (A, B, A, B) so background load
+hits both alike. Also, sturdier against a load spike: step tok/s = batch / the median decode step
+(the time between consecutive token emissions: sparkrelay's engine steps, transformers' generation
+steps stamped by a logits processor) over every step of the repeats.
 """
 
 from __future__ import annotations
@@ -33,12 +36,15 @@ def has_weights(folder: str | Path) -> bool:
 
 
 def engine_knows(setting: str) -> bool:
-    """Whether this build's config tree has the leaf `setting` (load_format, torchao_config, ...)."""
+    """Whether this build's config tree has the leaf `setting` (load_format, torchao_config,
+    ...)."""
     return setting in Config().flat()
 
 
 def has_tokenizer(folder: str | Path) -> bool:
-    return any((Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    return any(
+        (Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
+    )
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,8 @@ def unsupported(target: Target, dtype: str) -> Optional[str]:
 
 
 def sparkrelay_settings(target: Target, dtype: str, extra: dict, draft: bool = False) -> dict:
-    """LLM(...) keyword settings for (target, dtype): engine flags from the command line first, then ours."""
+    """LLM(...) keyword settings for (target, dtype): engine flags from the command line first, then
+    ours."""
     s = dict(extra)
     s["dtype"] = "bfloat16" if dtype == INT8WO else dtype
     if dtype == INT8WO:
@@ -84,12 +91,14 @@ def sparkrelay_settings(target: Target, dtype: str, extra: dict, draft: bool = F
 
 
 def random_prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
-    """`count` prompts of `length` ids drawn uniformly from [1, vocab) (random weights: any ids do)."""
+    """`count` prompts of `length` ids drawn uniformly from [1, vocab) (random weights: any ids
+    do)."""
     rng = random.Random(seed)
     return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(count)]
 
 
-# -- the two engines -----------------------------------------------------------------------------------------------
+# -- the two engines -------------------------------------------------------------------------------
+
 
 class SparkrelayEngine:
     def __init__(self, target: Target, dtype: str, settings: dict, draft: bool = False) -> None:
@@ -128,9 +137,9 @@ class SparkrelayEngine:
 
 
 def fill_like_dummy(model, hf: dict) -> bool:
-    """Give a transformers model sparkrelay's --load-format dummy values (they are a function of the checkpoint key,
-    and transformers' parameter names are the checkpoint keys); False, keeping its own seeded init, on a build
-    without the dummy loader."""
+    """Give a transformers model sparkrelay's --load-format dummy values (they are a function of the
+    checkpoint key, and transformers' parameter names are the checkpoint keys); False, keeping its
+    own seeded init, on a build without the dummy loader."""
     try:
         from sparkrelay.models.dummy import fill_dummy, init_std
     except ImportError:
@@ -140,13 +149,15 @@ def fill_like_dummy(model, hf: dict) -> bool:
 
 
 def gaps(stamps: list[float]) -> list[float]:
-    """Seconds between consecutive timestamps (token emissions: the decode steps after the first token)."""
+    """Seconds between consecutive timestamps (token emissions: the decode steps after the first
+    token)."""
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
 class TransformersEngine:
-    """transformers' `generate`, greedy, EOS ignored, static batch of equal-length prompts (no padding); a logits
-    processor stamps each generation step, so `gaps` holds its decode steps' durations like sparkrelay's."""
+    """transformers' `generate`, greedy, EOS ignored, static batch of equal-length prompts (no
+    padding); a logits processor stamps each generation step, so `gaps` holds its decode steps'
+    durations like sparkrelay's."""
 
     def __init__(self, target: Target, dtype: str, device: str, seed: int = 0) -> None:
         import torch
@@ -160,7 +171,9 @@ class TransformersEngine:
             model = AutoModelForCausalLM.from_pretrained(target.folder, dtype=torch_dtype)
         else:
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(target.folder), dtype=torch_dtype)
+            model = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(target.folder), dtype=torch_dtype
+            )
             self.same_weights = fill_like_dummy(model, target.hf)
         self.model = model.to(device).eval()
         gc = self.model.generation_config
@@ -179,11 +192,16 @@ class TransformersEngine:
             return scores
 
         with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                      logits_processor=self._processors([clock]))
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                logits_processor=self._processors([clock]),
+            )
         self.gaps = gaps(stamps)
-        return out[:, ids.shape[1]:].tolist()
+        return out[:, ids.shape[1] :].tolist()
 
     @staticmethod
     def _processors(fns):
@@ -199,15 +217,21 @@ class TransformersEngine:
         return LogitsProcessorList([Clock(f) for f in fns])
 
 
-# -- timing --------------------------------------------------------------------------------------------------------
+# -- timing ----------------------------------------------------------------------------------------
 
 Engine = SparkrelayEngine | TransformersEngine
 
 
-def decode_rates(engines: dict[str, Engine], groups: list[list[list[int]]], new_tokens: int, repeats: int,
-                 device: str, warmup: bool = True) -> dict[str, dict]:
-    """Per engine name: decode tok/s over `groups` (each a static batch, run one after another; see the module
-    docstring), engines interleaved."""
+def decode_rates(
+    engines: dict[str, Engine],
+    groups: list[list[list[int]]],
+    new_tokens: int,
+    repeats: int,
+    device: str,
+    warmup: bool = True,
+) -> dict[str, dict]:
+    """Per engine name: decode tok/s over `groups` (each a static batch, run one after another; see
+    the module docstring), engines interleaved."""
     run = lambda e, n: [ids for g in groups for ids in e.generate(g, n)]  # noqa: E731
     t_new: dict[str, list[float]] = {n: [] for n in engines}
     t_one: dict[str, list[float]] = {n: [] for n in engines}
@@ -229,26 +253,38 @@ def decode_rates(engines: dict[str, Engine], groups: list[list[list[int]]], new_
         new, one = bc.median(t_new[name]), bc.median(t_one[name])
         rate = sequences * (new_tokens - 1) / (new - one) if new > one and new_tokens > 1 else None
         step = bc.median(steps[name]) if steps[name] else None
-        out[name] = {"decode_tok_s": rate, "t_new_s": t_new[name], "t_1_s": t_one[name], "outputs": outputs[name],
-                     "median_step_s": step, "step_tok_s": len(groups[-1]) / step if step else None}
+        out[name] = {
+            "decode_tok_s": rate,
+            "t_new_s": t_new[name],
+            "t_1_s": t_one[name],
+            "outputs": outputs[name],
+            "median_step_s": step,
+            "step_tok_s": len(groups[-1]) / step if step else None,
+        }
     return out
 
 
-def prefill_rates(engines: dict[str, Engine], prompt: list[int], repeats: int, device: str) -> dict[str, dict]:
-    """Per engine name: tokens/s of one prompt's prefill (a 1-token generate), engines interleaved."""
+def prefill_rates(
+    engines: dict[str, Engine], prompt: list[int], repeats: int, device: str
+) -> dict[str, dict]:
+    """Per engine name: tokens/s of one prompt's prefill (a 1-token generate), engines
+    interleaved."""
     times: dict[str, list[float]] = {n: [] for n in engines}
     for e in engines.values():
         e.generate([prompt], 1)  # warm-up
     for _ in range(repeats):
         for name, e in engines.items():
             times[name].append(bc.timed(lambda: e.generate([prompt], 1), device)[0])
-    return {n: {"prefill_tok_s": bc.rate(len(prompt), bc.median(t)), "t_s": t} for n, t in times.items()}
+    return {
+        n: {"prefill_tok_s": bc.rate(len(prompt), bc.median(t)), "t_s": t} for n, t in times.items()
+    }
 
 
 @dataclass
 class PieceTimer:
-    """Wraps `obj.<name>` (an instance attribute shadowing the method) so each call records (size, seconds),
-    size = size_of(args): the engine runs as it does in service while its pieces are timed."""
+    """Wraps `obj.<name>` (an instance attribute shadowing the method) so each call records (size,
+    seconds), size = size_of(args): the engine runs as it does in service while its pieces are
+    timed."""
 
     obj: object
     name: str

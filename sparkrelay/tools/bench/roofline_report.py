@@ -1,7 +1,7 @@
 """Tables and the plot of the roofline benchmark (python -m sparkrelay.tools.bench.roofline).
 
-Every derived column is computed here from the raw figures of the JSON (`derive`), so the tables and the JSON
-agree by construction and a test can recompute them.
+Every derived column is computed here from the raw figures of the JSON (`derive`), so the tables and
+the JSON agree by construction and a test can recompute them.
 """
 
 from __future__ import annotations
@@ -36,14 +36,19 @@ NOTES = [
 
 
 def derive(result: dict) -> None:
-    """Fill the derived fields of every row in place: roofline fractions, ratios to transformers, speedups."""
+    """Fill the derived fields of every row in place: roofline fractions, ratios to transformers,
+    speedups."""
     gb_s = result["bandwidth"]["gb_s"]
     for row in result["decode"]:
         row["roofline_tok_s"] = bw.roofline_tok_s(gb_s, row["step_bytes"], row["batch"])
         row["roofline_fraction"] = bw.fraction(row["decode_tok_s"], row["roofline_tok_s"])
-        row["vs_transformers"] = _ratio(row, result["decode"], "decode_tok_s", ("shape", "dtype", "batch"))
+        row["vs_transformers"] = _ratio(
+            row, result["decode"], "decode_tok_s", ("shape", "dtype", "batch")
+        )
         row["step_fraction"] = bw.fraction(row.get("step_tok_s"), row["roofline_tok_s"])
-        row["step_vs_transformers"] = _ratio(row, result["decode"], "step_tok_s", ("shape", "dtype", "batch"))
+        row["step_vs_transformers"] = _ratio(
+            row, result["decode"], "step_tok_s", ("shape", "dtype", "batch")
+        )
     for row in result["prefill"]:
         row["vs_transformers"] = _ratio(row, result["prefill"], "prefill_tok_s", ("shape", "dtype"))
     for row in result["spec"]:
@@ -53,7 +58,9 @@ def derive(result: dict) -> None:
 def _ratio(row: dict, rows: list[dict], key: str, same: tuple[str, ...]) -> Optional[float]:
     if row["engine"] == REFERENCE:
         return None
-    ref = next((r for r in rows if r["engine"] == REFERENCE and all(r[k] == row[k] for k in same)), None)
+    ref = next(
+        (r for r in rows if r["engine"] == REFERENCE and all(r[k] == row[k] for k in same)), None
+    )
     if ref is None or not ref.get(key) or row.get(key) is None:
         return None
     return row[key] / ref[key]
@@ -63,13 +70,18 @@ def _derive_spec(row: dict) -> None:
     dec = row["t_decode_s"]
     row["verify_ratio"] = row["t_verify_s"] / dec if dec and row["t_verify_s"] else None
     row["draft_ratio"] = row["t_draft_s"] / dec if dec and row["t_draft_s"] else None
-    row["round_ratio"] = row["t_round_s"] / row["t_step_s"] if row["t_step_s"] and row["t_round_s"] else None
+    row["round_ratio"] = (
+        row["t_round_s"] / row["t_step_s"] if row["t_step_s"] and row["t_round_s"] else None
+    )
     ok = row["verify_ratio"] is not None and row["draft_ratio"] is not None
-    row["predicted"] = {f"{t:g}": bw.predicted_speedup(t, row["verify_ratio"], row["draft_ratio"]) if ok else None
-                        for t in TAUS}
+    row["predicted"] = {
+        f"{t:g}": bw.predicted_speedup(t, row["verify_ratio"], row["draft_ratio"]) if ok else None
+        for t in TAUS
+    }
     tau = row.get("tau_measured")
-    row["predicted_at_measured_tau"] = bw.predicted_speedup(tau, row["verify_ratio"], row["draft_ratio"]) \
-        if ok and tau else None
+    row["predicted_at_measured_tau"] = (
+        bw.predicted_speedup(tau, row["verify_ratio"], row["draft_ratio"]) if ok and tau else None
+    )
     plain, spec = row.get("plain_tok_s"), row.get("dspark_tok_s")
     row["speedup_measured"] = spec / plain if plain and spec else None
 
@@ -83,32 +95,101 @@ def _x(value: Optional[float]) -> str:
 
 
 def decode_table(result: dict) -> str:
-    rows = [[r["shape"], r["dtype"], r["engine"], r["batch"], r["roofline_tok_s"], r["decode_tok_s"],
-             _pct(r["roofline_fraction"]), _x(r["vs_transformers"]), r.get("step_tok_s"), _pct(r["step_fraction"]),
-             _x(r["step_vs_transformers"]), _pct(r["greedy_agreement"])] for r in result["decode"]]
-    return bc.markdown_table(["shape", "dtype", "engine", "batch", "roofline tok/s", "decode tok/s", "of roofline",
-                              "vs transformers", "step tok/s", "of roofline", "vs transformers", "same tokens"],
-                             rows)
+    rows = [
+        [
+            r["shape"],
+            r["dtype"],
+            r["engine"],
+            r["batch"],
+            r["roofline_tok_s"],
+            r["decode_tok_s"],
+            _pct(r["roofline_fraction"]),
+            _x(r["vs_transformers"]),
+            r.get("step_tok_s"),
+            _pct(r["step_fraction"]),
+            _x(r["step_vs_transformers"]),
+            _pct(r["greedy_agreement"]),
+        ]
+        for r in result["decode"]
+    ]
+    return bc.markdown_table(
+        [
+            "shape",
+            "dtype",
+            "engine",
+            "batch",
+            "roofline tok/s",
+            "decode tok/s",
+            "of roofline",
+            "vs transformers",
+            "step tok/s",
+            "of roofline",
+            "vs transformers",
+            "same tokens",
+        ],
+        rows,
+    )
 
 
 def prefill_table(result: dict) -> str:
-    rows = [[r["shape"], r["dtype"], r["engine"], r["prompt_len"], r["prefill_tok_s"], _x(r["vs_transformers"])]
-            for r in result["prefill"]]
-    return bc.markdown_table(["shape", "dtype", "engine", "prompt tokens", "prefill tok/s", "vs transformers"], rows)
+    rows = [
+        [
+            r["shape"],
+            r["dtype"],
+            r["engine"],
+            r["prompt_len"],
+            r["prefill_tok_s"],
+            _x(r["vs_transformers"]),
+        ]
+        for r in result["prefill"]
+    ]
+    return bc.markdown_table(
+        ["shape", "dtype", "engine", "prompt tokens", "prefill tok/s", "vs transformers"], rows
+    )
 
 
 def spec_table(result: dict) -> str:
     rows = []
     for r in result["spec"]:
         ms = lambda s: None if s is None else 1000 * s  # noqa: E731
-        rows.append([r["shape"], r["dtype"], r["block"], ms(r["t_decode_s"]), ms(r["t_verify_s"]), ms(r["t_draft_s"]),
-                     ms(r.get("t_draft_body_s")), ms(r.get("t_draft_markov_s")),
-                     _x(r["verify_ratio"]), _x(r["draft_ratio"]), _x(r["round_ratio"]),
-                     *[_x(r["predicted"][f"{t:g}"]) for t in TAUS], bc.fmt(r.get("tau_measured"), 2),
-                     _x(r["predicted_at_measured_tau"]), _x(r["speedup_measured"]), _equal(r.get("greedy_equal"))])
-    heads = ["shape", "dtype", "B", "decode ms", "verify ms", "draft ms", "body ms", "markov ms", "verify/decode",
-             "draft/decode", "round/step", *[f"pred. tau={t:g}" for t in TAUS], "tau meas.", "pred. at tau", "measured",
-             "greedy equal"]
+        rows.append(
+            [
+                r["shape"],
+                r["dtype"],
+                r["block"],
+                ms(r["t_decode_s"]),
+                ms(r["t_verify_s"]),
+                ms(r["t_draft_s"]),
+                ms(r.get("t_draft_body_s")),
+                ms(r.get("t_draft_markov_s")),
+                _x(r["verify_ratio"]),
+                _x(r["draft_ratio"]),
+                _x(r["round_ratio"]),
+                *[_x(r["predicted"][f"{t:g}"]) for t in TAUS],
+                bc.fmt(r.get("tau_measured"), 2),
+                _x(r["predicted_at_measured_tau"]),
+                _x(r["speedup_measured"]),
+                _equal(r.get("greedy_equal")),
+            ]
+        )
+    heads = [
+        "shape",
+        "dtype",
+        "B",
+        "decode ms",
+        "verify ms",
+        "draft ms",
+        "body ms",
+        "markov ms",
+        "verify/decode",
+        "draft/decode",
+        "round/step",
+        *[f"pred. tau={t:g}" for t in TAUS],
+        "tau meas.",
+        "pred. at tau",
+        "measured",
+        "greedy equal",
+    ]
     return bc.markdown_table(heads, rows)
 
 
@@ -117,23 +198,35 @@ def _equal(value: Optional[bool]) -> str:
 
 
 def skipped_lines(result: dict) -> list[str]:
-    return [f"- skipped {s['shape']} {s['dtype']} {s.get('what', '')}: {s['reason']}" for s in result["skipped"]]
+    return [
+        f"- skipped {s['shape']} {s['dtype']} {s.get('what', '')}: {s['reason']}"
+        for s in result["skipped"]
+    ]
 
 
 def header_lines(result: dict) -> list[str]:
-    """The common header (common.header_lines), then torch's threads, the load, the bandwidth and the shapes."""
+    """The common header (common.header_lines), then torch's threads, the load, the bandwidth and
+    the shapes."""
     s, m, b = result["settings"], result["machine"], result["bandwidth"]
-    shapes = ", ".join(f"{x['name']} ({x['weights']}, {x['weight_bytes']['bfloat16'] / 1e9:.2f} GB in bf16)"
-                       for x in result["shapes"])
-    return [*bc.header_lines(result), f"Torch threads: {m['torch_threads']}.",
-            f"Load (uptime) at start: {result['load']['start']}; at end: {result['load'].get('end', '(running)')}.",
-            f"Read bandwidth: {b['gb_s']:.1f} GB/s ({b['method']}; each read: "
-            + ", ".join(f"{k} {v:.1f}" for k, v in b.get("reads_gb_s", {}).items()) + " GB/s).",
-            *[f"Resumed (--resume) at {r['at']}, commit {r.get('commit', 'unknown')}; read bandwidth then "
-              f"{r.get('bandwidth_gb_s', 0):.1f} GB/s (every fraction uses the first part's)."
-              for r in result["load"].get("resumed", [])],
-            f"Shapes: {shapes}. Prompts of {s['prompt_len']} tokens, {s['new_tokens']} new tokens, batches "
-            f"{s['batches']}, prefill of {s['prefill_len']} tokens, {s['repeats']} repeats (median)."]
+    shapes = ", ".join(
+        f"{x['name']} ({x['weights']}, {x['weight_bytes']['bfloat16'] / 1e9:.2f} GB in bf16)"
+        for x in result["shapes"]
+    )
+    return [
+        *bc.header_lines(result),
+        f"Torch threads: {m['torch_threads']}.",
+        f"Load (uptime) at start: {result['load']['start']}; at end: {result['load'].get('end', '(running)')}.",
+        f"Read bandwidth: {b['gb_s']:.1f} GB/s ({b['method']}; each read: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in b.get("reads_gb_s", {}).items())
+        + " GB/s).",
+        *[
+            f"Resumed (--resume) at {r['at']}, commit {r.get('commit', 'unknown')}; read bandwidth then "
+            f"{r.get('bandwidth_gb_s', 0):.1f} GB/s (every fraction uses the first part's)."
+            for r in result["load"].get("resumed", [])
+        ],
+        f"Shapes: {shapes}. Prompts of {s['prompt_len']} tokens, {s['new_tokens']} new tokens, batches "
+        f"{s['batches']}, prefill of {s['prefill_len']} tokens, {s['repeats']} repeats (median).",
+    ]
 
 
 def tables(result: dict) -> str:
@@ -146,19 +239,40 @@ def tables(result: dict) -> str:
 
 
 def plot(path: Path, result: dict) -> Optional[Path]:
-    """Decode tok/s as a fraction of the roofline: one group per (shape, dtype, batch), one bar per engine; None
-    (and a message) without matplotlib."""
+    """Decode tok/s as a fraction of the roofline: one group per (shape, dtype, batch), one bar per
+    engine; None (and a message) without matplotlib."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         print("matplotlib is not installed: no PNG (pip install matplotlib)")
         return None
-    keys = sorted({(r["shape"], r["dtype"], r["batch"]) for r in result["decode"]},
-                  key=lambda k: (k[0], k[1], k[2]))
+    keys = sorted(
+        {(r["shape"], r["dtype"], r["batch"]) for r in result["decode"]},
+        key=lambda k: (k[0], k[1], k[2]),
+    )
     engines = sorted({r["engine"] for r in result["decode"]})
-    series = {e: [next((100 * r["roofline_fraction"] for r in result["decode"] if r["engine"] == e
-                        and (r["shape"], r["dtype"], r["batch"]) == k and r["roofline_fraction"] is not None), None)
-                  for k in keys] for e in engines}
+    series = {
+        e: [
+            next(
+                (
+                    100 * r["roofline_fraction"]
+                    for r in result["decode"]
+                    if r["engine"] == e
+                    and (r["shape"], r["dtype"], r["batch"]) == k
+                    and r["roofline_fraction"] is not None
+                ),
+                None,
+            )
+            for k in keys
+        ]
+        for e in engines
+    }
     groups = [f"{s}\n{d} b{b}" for s, d, b in keys]
-    return bc.bar_chart(path, groups, series, title=f"decode tok/s as % of the memory roofline "
-                        f"({result['bandwidth']['gb_s']:.1f} GB/s read)", ylabel="% of roofline")
+    return bc.bar_chart(
+        path,
+        groups,
+        series,
+        title=f"decode tok/s as % of the memory roofline "
+        f"({result['bandwidth']['gb_s']:.1f} GB/s read)",
+        ylabel="% of roofline",
+    )

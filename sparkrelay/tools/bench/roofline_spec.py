@@ -29,35 +29,67 @@ def _wrap(plain: SparkrelayEngine, spec: SparkrelayEngine, device: str) -> dict[
     kind = lambda args: args[0].kind  # noqa: E731  run(batch)
     rows = lambda args: args[0].shape[0]  # noqa: E731  block_forward(block_ids [R, B], ...), markov_sample(u, ...)
     drafter = spec_runner.proposer.drafter
-    return {"decode": PieceTimer(runner, "forward", n_ids, device),
-            "step": PieceTimer(runner, "run", kind, device),
-            "verify": PieceTimer(spec_runner, "forward", n_ids, device),
-            "draft": PieceTimer(spec_runner.proposer, "propose", lambda args: len(args[0]), device),
-            "round": PieceTimer(spec_runner, "run", kind, device),
-            "draft_body": PieceTimer(drafter, "block_forward", rows, device),
-            "draft_markov": PieceTimer(drafter, "markov_sample", rows, device)}
+    return {
+        "decode": PieceTimer(runner, "forward", n_ids, device),
+        "step": PieceTimer(runner, "run", kind, device),
+        "verify": PieceTimer(spec_runner, "forward", n_ids, device),
+        "draft": PieceTimer(spec_runner.proposer, "propose", lambda args: len(args[0]), device),
+        "round": PieceTimer(spec_runner, "run", kind, device),
+        "draft_body": PieceTimer(drafter, "block_forward", rows, device),
+        "draft_markov": PieceTimer(drafter, "markov_sample", rows, device),
+    }
 
 
-def round_costs(plain: SparkrelayEngine, spec: SparkrelayEngine, prompts: list[list[int]], new_tokens: int,
-                repeats: int, device: str) -> dict:
-    """The raw figures of one (shape, dtype) row of the round-cost table (see the module docstring)."""
+def round_costs(
+    plain: SparkrelayEngine,
+    spec: SparkrelayEngine,
+    prompts: list[list[int]],
+    new_tokens: int,
+    repeats: int,
+    device: str,
+) -> dict:
+    """The raw figures of one (shape, dtype) row of the round-cost table (see the module
+    docstring)."""
     block = spec.llm.engine.proposer.max_drafts
     new_tokens = max(new_tokens, 3 * (block + 1))
     for e in (plain, spec):
-        e.generate(prompts[:1], min(new_tokens, 2 * block + 2))  # warm-up, untimed, out of the statistics
+        # warm-up, untimed, out of the statistics
+        e.generate(prompts[:1], min(new_tokens, 2 * block + 2))
     spec.spec_summary()  # a fresh acceptance count
     timers = _wrap(plain, spec, device)
-    rates = decode_rates({PLAIN: plain, DSPARK: spec}, [[p] for p in prompts], new_tokens, repeats, device,
-                         warmup=False)
+    rates = decode_rates(
+        {PLAIN: plain, DSPARK: spec},
+        [[p] for p in prompts],
+        new_tokens,
+        repeats,
+        device,
+        warmup=False,
+    )
     summary = spec.spec_summary() or {}
-    return {"block": block, "new_tokens": new_tokens,
-            "t_decode_s": timers["decode"].median(1), "t_verify_s": timers["verify"].median(1 + block),
-            "t_draft_s": timers["draft"].median(1), "t_step_s": timers["step"].median("decode"),
-            "t_round_s": timers["round"].median("decode"), "t_draft_body_s": timers["draft_body"].median(1),
-            "t_draft_markov_s": timers["draft_markov"].median(1),
-            "samples": {k: timers[k].count(size) for k, size in
-                        (("decode", 1), ("verify", 1 + block), ("draft", 1), ("step", "decode"), ("round", "decode"))},
-            "tau_measured": summary.get("spec_accept_length"),
-            "plain_tok_s": rates[PLAIN]["decode_tok_s"], "dspark_tok_s": rates[DSPARK]["decode_tok_s"],
-            "greedy_equal": rates[PLAIN]["outputs"] == rates[DSPARK]["outputs"],
-            "t_new_s": {k: v["t_new_s"] for k, v in rates.items()}, "t_1_s": {k: v["t_1_s"] for k, v in rates.items()}}
+    return {
+        "block": block,
+        "new_tokens": new_tokens,
+        "t_decode_s": timers["decode"].median(1),
+        "t_verify_s": timers["verify"].median(1 + block),
+        "t_draft_s": timers["draft"].median(1),
+        "t_step_s": timers["step"].median("decode"),
+        "t_round_s": timers["round"].median("decode"),
+        "t_draft_body_s": timers["draft_body"].median(1),
+        "t_draft_markov_s": timers["draft_markov"].median(1),
+        "samples": {
+            k: timers[k].count(size)
+            for k, size in (
+                ("decode", 1),
+                ("verify", 1 + block),
+                ("draft", 1),
+                ("step", "decode"),
+                ("round", "decode"),
+            )
+        },
+        "tau_measured": summary.get("spec_accept_length"),
+        "plain_tok_s": rates[PLAIN]["decode_tok_s"],
+        "dspark_tok_s": rates[DSPARK]["decode_tok_s"],
+        "greedy_equal": rates[PLAIN]["outputs"] == rates[DSPARK]["outputs"],
+        "t_new_s": {k: v["t_new_s"] for k, v in rates.items()},
+        "t_1_s": {k: v["t_1_s"] for k, v in rates.items()},
+    }

@@ -1,5 +1,5 @@
-"""The soak's load: one request checked against its reference (`send`), and the workers that send them
-(`run_load`, `warm_up`) while `sample_memory` records each process's memory."""
+"""The soak's load: one request checked against its reference (`send`), and the workers that send
+them (`run_load`, `warm_up`) while `sample_memory` records each process's memory."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from sparkrelay.tools.soak.probe import snapshot
 from sparkrelay.tools.soak.report import Result, error_type, http_error_message
 from sparkrelay.tools.soak.workload import MODEL, Prompt
 
-# Routes a router cannot take token-id prompts on (sglang-router 0.3.2 answers 422 to `prompt: [ids]` on
-# /v1/completions): the soak sends the prompt's text there instead.
+# Routes a router cannot take token-id prompts on (sglang-router 0.3.2 answers 422 to `prompt:
+# [ids]` on /v1/completions): the soak sends the prompt's text there instead.
 TEXT_ONLY = {("sglang", "openai")}
 
 
@@ -27,14 +27,21 @@ def prompt_form(router: str, api: str) -> str:
     return "text" if (router, api) in TEXT_ONLY else "ids"
 
 
-# -- one request ---------------------------------------------------------------------------------------------------
+# -- one request -----------------------------------------------------------------------------------
+
 
 def _body(p: Prompt, api: str, stream: bool, form: str = "ids") -> tuple[str, dict]:
     if api == "generate":
         sp = {"max_new_tokens": p.max_new, "temperature": 0.0, "ignore_eos": True}
         return "/generate", {"input_ids": p.ids, "sampling_params": sp, "stream": stream}
-    return "/v1/completions", {"model": MODEL, "prompt": p.text if form == "text" else p.ids,
-                               "max_tokens": p.max_new, "temperature": 0.0, "ignore_eos": True, "stream": stream}
+    return "/v1/completions", {
+        "model": MODEL,
+        "prompt": p.text if form == "text" else p.ids,
+        "max_tokens": p.max_new,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
 
 
 def _check(p: Prompt, api: str, got) -> Optional[str]:
@@ -51,7 +58,9 @@ class _BadBody(Exception):
     pass
 
 
-async def _read_stream(resp: httpx.Response, p: Prompt, api: str, r: Result, t0: float, abort_first: bool):
+async def _read_stream(
+    resp: httpx.Response, p: Prompt, api: str, r: Result, t0: float, abort_first: bool
+):
     """The reassembled answer (ids or text), or None when aborted after the first chunk."""
     last, text, done = None, "", False
     async for line in resp.aiter_lines():
@@ -78,10 +87,20 @@ async def _read_stream(resp: httpx.Response, p: Prompt, api: str, r: Result, t0:
     return last if api == "generate" else text
 
 
-async def send(client: httpx.AsyncClient, url: str, p: Prompt, api: str, stream: bool, abort: Optional[str],
-               abort_after: float, timeout: float, t_origin: float, form: str = "ids") -> Result:
-    """abort: None, 'first-chunk' (streams only) or 'deadline' (give up after `abort_after` s); form: the prompt
-    as 'ids' or 'text' (/v1/completions only)."""
+async def send(
+    client: httpx.AsyncClient,
+    url: str,
+    p: Prompt,
+    api: str,
+    stream: bool,
+    abort: Optional[str],
+    abort_after: float,
+    timeout: float,
+    t_origin: float,
+    form: str = "ids",
+) -> Result:
+    """abort: None, 'first-chunk' (streams only) or 'deadline' (give up after `abort_after` s);
+    form: the prompt as 'ids' or 'text' (/v1/completions only)."""
     kind = f"{api}{'-text' if api == 'openai' and form == 'text' else ''}/{'stream' if stream else 'plain'}"
     r = Result(kind, p.index, p.long, time.perf_counter() - t_origin)
     path, body = _body(p, api, stream, form)
@@ -91,8 +110,10 @@ async def send(client: httpx.AsyncClient, url: str, p: Prompt, api: str, stream:
             async with client.stream("POST", url + path, json=body) as resp:
                 answered = True
                 if resp.status_code != 200:
-                    r.outcome, r.error_type = "error", error_type(resp.status_code,
-                                                                   http_error_message(await resp.aread()))
+                    r.outcome, r.error_type = (
+                        "error",
+                        error_type(resp.status_code, http_error_message(await resp.aread())),
+                    )
                     return r
                 if stream:
                     got = await _read_stream(resp, p, api, r, t0, abort == "first-chunk")
@@ -121,23 +142,33 @@ async def send(client: httpx.AsyncClient, url: str, p: Prompt, api: str, stream:
     return r
 
 
-# -- the load ------------------------------------------------------------------------------------------------------
+# -- the load --------------------------------------------------------------------------------------
+
 
 def draw(rng: random.Random, pool: list[Prompt], args) -> dict:
     stream = rng.random() < args.stream_fraction
     abort = None
     if rng.random() < args.abort_fraction:
         abort = "first-chunk" if stream and rng.random() < 0.5 else "deadline"
-    return {"p": rng.choice(pool), "api": "openai" if rng.random() < args.openai_fraction else "generate",
-            "stream": stream, "abort": abort, "abort_after": rng.uniform(0.02, 1.5)}
+    return {
+        "p": rng.choice(pool),
+        "api": "openai" if rng.random() < args.openai_fraction else "generate",
+        "stream": stream,
+        "abort": abort,
+        "abort_after": rng.uniform(0.02, 1.5),
+    }
 
 
-async def run_load(url: str, pool: list[Prompt], args, seconds: float, max_requests: int,
-                   sampler=None) -> tuple[list[Result], float]:
-    """`concurrency` workers until `seconds` pass or `max_requests` are sent; waits for the requests in flight."""
+async def run_load(
+    url: str, pool: list[Prompt], args, seconds: float, max_requests: int, sampler=None
+) -> tuple[list[Result], float]:
+    """`concurrency` workers until `seconds` pass or `max_requests` are sent; waits for the requests
+    in flight."""
     results: list[Result] = []
     sent = 0
-    limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency)
+    limits = httpx.Limits(
+        max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency
+    )
     t_origin = time.perf_counter()
     deadline = t_origin + seconds
 
@@ -147,8 +178,20 @@ async def run_load(url: str, pool: list[Prompt], args, seconds: float, max_reque
         while time.perf_counter() < deadline and sent < max_requests:
             sent += 1
             d = draw(rng, pool, args)
-            results.append(await send(client, url, d["p"], d["api"], d["stream"], d["abort"], d["abort_after"],
-                                      args.request_timeout, t_origin, prompt_form(args.router, d["api"])))
+            results.append(
+                await send(
+                    client,
+                    url,
+                    d["p"],
+                    d["api"],
+                    d["stream"],
+                    d["abort"],
+                    d["abort_after"],
+                    args.request_timeout,
+                    t_origin,
+                    prompt_form(args.router, d["api"]),
+                )
+            )
 
     async with httpx.AsyncClient(timeout=None, limits=limits, trust_env=False) as client:
         tasks = [asyncio.create_task(worker(i)) for i in range(args.concurrency)]
@@ -163,27 +206,47 @@ async def warm_up(url: str, pool: list[Prompt], args) -> list[Result]:
     """Every pool prompt once (non-streamed /generate, no aborts), after the router answers."""
     async with httpx.AsyncClient(timeout=None, trust_env=False) as c:  # send() bounds the time
         for _ in range(120):  # the router may still be registering its workers
-            r = await send(c, url, pool[0], "generate", False, None, 0, args.request_timeout, time.perf_counter())
+            r = await send(
+                c,
+                url,
+                pool[0],
+                "generate",
+                False,
+                None,
+                0,
+                args.request_timeout,
+                time.perf_counter(),
+            )
             if not r.error_type.startswith("HTTP 503"):
                 break
             await asyncio.sleep(0.5)
     n = len(pool) if args.warmup_requests is None else args.warmup_requests
-    plain = argparse.Namespace(**{**vars(args), "abort_fraction": 0.0, "stream_fraction": 0.0, "openai_fraction": 0.0})
+    plain = argparse.Namespace(
+        **{**vars(args), "abort_fraction": 0.0, "stream_fraction": 0.0, "openai_fraction": 0.0}
+    )
     results, _ = await run_load(url, pool, plain, 1e9, n) if n else ([], 0.0)
     return [r] + results
 
 
-async def sample_memory(cluster: PDCluster, every: float, samples: list, t_origin: float, tasks: list,
-                        results: list) -> None:
-    """Appends (t, {process: RSS KiB}) every `every` s while the workers run; prints progress every 30 s."""
+async def sample_memory(
+    cluster: PDCluster, every: float, samples: list, t_origin: float, tasks: list, results: list
+) -> None:
+    """Appends (t, {process: RSS KiB}) every `every` s while the workers run; prints progress every
+    30 s."""
     next_print = 30.0
     await asyncio.sleep(min(1.0, every))
     while not all(t.done() for t in tasks):
         t = time.perf_counter() - t_origin
         samples.append((t, {k: v["rss_kib"] for k, v in snapshot(cluster).items()}))
         if t >= next_print:
-            counts = {k: sum(r.outcome == k for r in results) for k in ("ok", "aborted", "error", "corrupted", "lost")}
-            print(f"[soak] {t:5.0f} s {counts} RSS MiB: "
-                  + ", ".join(f"{k} {v / 1024:.0f}" for k, v in samples[-1][1].items()), flush=True)
+            counts = {
+                k: sum(r.outcome == k for r in results)
+                for k in ("ok", "aborted", "error", "corrupted", "lost")
+            }
+            print(
+                f"[soak] {t:5.0f} s {counts} RSS MiB: "
+                + ", ".join(f"{k} {v / 1024:.0f}" for k, v in samples[-1][1].items()),
+                flush=True,
+            )
             next_print += 30.0
         await asyncio.sleep(every)

@@ -1,5 +1,6 @@
-"""What the soak reads from the running deployment: each process's memory, threads and fds (from /proc), the
-servers' internal states until they drain, and the warning and error lines of their logs."""
+"""What the soak reads from the running deployment: each process's memory, threads and fds (from
+/proc), the servers' internal states until they drain, and the warning and error lines of their
+logs."""
 
 from __future__ import annotations
 
@@ -33,7 +34,11 @@ def _proc_status(pid: int) -> Optional[dict]:
         return None
     if "VmRSS" not in fields:  # a zombie: it exited and its parent has not reaped it yet
         return None
-    return {"rss_kib": int(fields["VmRSS"].split()[0]), "threads": int(fields["Threads"]), "fds": fds}
+    return {
+        "rss_kib": int(fields["VmRSS"].split()[0]),
+        "threads": int(fields["Threads"]),
+        "fds": fds,
+    }
 
 
 def _label(server: str, pid: int, root: int) -> str:
@@ -75,13 +80,22 @@ def server_state(url: str) -> dict:
 
 
 def drain(cluster: PDCluster, timeout: float = 60.0) -> dict[str, dict]:
-    """Poll prefill and decode until idle with no KV in use (or `timeout`); their final internal states."""
-    busy = ("num_running", "num_waiting", "kv_used_tokens", "num_transfers_inflight", "num_prealloc")
+    """Poll prefill and decode until idle with no KV in use (or `timeout`); their final internal
+    states."""
+    busy = (
+        "num_running",
+        "num_waiting",
+        "kv_used_tokens",
+        "num_transfers_inflight",
+        "num_prealloc",
+    )
     end = time.monotonic() + timeout
     while True:
         states = {s.name: server_state(s.url) for s in (cluster.prefill, cluster.decode)}
-        if all(not any(st.get(k, 0) for k in busy) and "error" not in st for st in states.values()) \
-                or time.monotonic() > end:
+        if (
+            all(not any(st.get(k, 0) for k in busy) and "error" not in st for st in states.values())
+            or time.monotonic() > end
+        ):
             return states
         time.sleep(0.5)
 

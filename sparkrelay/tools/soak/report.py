@@ -1,5 +1,6 @@
-"""The soak's figures and report (sparkrelay/tools/soak/run.py): per-request results, percentiles, error buckets, memory
-growth between the first and last window, the pass/fail verdict and the markdown table. Pure functions."""
+"""The soak's figures and report (sparkrelay/tools/soak/run.py): per-request results, percentiles,
+error buckets, memory growth between the first and last window, the pass/fail verdict and the
+markdown table. Pure functions."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from sparkrelay.tools.bench.common import header_lines
 
 @dataclass
 class Result:
-    """One request. outcome: ok | corrupted | aborted | error | lost; `kind` is e.g. 'generate/stream'."""
+    """One request. outcome: ok | corrupted | aborted | error | lost; `kind` is e.g.
+    'generate/stream'."""
+
     kind: str
     prompt: int
     long: bool
@@ -37,7 +40,8 @@ def percentile(values: list[float], q: float) -> Optional[float]:
 
 
 def error_type(status: Optional[int], message: str) -> str:
-    """A stable bucket: `HTTP 503: first words` (numbers masked), or the message alone when there is no status."""
+    """A stable bucket: `HTTP 503: first words` (numbers masked), or the message alone when there is
+    no status."""
     msg = re.sub(r"\d+", "N", " ".join(str(message).split()[:12]))
     return f"HTTP {status}: {msg}" if status is not None else msg
 
@@ -52,8 +56,8 @@ def http_error_message(raw: bytes) -> str:
 
 
 def memory_growth(samples: list[tuple[float, dict[str, int]]], window_s: float) -> dict[str, dict]:
-    """Per process: mean RSS (KiB) over samples with t < first + window and over t > last - window, and growth %.
-    A process missing from the last window has last_kib None (it exited)."""
+    """Per process: mean RSS (KiB) over samples with t < first + window and over t > last - window,
+    and growth %. A process missing from the last window has last_kib None (it exited)."""
     if not samples:
         return {}
     t0, t1 = samples[0][0], samples[-1][0]
@@ -81,25 +85,45 @@ def tally(results: list[Result]) -> dict:
             key = f"{r.outcome}: {r.error_type}"
             bad[key] = bad.get(key, 0) + 1
     out["errors_by_type"] = dict(sorted(bad.items(), key=lambda kv: -kv[1]))
-    out["by_kind"] = {k: sum(r.kind == k for r in results) for k in sorted({r.kind for r in results})}
+    out["by_kind"] = {
+        k: sum(r.kind == k for r in results) for k in sorted({r.kind for r in results})
+    }
     out["corrupted_examples"] = [r.detail for r in results if r.outcome == "corrupted"][:5]
     return out
 
 
 def latencies(results: list[Result]) -> dict:
     ok = [r for r in results if r.outcome == "ok"]
-    rows = {"all": ok, "short prompts": [r for r in ok if not r.long], "long prompts": [r for r in ok if r.long]}
-    out = {name: {"n": len(rs), "e2e_p50_s": percentile([r.e2e for r in rs], 50),
-                  "e2e_p99_s": percentile([r.e2e for r in rs], 99)} for name, rs in rows.items()}
+    rows = {
+        "all": ok,
+        "short prompts": [r for r in ok if not r.long],
+        "long prompts": [r for r in ok if r.long],
+    }
+    out = {
+        name: {
+            "n": len(rs),
+            "e2e_p50_s": percentile([r.e2e for r in rs], 50),
+            "e2e_p99_s": percentile([r.e2e for r in rs], 99),
+        }
+        for name, rs in rows.items()
+    }
     ttft = [r.ttft for r in ok if r.ttft is not None]
-    out["streamed TTFT"] = {"n": len(ttft), "p50_s": percentile(ttft, 50), "p99_s": percentile(ttft, 99)}
+    out["streamed TTFT"] = {
+        "n": len(ttft),
+        "p50_s": percentile(ttft, 50),
+        "p99_s": percentile(ttft, 99),
+    }
     return out
 
 
 def request_failures(t: dict, phase: str) -> list[str]:
-    """Reasons from one phase's tally: any error, lost or corrupted request fails the run. An abort the soak
-    itself made is none of these."""
-    return [f"{phase}: {t[k]} {k} request{'s' if t[k] != 1 else ''}" for k in ("error", "lost", "corrupted") if t[k]]
+    """Reasons from one phase's tally: any error, lost or corrupted request fails the run. An abort
+    the soak itself made is none of these."""
+    return [
+        f"{phase}: {t[k]} {k} request{'s' if t[k] != 1 else ''}"
+        for k in ("error", "lost", "corrupted")
+        if t[k]
+    ]
 
 
 def verdict(report: dict, max_growth: float) -> list[str]:
@@ -122,8 +146,10 @@ def verdict(report: dict, max_growth: float) -> list[str]:
 def verdict_line(failures: list[str]) -> str:
     if failures:
         return "Verdict: FAIL: " + "; ".join(failures) + "."
-    return ("Verdict: PASS (no request ended in an error, was lost or differed from the aggregated output; memory "
-            "stayed bounded, both servers drained and stayed up).")
+    return (
+        "Verdict: PASS (no request ended in an error, was lost or differed from the aggregated output; memory "
+        "stayed bounded, both servers drained and stayed up)."
+    )
 
 
 def _f(x, scale=1.0, fmt="{:.0f}") -> str:
@@ -131,31 +157,53 @@ def _f(x, scale=1.0, fmt="{:.0f}") -> str:
 
 
 def markdown(report: dict) -> str:
-    """The .md: the common header (command, host, commit: common.header_lines), the deployment, then the tables."""
+    """The .md: the common header (command, host, commit: common.header_lines), the deployment, then
+    the tables."""
     a, t, lat, mem = report["args"], report["load"], report["latency"], report["memory"]
-    lines = [*header_lines(report), "",
-             f"Router ({a['router']}) + PP={a['pp_size']} prefill + DSpark decode ({a['handoff']}), concurrency "
-             f"{a['concurrency']}, {report['duration_s']:.0f} s of load, pool of {len(report['pool'])} prompts.", "",
-             "| requests | sent | completed | of which = aggregated | aborted | errors | corrupted | lost | req/s "
-             "| output tok/s |", "|---|---|---|---|---|---|---|---|---|---|",
-             f"| load | {t['sent']} | {t['completed']} | {t['ok']} | {t['aborted']} | {t['error']} | {t['corrupted']} "
-             f"| {t['lost']} | {report['throughput_rps']:.2f} | {report['output_tokens_per_s']:.0f} |", "",
-             "| latency | n | p50 ms | p99 ms |", "|---|---|---|---|"]
+    lines = [
+        *header_lines(report),
+        "",
+        f"Router ({a['router']}) + PP={a['pp_size']} prefill + DSpark decode ({a['handoff']}), concurrency "
+        f"{a['concurrency']}, {report['duration_s']:.0f} s of load, pool of {len(report['pool'])} prompts.",
+        "",
+        "| requests | sent | completed | of which = aggregated | aborted | errors | corrupted | lost | req/s "
+        "| output tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| load | {t['sent']} | {t['completed']} | {t['ok']} | {t['aborted']} | {t['error']} | {t['corrupted']} "
+        f"| {t['lost']} | {report['throughput_rps']:.2f} | {report['output_tokens_per_s']:.0f} |",
+        "",
+        "| latency | n | p50 ms | p99 ms |",
+        "|---|---|---|---|",
+    ]
     for name, v in lat.items():
         p50, p99 = v.get("e2e_p50_s", v.get("p50_s")), v.get("e2e_p99_s", v.get("p99_s"))
         lines.append(f"| {name} | {v['n']} | {_f(p50, 1000)} | {_f(p99, 1000)} |")
-    lines += ["", "| process | RSS MiB at start | first window MiB | last window MiB | growth % | RSS MiB at end "
-              "| threads start → end | fds start → end |", "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| process | RSS MiB at start | first window MiB | last window MiB | growth % | RSS MiB at end "
+        "| threads start → end | fds start → end |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, g in mem["growth"].items():
         s, e = mem["start"].get(name, {}), mem["end"].get(name, {})
-        lines.append(f"| {name} | {_f(s.get('rss_kib'), 1 / 1024)} | {_f(g['first_kib'], 1 / 1024)} | "
-                     f"{_f(g['last_kib'], 1 / 1024)} | {_f(g['growth_pct'], fmt='{:+.1f}')} | "
-                     f"{_f(e.get('rss_kib'), 1 / 1024)} | {s.get('threads', '-')} → {e.get('threads', '-')} | "
-                     f"{s.get('fds', '-')} → {e.get('fds', '-')} |")
+        lines.append(
+            f"| {name} | {_f(s.get('rss_kib'), 1 / 1024)} | {_f(g['first_kib'], 1 / 1024)} | "
+            f"{_f(g['last_kib'], 1 / 1024)} | {_f(g['growth_pct'], fmt='{:+.1f}')} | "
+            f"{_f(e.get('rss_kib'), 1 / 1024)} | {s.get('threads', '-')} → {e.get('threads', '-')} | "
+            f"{s.get('fds', '-')} → {e.get('fds', '-')} |"
+        )
     warm = report["warmup"].get("errors_by_type")
-    lines += ["", "Errors by type: " + (json.dumps(t["errors_by_type"]) if t["errors_by_type"] else "none") + "."
-              + (f" In the warm-up: {json.dumps(warm)}." if warm else ""),
-              "After draining: " + "; ".join(f"{n} kv_used_tokens {st.get('kv_used_tokens')}"
-                                             for n, st in report["drained"].items()) + ".",
-              verdict_line(report["failures"])]
+    lines += [
+        "",
+        "Errors by type: "
+        + (json.dumps(t["errors_by_type"]) if t["errors_by_type"] else "none")
+        + "."
+        + (f" In the warm-up: {json.dumps(warm)}." if warm else ""),
+        "After draining: "
+        + "; ".join(
+            f"{n} kv_used_tokens {st.get('kv_used_tokens')}" for n, st in report["drained"].items()
+        )
+        + ".",
+        verdict_line(report["failures"]),
+    ]
     return "\n".join(lines) + "\n"

@@ -1,5 +1,5 @@
-"""The soak's prompt pool and its references: prompts cut from held-out stdlib text, and the aggregated DSpark
-output of each (what every answer through the PD deployment must equal)."""
+"""The soak's prompt pool and its references: prompts cut from held-out stdlib text, and the
+aggregated DSpark output of each (what every answer through the PD deployment must equal)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def build_pool(n: int, long_fraction: float, seed: int) -> list[Prompt]:
     rng = random.Random(seed)
     text = "\n".join(read_texts(stdlib_files()[1]))[:400_000]
     tok = AutoTokenizer.from_pretrained(MODEL)
-    tok.model_max_length = 10**9  # one long text, cut into prompts below (silences the length warning)
+    # one long text, cut into prompts below (silences the length warning)
+    tok.model_max_length = 10**9
     ids = tok.encode(text)
     n_long = round(n * long_fraction)
     pool, offset = [], 0
@@ -38,7 +39,8 @@ def build_pool(n: int, long_fraction: float, seed: int) -> list[Prompt]:
         length = rng.randint(500, 1500) if long else rng.randint(8, 64)
         assert offset + length <= len(ids), "not enough held-out text for the prompt pool"
         text = tok.decode(ids[offset : offset + length])
-        # A cut may split a merge: the prompt is what the text encodes to, so text and ids prompts are the same.
+        # A cut may split a merge: the prompt is what the text encodes to, so text and ids prompts
+        # are the same.
         pool.append(Prompt(i, tok.encode(text), rng.randint(8, 64), long, text))
         offset += length
     return pool
@@ -46,13 +48,15 @@ def build_pool(n: int, long_fraction: float, seed: int) -> list[Prompt]:
 
 def compute_references(pool: list[Prompt]) -> None:
     """Aggregated DSpark, greedy, one prompt at a time (what every PD answer must equal)."""
-    from sparkrelay.scheduler.request import SamplingParams
     from sparkrelay.llm import LLM
+    from sparkrelay.scheduler.request import SamplingParams
 
     llm = LLM(MODEL, speculative_algorithm="DSPARK", speculative_draft_model_path=DRAFTER)
     try:
         for p in pool:
-            out = llm.generate(p.ids, SamplingParams(max_new_tokens=p.max_new, temperature=0.0, ignore_eos=True))
+            out = llm.generate(
+                p.ids, SamplingParams(max_new_tokens=p.max_new, temperature=0.0, ignore_eos=True)
+            )
             p.ref_ids, p.ref_text = list(out["output_ids"]), out["text"]
     finally:
         llm.engine.close()

@@ -1,17 +1,20 @@
-"""The drafter's chat training data: the target's own answers to the training split of the prompt sets.
+"""The drafter's chat training data: the target's own answers to the training split of the prompt
+sets.
 
     python -m sparkrelay.tools.train.chat_data --target models/smollm2-135m-instruct \\
         --prompts ../shared/data/prompts --out .cache/train_smollm2_dspark/answers --mode greedy
 
-DeepSpec's recipe: every prompt of the training split (tools/corpus.py: a stable hash puts a fifth of each set in
-the evaluation split, never used here) as a single user turn under the target's chat template with no system
-message, answered by the target itself through sparkrelay's own offline engine (continuous batching), greedy
-(`--mode greedy`) or sampled as DeepSpec regenerates (`--mode sample`: temperature 0.7, top-p 0.8, top-k 20, a
-seed per prompt). Rows go to OUT/MODE.jsonl, one per prompt, appended a chunk at a time: a rerun skips the rows
-already written, so an interrupted run resumes where it stopped.
+DeepSpec's recipe: every prompt of the training split (tools/corpus.py: a stable hash puts a fifth
+of each set in the evaluation split, never used here) as a single user turn under the target's chat
+template with no system message, answered by the target itself through sparkrelay's own offline
+engine (continuous batching), greedy (`--mode greedy`) or sampled as DeepSpec regenerates (`--mode
+sample`: temperature 0.7, top-p 0.8, top-k 20, a seed per prompt). Rows go to OUT/MODE.jsonl, one
+per prompt, appended a chunk at a time: a rerun skips the rows already written, so an interrupted
+run resumes where it stopped.
 
-`--split eval --per-set N` answers the first N evaluation prompts of each set instead (OUT/eval_MODE.jsonl): the
-training tool's learning curve measures acceptance along them, and never trains on them.
+`--split eval --per-set N` answers the first N evaluation prompts of each set instead
+(OUT/eval_MODE.jsonl): the training tool's learning curve measures acceptance along them, and never
+trains on them.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ from sparkrelay.tools.corpus import PROMPT_SETS, read_prompt_set
 MODES = {"greedy": dict(temperature=0.0), "sample": dict(temperature=0.7, top_p=0.8, top_k=20)}
 
 
-def split_prompts(folder: str, sets: tuple[str, ...], split: str = "train",
-                  per_set: int = 0) -> list[tuple[str, int, str]]:
-    """(set, index in its split, text), interleaved across the sets so that any prefix of the list mixes every
-    set; `per_set` > 0 keeps the first that many of each set."""
+def split_prompts(
+    folder: str, sets: tuple[str, ...], split: str = "train", per_set: int = 0
+) -> list[tuple[str, int, str]]:
+    """(set, index in its split, text), interleaved across the sets so that any prefix of the list
+    mixes every set; `per_set` > 0 keeps the first that many of each set."""
     per_set_rows = {name: read_prompt_set(folder, name, split) for name in sets}
     per_set = {k: v[:per_set] if per_set else v for k, v in per_set_rows.items()}
     out, longest = [], max(len(v) for v in per_set.values())
@@ -39,9 +43,11 @@ def split_prompts(folder: str, sets: tuple[str, ...], split: str = "train",
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    """One user turn under the chat template, no system message, ready for the assistant's answer."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True)
+    """One user turn under the chat template, no system message, ready for the assistant's
+    answer."""
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -61,7 +67,9 @@ def read_rows(path: Path) -> list[dict]:
 def generate(args: argparse.Namespace) -> Path:
     from sparkrelay import LLM, SamplingParams
 
-    out = Path(args.out) / (f"{args.mode}.jsonl" if args.split == "train" else f"eval_{args.mode}.jsonl")
+    out = Path(args.out) / (
+        f"{args.mode}.jsonl" if args.split == "train" else f"eval_{args.mode}.jsonl"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = read_rows(out)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))  # rewrite without a torn tail
@@ -74,23 +82,38 @@ def generate(args: argparse.Namespace) -> Path:
     llm = LLM(args.target, dtype=args.dtype, max_running_requests=args.batch)
     t0, tokens = time.time(), 0
     for c in range(0, len(todo), args.chunk):
-        chunk = todo[c: c + args.chunk]
+        chunk = todo[c : c + args.chunk]
         prompts = [chat_ids(llm.tokenizer, text) for _, _, text in chunk]
-        # shortest prompts first: requests decoding together have similar lengths, so a batch's attention pads
-        # its keys to little more than each row's own
+        # shortest prompts first: requests decoding together have similar lengths, so a batch's
+        # attention pads its keys to little more than each row's own
         order = sorted(range(len(chunk)), key=lambda k: len(prompts[k]))
         chunk, prompts = [chunk[k] for k in order], [prompts[k] for k in order]
-        params = [SamplingParams(max_new_tokens=args.max_new, seed=hash_seed(s, i), **MODES[args.mode])
-                  for s, i, _ in chunk]
+        params = [
+            SamplingParams(max_new_tokens=args.max_new, seed=hash_seed(s, i), **MODES[args.mode])
+            for s, i, _ in chunk
+        ]
         results = llm.generate(prompts, params)
         with out.open("a") as f:
             for (name, i, _), ids, res in zip(chunk, prompts, results):
-                f.write(json.dumps({"set": name, "i": i, "prompt_ids": ids, "answer_ids": res["output_ids"],
-                                    "finish": res["meta_info"]["finish_reason"]}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "set": name,
+                            "i": i,
+                            "prompt_ids": ids,
+                            "answer_ids": res["output_ids"],
+                            "finish": res["meta_info"]["finish_reason"],
+                        }
+                    )
+                    + "\n"
+                )
         tokens += sum(len(r["output_ids"]) for r in results)
         el = time.time() - t0
-        print(f"answers {len(done) + c + len(chunk)}/{len(done) + len(todo)} new tokens {tokens} "
-              f"{tokens / el:.0f} tok/s {el:.0f}s", flush=True)
+        print(
+            f"answers {len(done) + c + len(chunk)}/{len(done) + len(todo)} new tokens {tokens} "
+            f"{tokens / el:.0f} tok/s {el:.0f}s",
+            flush=True,
+        )
     return out
 
 
@@ -101,14 +124,20 @@ def hash_seed(name: str, i: int) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--target", default="models/smollm2-135m-instruct")
-    p.add_argument("--prompts", default="../shared/data/prompts", help="folder of the {set}.jsonl prompt sets")
+    p.add_argument(
+        "--prompts", default="../shared/data/prompts", help="folder of the {set}.jsonl prompt sets"
+    )
     p.add_argument("--sets", nargs="+", default=list(PROMPT_SETS))
     p.add_argument("--out", default=".cache/train_smollm2_dspark/answers")
     p.add_argument("--mode", choices=sorted(MODES), default="greedy")
     p.add_argument("--split", choices=("train", "eval"), default="train")
-    p.add_argument("--per-set", type=int, default=0, help="only the first N prompts of each set (0: all)")
+    p.add_argument(
+        "--per-set", type=int, default=0, help="only the first N prompts of each set (0: all)"
+    )
     p.add_argument("--max-new", type=int, default=512)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch", type=int, default=32, help="requests decoded together")

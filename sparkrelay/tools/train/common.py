@@ -1,6 +1,6 @@
-"""What the two training tools share: the work-folder arguments (the result goes to WORK_DIR/model unless `--out`
-names another folder, so a bundled model is replaced only when asked), the stdlib corpus encoded once per work
-folder, and checkpoints written atomically and resumed."""
+"""What the two training tools share: the work-folder arguments (the result goes to WORK_DIR/model
+unless `--out` names another folder, so a bundled model is replaced only when asked), the stdlib
+corpus encoded once per work folder, and checkpoints written atomically and resumed."""
 
 from __future__ import annotations
 
@@ -15,9 +15,14 @@ from sparkrelay.tools.corpus import read_texts, stdlib_files
 
 
 def add_work_args(p: argparse.ArgumentParser, work_dir: str, bundled: str, what: str) -> None:
-    """`--out` and `--work-dir`; `bundled` is the committed folder that `--out` replaces only when given."""
-    p.add_argument("--out", default=None, help=f"{what} folder to write (default: WORK_DIR/model; "
-                                               f"`--out {bundled}` replaces the bundled {what})")
+    """`--out` and `--work-dir`; `bundled` is the committed folder that `--out` replaces only when
+    given."""
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"{what} folder to write (default: WORK_DIR/model; "
+        f"`--out {bundled}` replaces the bundled {what})",
+    )
     p.add_argument("--work-dir", default=work_dir)
 
 
@@ -41,7 +46,8 @@ def encode_corpus(texts: list[str], tokenizer_path: Path) -> torch.Tensor:
 
 
 def corpus_ids(work: Path, tokenizer_path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, held-out) token ids of the stdlib corpus, int16, cached in `work` (train_ids.pt, held_ids.pt)."""
+    """(train, held-out) token ids of the stdlib corpus, int16, cached in `work` (train_ids.pt,
+    held_ids.pt)."""
     if not (work / "held_ids.pt").exists():
         train_files, held_files = stdlib_files()
         torch.save(encode_corpus(read_texts(train_files), tokenizer_path), work / "train_ids.pt")
@@ -49,18 +55,21 @@ def corpus_ids(work: Path, tokenizer_path: Path) -> tuple[torch.Tensor, torch.Te
     return torch.load(work / "train_ids.pt"), torch.load(work / "held_ids.pt")
 
 
-def save_state(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator,
-               **extra) -> None:
-    """Model, optimizer and sampling-generator state plus `extra`, written to a temporary file and renamed, so an
-    interruption leaves the previous checkpoint whole."""
+def save_state(
+    path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator, **extra
+) -> None:
+    """Model, optimizer and sampling-generator state plus `extra`, written to a temporary file and
+    renamed, so an interruption leaves the previous checkpoint whole."""
     state = {"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), **extra}
     torch.save(state, path.with_suffix(".tmp"))
     os.replace(path.with_suffix(".tmp"), path)
 
 
-def load_state(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
-               gen: torch.Generator) -> Optional[dict]:
-    """Restores what `save_state` wrote into model, opt and gen; returns the whole saved dict (None: no file)."""
+def load_state(
+    path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator
+) -> Optional[dict]:
+    """Restores what `save_state` wrote into model, opt and gen; returns the whole saved dict (None:
+    no file)."""
     if not path.exists():
         return None
     state = torch.load(path)

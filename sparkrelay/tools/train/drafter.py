@@ -1,48 +1,54 @@
-"""Train the bundled DSpark drafter `models/tiny-qwen3-dspark/` against the bundled target `models/tiny-qwen3/`.
+"""Train the bundled DSpark drafter `models/tiny-qwen3-dspark/` against the bundled target
+`models/tiny-qwen3/`.
 
 The DeepSpec recipe (docs/dspark.md, training), shrunk to a 2-core CPU and a one-hour budget:
 
-* Data. DeepSpec trains on the target's own regenerated answers; here there are no prompts to regenerate, so a
-  training sequence (512 tokens) is, with probability `--gen-frac` (0.5), a 256-token window of the stdlib train
-  split followed by the target's 256-token greedy continuation (a pool of `--gen-seqs` = 256 of them, generated
-  once and cached: 2-4 minutes of KV-cached decoding on 2 cores, which is what bounds the pool), and otherwise a
-  plain 512-token window of the corpus (sparkrelay/tools/corpus.py train split, the same token stream as the
-  target's). The generated half is what the drafter meets at inference (greedy decoding of this target quickly
-  settles into its own idioms and loops); the corpus half keeps the contexts varied.
-  Anchors may sit anywhere in a sequence (the corpus prefix is real text too, so no loss mask).
-* Target features on the fly (frozen target, transformers `output_hidden_states`): taps = raw outputs of layers
-  `--taps` (hidden_states[i + 1]), and the target distribution of every slot = softmax of the target's own logits
-  (its LM head on its final, normed hidden state) at the slot's position. Caching would not pay: one run sees
-  < 1 epoch of the corpus.
-* Per sequence `--anchors` anchors a ~ U[0, S-2] without replacement; block = [x_a, mask x (B-1)] at positions
-  a..a+B-1, labels x_{a+1..a+B} (slots past the sequence end are masked); the block sees context features at
-  positions < a only (`block_forward` with ctx_len = a, as at inference) and its own B tokens; the Markov bias and the
-  confidence input are teacher-forced (previous token = anchor, then the labels).
-* Loss 0.1 CE + 0.9 L1(p_d, p_t) + 1.0 BCE(confidence, 1 - 0.5 |p_d - p_t|_1 detached), slot weights exp(-k/4).
-* Embedding and LM head are copies of the target's (tied: one matrix) and frozen. Everything else starts at
-  N(0, 0.02) (biases 0, norms 1), like transformers' initializer_range.
-* AdamW lr 1.5e-3 (DeepSpec: 6e-4 at 512 sequences x 512 anchors per step; a 4-sequence batch and a ~1000-step
-  run want a larger step), betas (0.9, 0.95), no weight decay, clip 1.0, warm-up 4 % then cosine to 0, driven by
-  the fraction of the time budget spent (`--train-minutes`), so the schedule ends when the budget does.
+* Data. DeepSpec trains on the target's own regenerated answers; here there are no prompts to
+  regenerate, so a training sequence (512 tokens) is, with probability `--gen-frac` (0.5), a
+  256-token window of the stdlib train split followed by the target's 256-token greedy continuation
+  (a pool of `--gen-seqs` = 256 of them, generated once and cached: 2-4 minutes of KV-cached
+  decoding on 2 cores, which is what bounds the pool), and otherwise a plain 512-token window of the
+  corpus (sparkrelay/tools/corpus.py train split, the same token stream as the target's). The
+  generated half is what the drafter meets at inference (greedy decoding of this target quickly
+  settles into its own idioms and loops); the corpus half keeps the contexts varied. Anchors may sit
+  anywhere in a sequence (the corpus prefix is real text too, so no loss mask).
+* Target features on the fly (frozen target, transformers `output_hidden_states`): taps = raw
+  outputs of layers `--taps` (hidden_states[i + 1]), and the target distribution of every slot =
+  softmax of the target's own logits (its LM head on its final, normed hidden state) at the slot's
+  position. Caching would not pay: one run sees < 1 epoch of the corpus.
+* Per sequence `--anchors` anchors a ~ U[0, S-2] without replacement; block = [x_a, mask x (B-1)] at
+  positions a..a+B-1, labels x_{a+1..a+B} (slots past the sequence end are masked); the block sees
+  context features at positions < a only (`block_forward` with ctx_len = a, as at inference) and its
+  own B tokens; the Markov bias and the confidence input are teacher-forced (previous token =
+  anchor, then the labels).
+* Loss 0.1 CE + 0.9 L1(p_d, p_t) + 1.0 BCE(confidence, 1 - 0.5 |p_d - p_t|_1 detached), slot weights
+exp(-k/4).
+* Embedding and LM head are copies of the target's (tied: one matrix) and frozen. Everything else
+  starts at N(0, 0.02) (biases 0, norms 1), like transformers' initializer_range.
+* AdamW lr 1.5e-3 (DeepSpec: 6e-4 at 512 sequences x 512 anchors per step; a 4-sequence batch and a
+  ~1000-step run want a larger step), betas (0.9, 0.95), no weight decay, clip 1.0, warm-up 4 % then
+  cosine to 0, driven by the fraction of the time budget spent (`--train-minutes`), so the schedule
+  ends when the budget does.
 
-Hyper-parameters: B = 7 (as released); 2 draft layers (the paper's Fig. 3: a 2-layer DSpark already beats a
-5-layer DFlash; 2 of the target's 8 layers keeps the drafter ~1/4 of the target's per-token cost); taps
-[1, 3, 5, 6] (spread like DeepSpec's [1, 9, 17, 25, 33] over 36 layers, never the last layer 7); markov_rank 64
-(r/V = 1/64, the released 256/151936 is smaller, but the vocabulary here is tiny); num_anchors 64 per 512-token
-sequence (DeepSpec: 512 per up-to-4096, same density); mask_token_id = the byte-level token of byte 0xFF, which
-valid UTF-8 never contains, so the encoder never emits it (checked: count 0 in the corpus), the analogue of
-Qwen3's unused row 151669.
+Hyper-parameters: B = 7 (as released); 2 draft layers (the paper's Fig. 3: a 2-layer DSpark already
+beats a 5-layer DFlash; 2 of the target's 8 layers keeps the drafter ~1/4 of the target's per-token
+cost); taps [1, 3, 5, 6] (spread like DeepSpec's [1, 9, 17, 25, 33] over 36 layers, never the last
+layer 7); markov_rank 64 (r/V = 1/64, the released 256/151936 is smaller, but the vocabulary here is
+tiny); num_anchors 64 per 512-token sequence (DeepSpec: 512 per up-to-4096, same density);
+mask_token_id = the byte-level token of byte 0xFF, which valid UTF-8 never contains, so the encoder
+never emits it (checked: count 0 in the corpus), the analogue of Qwen3's unused row 151669.
 
 Stages, each resumable (rerun the same command): corpus ids -> generated pool -> training (checkpoint every
 `--ckpt-minutes` under `--work-dir`) -> export (bf16 DeepSpec folder) -> offline greedy acceptance length on
 held-out prompts (the greedy acceptance rule, simulated along the target's greedy trajectory) -> train_report.json.
 
-Usage: python -m sparkrelay.tools.train.drafter [--target models/tiny-qwen3] [--out DIR]
-The drafter goes to `--out`, by default .cache/train_tiny_dspark/model (the work folder), never over the bundled,
-committed models/tiny-qwen3-dspark unless `--out models/tiny-qwen3-dspark` says so.
+Usage: python -m sparkrelay.tools.train.drafter [--target models/tiny-qwen3] [--out DIR] The drafter
+goes to `--out`, by default .cache/train_tiny_dspark/model (the work folder), never over the
+bundled, committed models/tiny-qwen3-dspark unless `--out models/tiny-qwen3-dspark` says so.
 
-This module holds the model, the loss and the loop; drafter_data.py the target, its continuations and the batches,
-drafter_eval.py the offline acceptance; common.py what it shares with the target's training (target.py).
+This module holds the model, the loss and the loop; drafter_data.py the target, its continuations
+and the batches, drafter_eval.py the offline acceptance; common.py what it shares with the target's
+training (target.py).
 """
 
 from __future__ import annotations
@@ -56,14 +62,27 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sparkrelay.models.decoder import DecoderSpec
 from sparkrelay.models.dspark import DSparkSpec, Qwen3DSparkModel, load_dspark
 from sparkrelay.models.dspark_checkpoint import draft_config, save_checkpoint, target_head_weights
 from sparkrelay.models.loader import read_config
-from sparkrelay.models.decoder import DecoderSpec
-from sparkrelay.tools.train.common import add_work_args, corpus_ids, load_state, parse_work_args, save_state
+from sparkrelay.tools.train.common import (
+    add_work_args,
+    corpus_ids,
+    load_state,
+    parse_work_args,
+    save_state,
+)
 from sparkrelay.tools.train.drafter_data import (
-    chat_sequences, generated_pool, load_target, sample_batch, sample_chat_batch, special_token, target_features,
-    unused_byte_token)
+    chat_sequences,
+    generated_pool,
+    load_target,
+    sample_batch,
+    sample_chat_batch,
+    special_token,
+    target_features,
+    unused_byte_token,
+)
 from sparkrelay.tools.train.drafter_eval import acceptance, chat_eval_set, eval_set
 
 LOSS_WEIGHTS = {"ce": 0.1, "l1": 0.9, "bce": 1.0}
@@ -72,9 +91,18 @@ DECAY = 4.0  # slot weight exp(-k / 4), k = 0..B-1 (DeepSpec loss_decay_gamma)
 
 def new_drafter(target_folder: str, args) -> tuple[Qwen3DSparkModel, dict]:
     target_cfg = read_config(target_folder)
-    cfg = draft_config(target_cfg, num_hidden_layers=args.layers, block_size=args.block, target_layer_ids=args.taps,
-                       mask_token_id=args.mask_token_id, markov_rank=args.markov_rank, markov_head_type="vanilla",
-                       enable_confidence_head=True, confidence_head_with_markov=True, num_anchors=args.anchors)
+    cfg = draft_config(
+        target_cfg,
+        num_hidden_layers=args.layers,
+        block_size=args.block,
+        target_layer_ids=args.taps,
+        mask_token_id=args.mask_token_id,
+        markov_rank=args.markov_rank,
+        markov_head_type="vanilla",
+        enable_confidence_head=True,
+        confidence_head_with_markov=True,
+        num_anchors=args.anchors,
+    )
     model = Qwen3DSparkModel(DSparkSpec.from_hf(cfg, DecoderSpec.from_hf(target_cfg)))
     for name, p in model.named_parameters():
         if name.endswith("bias"):
@@ -87,19 +115,27 @@ def new_drafter(target_folder: str, args) -> tuple[Qwen3DSparkModel, dict]:
         model.lm_head.weight.copy_(lm_head)
     model.embed_tokens.weight.requires_grad_(False)
     model.lm_head.weight.requires_grad_(False)
-    if args.autocast:  # frozen: kept in bfloat16, so autocast does not cast the [V, d] head at every call
+    # frozen: kept in bfloat16, so autocast does not cast the [V, d] head at every call
+    if args.autocast:
         model.lm_head.to(torch.bfloat16)
     return model, cfg
 
 
-def block_loss(model: Qwen3DSparkModel, feats: torch.Tensor, final: torch.Tensor, head: torch.nn.Module,
-               x: torch.Tensor, anchors: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def block_loss(
+    model: Qwen3DSparkModel,
+    feats: torch.Tensor,
+    final: torch.Tensor,
+    head: torch.nn.Module,
+    x: torch.Tensor,
+    anchors: torch.Tensor,
+    loss_mask: torch.Tensor,
+) -> dict[str, torch.Tensor]:
     """One sequence: feats [S, n_taps*d], the target's final hidden states [S, d] and its LM head, x [S], anchors
     [A], loss_mask [S] (slots whose label is outside it carry no loss) -> weighted loss sums and counts.
 
-    All A blocks run as one row of A*B queries over [the S context rows ; the A*B block rows] under the mask of
-    docs/dspark.md §1.5 (block a sees context positions < a and its own B tokens), so the context K/V is computed
-    and stored once, not once per block."""
+    All A blocks run as one row of A*B queries over [the S context rows ; the A*B block rows] under
+    the mask of docs/dspark.md §1.5 (block a sees context positions < a and its own B tokens), so
+    the context K/V is computed and stored once, not once per block."""
     s, a, b = x.shape[0], anchors.shape[0], model.spec.block_size
     c = model.project_context(feats)  # [S, d]
     kv = model.context_kv(c, torch.arange(s))  # per layer ([S, n_kv, hd], [S, n_kv, hd])
@@ -107,29 +143,49 @@ def block_loss(model: Qwen3DSparkModel, feats: torch.Tensor, final: torch.Tensor
     ids = torch.full((a, b), model.spec.mask_token_id)
     ids[:, 0] = x[anchors]
     block = torch.arange(a).repeat_interleave(b)  # [A*B]: the block of each query
-    sees_ctx = torch.arange(s)[None, :] < anchors[block][:, None]  # [A*B, S]: context strictly < anchor
-    mask = torch.cat([sees_ctx, block[:, None] == block[None, :]], dim=1)[None, None]  # [1, 1, A*B, S + A*B]
-    h = model.block_forward(ids.view(1, a * b), pos.view(1, a * b), [k[None] for k, _ in kv], [v[None] for _, v in kv],
-                            None, mask=mask).view(a, b, -1)  # [A, B, d]
+    # [A*B, S]: context strictly < anchor
+    sees_ctx = torch.arange(s)[None, :] < anchors[block][:, None]
+    mask = torch.cat([sees_ctx, block[:, None] == block[None, :]], dim=1)[
+        None, None
+    ]  # [1, 1, A*B, S + A*B]
+    h = model.block_forward(
+        ids.view(1, a * b),
+        pos.view(1, a * b),
+        [k[None] for k, _ in kv],
+        [v[None] for _, v in kv],
+        None,
+        mask=mask,
+    ).view(a, b, -1)  # [A, B, d]
     label_pos = (pos + 1).clamp(max=s - 1)
-    valid = ((pos + 1 < s) & loss_mask[label_pos]).int().cumprod(1).bool()  # a contiguous prefix of valid slots
+    # a contiguous prefix of valid slots
+    valid = ((pos + 1 < s) & loss_mask[label_pos]).int().cumprod(1).bool()
     labels = x[label_pos]  # [A, B]
     prev = torch.cat([x[anchors, None], labels[:, :-1]], dim=1)  # teacher forcing
     z = model.base_logits(h) + model.markov_bias(h, prev)  # [A, B, V]
-    with torch.no_grad():  # the target's logits at each slot, its head applied once per distinct position
+    # the target's logits at each slot, its head applied once per distinct position
+    with torch.no_grad():
         where, inverse = pos.clamp(max=s - 1).unique(return_inverse=True)  # [U], [A, B]
         t_logits = head(final[where])  # [U, V]
     l1, ce = fused_l1_and_ce(z, t_logits, inverse, labels)
-    bce = F.binary_cross_entropy_with_logits(model.confidence(h, prev).float(), (1 - 0.5 * l1).detach(),
-                                             reduction="none")
+    bce = F.binary_cross_entropy_with_logits(
+        model.confidence(h, prev).float(), (1 - 0.5 * l1).detach(), reduction="none"
+    )
     w = torch.exp(-torch.arange(b) / DECAY) * valid  # [A, B]
     hit0 = (z[:, 0].argmax(-1) == t_logits[inverse[:, 0]].argmax(-1)).float() * valid[:, 0]
-    return {"ce": (w * ce).sum(), "l1": (w * l1).sum(), "bce": (w * bce).sum(), "w": w.sum(),
-            "hit0": hit0.sum(), "n0": valid[:, 0].sum().float(), "slots": valid.sum()}
+    return {
+        "ce": (w * ce).sum(),
+        "l1": (w * l1).sum(),
+        "bce": (w * bce).sum(),
+        "w": w.sum(),
+        "hit0": hit0.sum(),
+        "n0": valid[:, 0].sum().float(),
+        "slots": valid.sum(),
+    }
 
 
-def l1_and_ce(z: torch.Tensor, t_logits: torch.Tensor, inverse: torch.Tensor,
-              labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def l1_and_ce(
+    z: torch.Tensor, t_logits: torch.Tensor, inverse: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """z [A, B, V] draft logits, t_logits [U, V] the target's logits at the distinct slot positions, inverse [A, B]
     each slot's row of them, labels [A, B] -> (|p_d - p_t|_1, -log p_d(label)), each [A, B], in float32."""
     logp = z.float().log_softmax(-1)
@@ -137,13 +193,14 @@ def l1_and_ce(z: torch.Tensor, t_logits: torch.Tensor, inverse: torch.Tensor,
     return (logp.exp() - p_t).abs().sum(-1), -logp.gather(-1, labels[..., None]).squeeze(-1)
 
 
-# Fused by inductor into a few passes over the [A, B, V] tensors: ~8x faster than eager on CPU (measured on 2 cores).
+# Fused by inductor into a few passes over the [A, B, V] tensors: ~8x faster than eager on CPU
+# (measured on 2 cores).
 fused_l1_and_ce = torch.compile(l1_and_ce, dynamic=True)
 
 
 def pick_anchors(loss_mask: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
-    """Up to n anchors, sorted, among positions a with loss_mask[a] and loss_mask[a + 1] (DeepSpec's candidates:
-    the anchor is a committed answer token and its first label is one too)."""
+    """Up to n anchors, sorted, among positions a with loss_mask[a] and loss_mask[a + 1] (DeepSpec's
+    candidates: the anchor is a committed answer token and its first label is one too)."""
     ok = (loss_mask[:-1] & loss_mask[1:]).nonzero().flatten()  # a in [0, S-2]
     return ok[torch.randperm(ok.numel(), generator=gen)[:n]].sort().values
 
@@ -155,15 +212,27 @@ def lr_at(progress: float, peak: float, warmup: float = 0.04) -> float:
 
 
 def train(args, work: Path, target, draw, evaluate=None, snapshot=None):
-    """The training loop; `draw(gen)` gives a batch of (ids [S], loss_mask [S]) pairs, `evaluate(model)` (every
-    `--eval-every` steps) a dict for the learning curve (work/curve.jsonl), after which `snapshot(model, cfg, st)`
-    may export the drafter as it is. Returns (drafter, its config, stats). Resumes from `work/ckpt.pt`."""
+    """The training loop; `draw(gen)` gives a batch of (ids [S], loss_mask [S]) pairs,
+    `evaluate(model)` (every `--eval-every` steps) a dict for the learning curve (work/curve.jsonl),
+    after which `snapshot(model, cfg, st)` may export the drafter as it is. Returns (drafter, its
+    config, stats). Resumes from `work/ckpt.pt`."""
     model, cfg = new_drafter(args.target, args)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95),
-                            weight_decay=0.0)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+    )
     gen = torch.Generator().manual_seed(1)
-    st = {"step": 0, "elapsed": 0.0, "cpu": 0.0, "slots": 0, "done": False, "recent": [],
-          "before": {"step": 0, "seconds": 0.0, "cpu": 0.0}}
+    st = {
+        "step": 0,
+        "elapsed": 0.0,
+        "cpu": 0.0,
+        "slots": 0,
+        "done": False,
+        "recent": [],
+        "before": {"step": 0, "seconds": 0.0, "cpu": 0.0},
+    }
     ckpt = work / "ckpt.pt"
     saved = load_state(ckpt, model, opt, gen)
     if saved is not None:
@@ -171,20 +240,25 @@ def train(args, work: Path, target, draw, evaluate=None, snapshot=None):
         print(f"resumed at step {st['step']} ({st['elapsed']:.0f}s trained)", flush=True)
     elif args.init_from:
         st["before"] = warm_start(model, args.init_from, work)
-        print(f"warm start from {args.init_from} (after {st['before']['step']} steps, "
-              f"{st['before']['cpu'] / 3600:.2f} CPU hours): a fresh optimizer and lr schedule", flush=True)
+        print(
+            f"warm start from {args.init_from} (after {st['before']['step']} steps, "
+            f"{st['before']['cpu'] / 3600:.2f} CPU hours): a fresh optimizer and lr schedule",
+            flush=True,
+        )
     model.train()
     budget, t0, last_save = args.train_minutes * 60, time.time() - st["elapsed"], time.time()
     cpu0 = time.process_time() - st["cpu"]
     while not st["done"]:
         st["elapsed"], st["cpu"] = time.time() - t0, time.process_time() - cpu0
-        progress = max(st["elapsed"] / budget, st["step"] / args.max_steps if args.max_steps else 0.0)
+        progress = max(
+            st["elapsed"] / budget, st["step"] / args.max_steps if args.max_steps else 0.0
+        )
         st["done"] = progress >= 1
         if not st["done"]:
             stats = train_step(model, opt, target, draw(gen), lr_at(progress, args.lr), args, gen)
             st["step"] += 1
             st["slots"] += stats.pop("slots")
-            st["recent"] = (st["recent"] + [stats])[-args.log_every * 2:]
+            st["recent"] = (st["recent"] + [stats])[-args.log_every * 2 :]
             if st["step"] % args.log_every == 0:
                 log_line(st, stats.keys(), args.log_every)
             if evaluate is not None and args.eval_every and st["step"] % args.eval_every == 0:
@@ -200,17 +274,20 @@ def train(args, work: Path, target, draw, evaluate=None, snapshot=None):
 
 
 def warm_start(model: Qwen3DSparkModel, folder: str, work: Path) -> dict:
-    """Load an exported drafter's trained weights into `model` (every trainable tensor must be there; the frozen
-    embedding and head stay the target's) and carry its learning curve into work/curve.jsonl: a run continued from
-    a committed drafter (its optimizer state is not committed) keeps counting steps and hours from that one.
-    Returns the totals it continues from: {"step", "seconds", "cpu"} (seconds of wall and CPU time)."""
+    """Load an exported drafter's trained weights into `model` (every trainable tensor must be
+    there; the frozen embedding and head stay the target's) and carry its learning curve into
+    work/curve.jsonl: a run continued from a committed drafter (its optimizer state is not
+    committed) keeps counting steps and hours from that one. Returns the totals it continues from:
+    {"step", "seconds", "cpu"} (seconds of wall and CPU time)."""
     from safetensors.torch import load_file
 
     stored = load_file(str(Path(folder) / "model.safetensors"))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     missing = sorted(trainable - stored.keys())
     if missing:
-        raise SystemExit(f"--init-from {folder}: the checkpoint lacks {missing[:4]} (another drafter shape?)")
+        raise SystemExit(
+            f"--init-from {folder}: the checkpoint lacks {missing[:4]} (another drafter shape?)"
+        )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in trainable:
@@ -219,44 +296,79 @@ def warm_start(model: Qwen3DSparkModel, folder: str, work: Path) -> dict:
     if not (work / "curve.jsonl").exists():
         curve = report.get("learning_curve", [])
         (work / "curve.jsonl").write_text("".join(json.dumps(pt) + "\n" for pt in curve))
-    return {"step": report["steps"], "seconds": report["train_seconds"], "cpu": report["cpu_hours"] * 3600}
+    return {
+        "step": report["steps"],
+        "seconds": report["train_seconds"],
+        "cpu": report["cpu_hours"] * 3600,
+    }
 
 
 def log_line(st: dict, keys, n: int) -> None:
     mean = {k: sum(r[k] for r in st["recent"][-n:]) / n for k in keys}
     total = totals(st)
-    print(f"step {total['step']} {st['elapsed']:.0f}s cpu {total['cpu'] / 3600:.2f}h lr {mean['lr']:.2e} "
-          f"loss {mean['loss']:.3f} ce {mean['ce']:.3f} l1 {mean['l1']:.3f} bce {mean['bce']:.3f} "
-          f"slot0-match {mean['hit0']:.3f}", flush=True)
+    print(
+        f"step {total['step']} {st['elapsed']:.0f}s cpu {total['cpu'] / 3600:.2f}h lr {mean['lr']:.2e} "
+        f"loss {mean['loss']:.3f} ce {mean['ce']:.3f} l1 {mean['l1']:.3f} bce {mean['bce']:.3f} "
+        f"slot0-match {mean['hit0']:.3f}",
+        flush=True,
+    )
 
 
 def totals(st: dict) -> dict:
-    """Steps, wall seconds and CPU seconds over this run and the runs it continues (`--init-from`)."""
+    """Steps, wall seconds and CPU seconds over this run and the runs it continues
+    (`--init-from`)."""
     b = st.get("before", {"step": 0, "seconds": 0.0, "cpu": 0.0})
-    return {"step": b["step"] + st["step"], "seconds": b["seconds"] + st["elapsed"], "cpu": b["cpu"] + st["cpu"]}
+    return {
+        "step": b["step"] + st["step"],
+        "seconds": b["seconds"] + st["elapsed"],
+        "cpu": b["cpu"] + st["cpu"],
+    }
 
 
 def curve_point(work: Path, st: dict, result: dict) -> None:
-    """One learning-curve point: step, wall and CPU hours, and the evaluation's figures, appended to curve.jsonl."""
+    """One learning-curve point: step, wall and CPU hours, and the evaluation's figures, appended to
+    curve.jsonl."""
     total = totals(st)
-    point = {"step": total["step"], "train_hours": round(total["seconds"] / 3600, 3),
-             "cpu_hours": round(total["cpu"] / 3600, 3), **result}
+    point = {
+        "step": total["step"],
+        "train_hours": round(total["seconds"] / 3600, 3),
+        "cpu_hours": round(total["cpu"] / 3600, 3),
+        **result,
+    }
     with (work / "curve.jsonl").open("a") as f:
         f.write(json.dumps(point) + "\n")
-    print(f"eval at step {st['step']}: " + " ".join(f"{k} {v}" for k, v in result.items() if k != "per_set"),
-          flush=True)
+    print(
+        f"eval at step {st['step']}: "
+        + " ".join(f"{k} {v}" for k, v in result.items() if k != "per_set"),
+        flush=True,
+    )
 
 
-def train_step(model, opt, target, batch: list[tuple[torch.Tensor, torch.Tensor]], lr: float, args,
-               gen: torch.Generator) -> dict:
-    """One optimizer step over `batch` (ids [S], loss_mask [S]) pairs, one target pass per sequence."""
+def train_step(
+    model,
+    opt,
+    target,
+    batch: list[tuple[torch.Tensor, torch.Tensor]],
+    lr: float,
+    args,
+    gen: torch.Generator,
+) -> dict:
+    """One optimizer step over `batch` (ids [S], loss_mask [S]) pairs, one target pass per
+    sequence."""
     sums: dict[str, torch.Tensor] = {}
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast)
     for ids, loss_mask in batch:
         feats, final = target_features(target, ids, args.taps, args.feature_cache)
         with autocast:
-            out = block_loss(model, feats, final, target.lm_head, ids, pick_anchors(loss_mask, args.anchors, gen),
-                             loss_mask)
+            out = block_loss(
+                model,
+                feats,
+                final,
+                target.lm_head,
+                ids,
+                pick_anchors(loss_mask, args.anchors, gen),
+                loss_mask,
+            )
         for k, v in out.items():
             sums[k] = sums[k] + v if k in sums else v
     terms = {k: sums[k] / sums["w"].clamp(min=1e-6) for k in LOSS_WEIGHTS}
@@ -268,17 +380,33 @@ def train_step(model, opt, target, batch: list[tuple[torch.Tensor, torch.Tensor]
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
     opt.step()
     out = {k: float(v.detach()) for k, v in terms.items()}
-    return {**out, "loss": float(loss.detach()), "lr": lr, "hit0": float(sums["hit0"] / sums["n0"].clamp(min=1)),
-            "slots": int(sums["slots"])}
+    return {
+        **out,
+        "loss": float(loss.detach()),
+        "lr": lr,
+        "hit0": float(sums["hit0"] / sums["n0"].clamp(min=1)),
+        "slots": int(sums["slots"]),
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--target", default="models/tiny-qwen3")
     add_work_args(p, ".cache/train_tiny_dspark", bundled="models/tiny-qwen3-dspark", what="drafter")
-    p.add_argument("--train-minutes", type=float, default=45.0,
-                   help="training-loop budget (the lr schedule spans it)")
-    p.add_argument("--max-steps", type=int, default=0, help="also stop after this many steps (0: time budget only)")
+    p.add_argument(
+        "--train-minutes",
+        type=float,
+        default=45.0,
+        help="training-loop budget (the lr schedule spans it)",
+    )
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        help="also stop after this many steps (0: time budget only)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--block", type=int, default=7)
@@ -288,7 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--lr", type=float, default=1.5e-3)
-    p.add_argument("--gen-seqs", type=int, default=256, help="target greedy continuations in the data pool")
+    p.add_argument(
+        "--gen-seqs", type=int, default=256, help="target greedy continuations in the data pool"
+    )
     p.add_argument("--gen-frac", type=float, default=0.5)
     p.add_argument("--eval-prompts", type=int, default=48)
     p.add_argument("--eval-prompt-len", type=int, default=128)
@@ -297,23 +427,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=10)
     chat = p.add_argument_group("chat data (--data chat: the target's answers from chat_data.py)")
     chat.add_argument("--data", choices=("stdlib", "chat"), default="stdlib")
-    chat.add_argument("--answers", nargs="+", default=None, help="training JSONL files (default: "
-                                                                 "WORK_DIR/answers/greedy.jsonl)")
-    chat.add_argument("--eval-answers", default=None, help="evaluation JSONL (default: "
-                                                          "WORK_DIR/answers/eval_greedy.jsonl)")
-    chat.add_argument("--eval-every", type=int, default=0, help="learning-curve point every N steps (0: none)")
+    chat.add_argument(
+        "--answers",
+        nargs="+",
+        default=None,
+        help="training JSONL files (default: WORK_DIR/answers/greedy.jsonl)",
+    )
+    chat.add_argument(
+        "--eval-answers",
+        default=None,
+        help="evaluation JSONL (default: WORK_DIR/answers/eval_greedy.jsonl)",
+    )
+    chat.add_argument(
+        "--eval-every", type=int, default=0, help="learning-curve point every N steps (0: none)"
+    )
     chat.add_argument("--max-len", type=int, default=1024, help="tokens kept of prompt + answer")
-    chat.add_argument("--mask-token", default="<empty_output>", help="special token whose row is the mask")
+    chat.add_argument(
+        "--mask-token", default="<empty_output>", help="special token whose row is the mask"
+    )
     chat.add_argument("--target-dtype", choices=("float32", "bfloat16"), default="float32")
-    chat.add_argument("--autocast", action="store_true", help="the drafter's forward and backward in bfloat16")
-    chat.add_argument("--feature-cache", default=None,
-                      help="folder keeping the target's features per training sequence ((taps + 1) x hidden "
-                           "values per token, in the target's dtype), so later epochs skip the target")
-    chat.add_argument("--init-from", default=None,
-                      help="start from this exported drafter's weights (a committed one: its optimizer state is "
-                           "not kept) with a fresh optimizer and lr schedule; ignored when WORK_DIR has a ckpt.pt")
-    chat.add_argument("--no-frozen-copies", action="store_true",
-                      help="do not store the target's embedding and LM head in the drafter (the loader shares them)")
+    chat.add_argument(
+        "--autocast", action="store_true", help="the drafter's forward and backward in bfloat16"
+    )
+    chat.add_argument(
+        "--feature-cache",
+        default=None,
+        help="folder keeping the target's features per training sequence ((taps + 1) x hidden "
+        "values per token, in the target's dtype), so later epochs skip the target",
+    )
+    chat.add_argument(
+        "--init-from",
+        default=None,
+        help="start from this exported drafter's weights (a committed one: its optimizer state is "
+        "not kept) with a fresh optimizer and lr schedule; ignored when WORK_DIR has a ckpt.pt",
+    )
+    chat.add_argument(
+        "--no-frozen-copies",
+        action="store_true",
+        help="do not store the target's embedding and LM head in the drafter (the loader shares them)",
+    )
     return p
 
 
@@ -321,19 +473,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parse_work_args(build_parser(), argv)
 
 
-def write_report(args: argparse.Namespace, st: dict, evals: dict, eval_what: str, t_start: float) -> None:
-    """train_report.json in the drafter folder: the run's data, size, time, final losses and offline acceptance."""
-    last = st["recent"][-args.log_every:] or [{}]
-    losses = {k: round(sum(r.get(k, 0.0) for r in last) / len(last), 4) for k in ("loss", "ce", "l1", "bce", "hit0")}
+def write_report(
+    args: argparse.Namespace, st: dict, evals: dict, eval_what: str, t_start: float
+) -> None:
+    """train_report.json in the drafter folder: the run's data, size, time, final losses and offline
+    acceptance."""
+    last = st["recent"][-args.log_every :] or [{}]
+    losses = {
+        k: round(sum(r.get(k, 0.0) for r in last) / len(last), 4)
+        for k in ("loss", "ce", "l1", "bce", "hit0")
+    }
     total = totals(st)
     report = {
-        "data": data_description(args), "steps": total["step"], "sequences": total["step"] * args.batch,
-        "block_slots_this_run": st["slots"], "train_seconds": round(total["seconds"]),
-        "cpu_hours": round(total["cpu"] / 3600, 3), "this_run": {"from_step": totals(st)["step"] - st["step"],
-                                                                "init_from": args.init_from},
-        "total_seconds_this_run": round(time.time() - t_start), "final_losses": losses,
+        "data": data_description(args),
+        "steps": total["step"],
+        "sequences": total["step"] * args.batch,
+        "block_slots_this_run": st["slots"],
+        "train_seconds": round(total["seconds"]),
+        "cpu_hours": round(total["cpu"] / 3600, 3),
+        "this_run": {"from_step": totals(st)["step"] - st["step"], "init_from": args.init_from},
+        "total_seconds_this_run": round(time.time() - t_start),
+        "final_losses": losses,
         "offline_greedy_acceptance": {"eval": eval_what, **evals},
-        "hyper_parameters": {k: v for k, v in vars(args).items() if k not in ("target", "out", "work_dir")},
+        "hyper_parameters": {
+            k: v for k, v in vars(args).items() if k not in ("target", "out", "work_dir")
+        },
         "torch_threads": torch.get_num_threads(),
     }
     if args.data == "stdlib":
@@ -346,11 +510,18 @@ def write_report(args: argparse.Namespace, st: dict, evals: dict, eval_what: str
 
 def data_description(args: argparse.Namespace) -> dict:
     if args.data == "stdlib":
-        return {"kind": "stdlib", "what": "windows of the stdlib train split and the target's greedy continuations"}
+        return {
+            "kind": "stdlib",
+            "what": "windows of the stdlib train split and the target's greedy continuations",
+        }
     rows = sum(len(Path(a).read_text().splitlines()) for a in args.answers)
-    return {"kind": "chat", "answers": args.answers, "rows": rows,
-            "what": "training-split prompts of the six DSpark evaluation sets (tools/corpus.py prompt_split) under "
-                    "the chat template, answered by the target (tools/train/chat_data.py)"}
+    return {
+        "kind": "chat",
+        "answers": args.answers,
+        "rows": rows,
+        "what": "training-split prompts of the six DSpark evaluation sets (tools/corpus.py prompt_split) under "
+        "the chat template, answered by the target (tools/train/chat_data.py)",
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -385,10 +556,14 @@ def run_stdlib(args: argparse.Namespace, work: Path):
     drafter = export(model, cfg, args, target)
     seqs, ends = eval_set(target, held, args)
     p = args.eval_prompt_len
-    evals = {"markov": acceptance(drafter, target, seqs, ends, p),
-             "no_markov": acceptance(drafter, target, seqs, ends, p, False)}
-    what = f"{args.eval_prompts} held-out stdlib prompts x {args.eval_prompt_len} tokens, target greedy " \
-           f"continuation of {args.eval_new} tokens"
+    evals = {
+        "markov": acceptance(drafter, target, seqs, ends, p),
+        "no_markov": acceptance(drafter, target, seqs, ends, p, False),
+    }
+    what = (
+        f"{args.eval_prompts} held-out stdlib prompts x {args.eval_prompt_len} tokens, target greedy "
+        f"continuation of {args.eval_new} tokens"
+    )
     return model, cfg, st, evals, what
 
 
@@ -397,30 +572,49 @@ def run_chat(args: argparse.Namespace, work: Path):
     args.eval_answers = args.eval_answers or str(work / "answers" / "eval_greedy.jsonl")
     seqs = chat_sequences(args.answers, args.max_len)
     args.mask_token_id = special_token(args.target, args.mask_token, seqs)
-    print(f"{len(seqs)} training sequences, {sum(int(m.sum()) for _, m in seqs)} answer tokens", flush=True)
+    print(
+        f"{len(seqs)} training sequences, {sum(int(m.sum()) for _, m in seqs)} answer tokens",
+        flush=True,
+    )
     target = load_target(args.target, args.target_dtype)
     eval_sets = chat_eval_set(args.eval_answers, args.max_len)
     evaluate = lambda model: chat_acceptance(model, target, eval_sets)
     what = "evaluation-split prompts, the target's greedy answers (the learning curve's last point)"
 
-    def snapshot(model, cfg, st):  # the drafter as it is, so an interrupted run leaves a usable one in --out
+    # the drafter as it is, so an interrupted run leaves a usable one in --out
+    def snapshot(model, cfg, st):
         save_checkpoint(model, cfg, args.out, with_frozen_copies=not args.no_frozen_copies)
         last = json.loads((work / "curve.jsonl").read_text().splitlines()[-1])
         write_report(args, st, {"markov": last}, what, time.time())
 
-    model, cfg, st = train(args, work, target, lambda gen: sample_chat_batch(seqs, args, gen), evaluate, snapshot)
+    model, cfg, st = train(
+        args, work, target, lambda gen: sample_chat_batch(seqs, args, gen), evaluate, snapshot
+    )
     drafter = export(model, cfg, args, target)
     evals = {"markov": chat_acceptance(drafter, target, eval_sets)}
     rows = sum(len(v[0]) for v in eval_sets.values())
-    return model, cfg, st, evals, f"{rows} evaluation-split prompts ({args.eval_answers}), the target's greedy answers"
+    return (
+        model,
+        cfg,
+        st,
+        evals,
+        f"{rows} evaluation-split prompts ({args.eval_answers}), the target's greedy answers",
+    )
 
 
 def chat_acceptance(model, target, eval_sets: dict) -> dict:
-    """τ per prompt set and over all of them (the mean of the sets' τ, as the paper averages benchmarks)."""
-    per_set = {name: acceptance(model, target, seqs, ends, starts) for name, (seqs, ends, starts) in eval_sets.items()}
+    """τ per prompt set and over all of them (the mean of the sets' τ, as the paper averages
+    benchmarks)."""
+    per_set = {
+        name: acceptance(model, target, seqs, ends, starts)
+        for name, (seqs, ends, starts) in eval_sets.items()
+    }
     taus = {name: r["tau"] for name, r in per_set.items()}
-    return {"tau": round(sum(taus.values()) / len(taus), 3), **{f"tau_{k}": v for k, v in taus.items()},
-            "per_set": per_set}
+    return {
+        "tau": round(sum(taus.values()) / len(taus), 3),
+        **{f"tau_{k}": v for k, v in taus.items()},
+        "per_set": per_set,
+    }
 
 
 if __name__ == "__main__":

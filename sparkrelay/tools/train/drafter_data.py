@@ -1,6 +1,6 @@
-"""The drafter's training data (python -m sparkrelay.tools.train.drafter): the frozen target, the mask token, a
-pool of the target's own greedy continuations or its chat answers (chat_data.py), the training batches, and the
-target's features and final hidden states."""
+"""The drafter's training data (python -m sparkrelay.tools.train.drafter): the frozen target, the
+mask token, a pool of the target's own greedy continuations or its chat answers (chat_data.py), the
+training batches, and the target's features and final hidden states."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ def load_target(folder: str, dtype: str = "float32"):
 
 
 def chat_sequences(paths: list[str], max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(ids [S] long, loss_mask [S] bool) per answer row of chat_data.py's JSONL files: prompt + answer, cut to
-    `max_len` tokens; the loss mask covers the answer tokens. Rows with fewer than 14 answer tokens are dropped
-    (DeepSpec's rule)."""
+    """(ids [S] long, loss_mask [S] bool) per answer row of chat_data.py's JSONL files: prompt +
+    answer, cut to `max_len` tokens; the loss mask covers the answer tokens. Rows with fewer than 14
+    answer tokens are dropped (DeepSpec's rule)."""
     out = []
     for path in paths:
         for line in Path(path).read_text().splitlines():
@@ -39,18 +39,24 @@ def chat_sequences(paths: list[str], max_len: int) -> list[tuple[torch.Tensor, t
     return out
 
 
-def special_token(target_folder: str, name: str, seqs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """The id of special token `name`, asserted absent from every training sequence (the mask token's row)."""
+def special_token(
+    target_folder: str, name: str, seqs: list[tuple[torch.Tensor, torch.Tensor]]
+) -> int:
+    """The id of special token `name`, asserted absent from every training sequence (the mask
+    token's row)."""
     from tokenizers import Tokenizer
 
     token = Tokenizer.from_file(str(Path(target_folder) / "tokenizer.json")).token_to_id(name)
     assert token is not None, f"{name} is not a token of {target_folder}"
-    assert all(int((ids == token).sum()) == 0 for ids, _ in seqs), f"{name} occurs in the training data"
+    assert all(int((ids == token).sum()) == 0 for ids, _ in seqs), (
+        f"{name} occurs in the training data"
+    )
     return token
 
 
 def unused_byte_token(target_folder: str, ids: torch.Tensor) -> int:
-    """The byte-level BPE token of byte 0xFF (never in valid UTF-8), asserted absent from the corpus ids."""
+    """The byte-level BPE token of byte 0xFF (never in valid UTF-8), asserted absent from the corpus
+    ids."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(target_folder) / "tokenizer.json"))
@@ -82,9 +88,11 @@ def generated_pool(work: Path, target, train: torch.Tensor, args) -> torch.Tenso
         gen = torch.Generator().manual_seed(2)
         half = args.seq // 2
         starts = torch.randint(0, train.numel() - half, (args.gen_seqs,), generator=gen).tolist()
-        prompts = torch.stack([train[s: s + half] for s in starts]).long()
+        prompts = torch.stack([train[s : s + half] for s in starts]).long()
         torch.save(greedy_continue(target, prompts, args.seq - half).to(torch.int16), path)
-        print(f"generated {args.gen_seqs} greedy continuations in {time.time() - t0:.0f}s", flush=True)
+        print(
+            f"generated {args.gen_seqs} greedy continuations in {time.time() - t0:.0f}s", flush=True
+        )
     return torch.load(path).long()
 
 
@@ -94,19 +102,23 @@ def target_pass(target, x: torch.Tensor, taps: list[int]) -> tuple[torch.Tensor,
     features), final hidden states [b, S, d] (after the final norm: `target.lm_head` of a row is its logits, taken
     only where a loss needs them)."""
     out = target.model(input_ids=x, output_hidden_states=True)
-    hs = out.hidden_states  # [0] = embedding output, [i + 1] = output of layer i (the last entry is post-norm)
+    # [0] = embedding output, [i + 1] = output of layer i (the last entry is post-norm)
+    hs = out.hidden_states
     return torch.cat([hs[i + 1] for i in taps], dim=-1), out.last_hidden_state
 
 
-def target_features(target, ids: torch.Tensor, taps: list[int],
-                    cache: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def target_features(
+    target, ids: torch.Tensor, taps: list[int], cache: Path | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [S] -> target_pass's (features [S, n_taps*d], final hidden states [S, d]) for one sequence, kept in
     `cache` (one file per sequence, named by a digest of its ids, the taps and the target's dtype) and read back
     on later draws: the target is frozen, so every epoch after the first is drafter-only work."""
     if cache is None:
         feats, final = target_pass(target, ids[None], taps)
         return feats[0], final[0]
-    key = hashlib.sha1(ids.numpy().astype("int64").tobytes() + repr((taps, str(target.dtype))).encode())
+    key = hashlib.sha1(
+        ids.numpy().astype("int64").tobytes() + repr((taps, str(target.dtype))).encode()
+    )
     path = Path(cache) / f"{key.hexdigest()}.pt"
     if path.exists():
         saved = torch.load(path)
@@ -118,17 +130,21 @@ def target_features(target, ids: torch.Tensor, taps: list[int],
     return feats[0], final[0]
 
 
-def sample_chat_batch(seqs: list[tuple[torch.Tensor, torch.Tensor]], args, gen: torch.Generator) -> list:
+def sample_chat_batch(
+    seqs: list[tuple[torch.Tensor, torch.Tensor]], args, gen: torch.Generator
+) -> list:
     """`args.batch` (ids, loss_mask) pairs drawn uniformly (with replacement) by `gen`."""
     return [seqs[int(i)] for i in torch.randint(len(seqs), (args.batch,), generator=gen)]
 
 
-def sample_batch(train: torch.Tensor, pool: torch.Tensor, args, gen: torch.Generator) -> torch.Tensor:
+def sample_batch(
+    train: torch.Tensor, pool: torch.Tensor, args, gen: torch.Generator
+) -> torch.Tensor:
     rows = []
     for _ in range(args.batch):
         if len(pool) and torch.rand((), generator=gen) < args.gen_frac:
             rows.append(pool[torch.randint(len(pool), (), generator=gen)])
         else:
             s = int(torch.randint(0, train.numel() - args.seq, (), generator=gen))
-            rows.append(train[s: s + args.seq].long())
+            rows.append(train[s : s + args.seq].long())
     return torch.stack(rows)  # [batch, S]

@@ -3,15 +3,16 @@
 Stages, each resumable (rerun the same command to continue after an interruption):
   1. corpus:    every stdlib `*.py` file (tests, idlelib, lib2to3 and site-packages left out); a file goes to
                 the held-out split when a hash of its relative path falls in the last 2%.
-  2. tokenizer: byte-level BPE (Hugging Face `tokenizers`), special tokens for EOS and a ChatML template.
+  2. tokenizer: byte-level BPE (Hugging Face `tokenizers`), special tokens for EOS and a ChatML
+  template.
   3. train:     a Qwen3ForCausalLM (transformers) on random 512-token windows, AdamW + cosine schedule;
                 a checkpoint every `--ckpt-every` steps under `--work-dir`.
   4. export:    bf16 safetensors + config.json + tokenizer files + generation_config.json, and the held-out
                 loss in `train_report.json`.
 
-Usage: python -m sparkrelay.tools.train.target [--out DIR] [--steps 500]
-The model goes to `--out`, by default .cache/train_tiny_target/model (the work folder), never over the bundled,
-committed models/tiny-qwen3 unless `--out models/tiny-qwen3` says so.
+Usage: python -m sparkrelay.tools.train.target [--out DIR] [--steps 500] The model goes to `--out`,
+by default .cache/train_tiny_target/model (the work folder), never over the bundled, committed
+models/tiny-qwen3 unless `--out models/tiny-qwen3` says so.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from pathlib import Path
 import torch
 
 from sparkrelay.tools.corpus import read_texts, stdlib_files
-from sparkrelay.tools.train.common import add_work_args, corpus_ids, load_state, parse_work_args, save_state
+from sparkrelay.tools.train.common import (
+    add_work_args,
+    corpus_ids,
+    load_state,
+    parse_work_args,
+    save_state,
+)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -64,8 +71,11 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path) -> None:
         "clean_up_tokenization_spaces": False,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
-    special = {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-               "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]}
+    special = {
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+    }
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
 
 
@@ -116,8 +126,8 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 
 
 def train(args: argparse.Namespace, work: Path, data: torch.Tensor, held: torch.Tensor) -> None:
-    """The training loop on the corpus ids `data` [N] (int16); resumes from `work/ckpt.pt`, ends with the
-    held-out loss in `work/train_report.json` and the model in `work/final`."""
+    """The training loop on the corpus ids `data` [N] (int16); resumes from `work/ckpt.pt`, ends
+    with the held-out loss in `work/train_report.json` and the model in `work/final`."""
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -143,41 +153,62 @@ def train(args: argparse.Namespace, work: Path, data: torch.Tensor, held: torch.
         opt.zero_grad(set_to_none=True)
         step += 1
         if step % 10 == 0:
-            print(f"step {step}/{args.steps} loss {loss.item():.3f} {time.time() - t0:.0f}s", flush=True)
+            print(
+                f"step {step}/{args.steps} loss {loss.item():.3f} {time.time() - t0:.0f}s",
+                flush=True,
+            )
         if step % args.ckpt_every == 0 or step == args.steps:
             save_state(ckpt, model, opt, gen, step=step, elapsed=time.time() - t0)
     loss = held_out_loss(model, held, args.seq)
     print(f"held-out loss {loss:.4f} (ppl {math.exp(loss):.2f})", flush=True)
     model.save_pretrained(work / "final", safe_serialization=True)
-    report = {"steps": step, "batch": args.batch, "seq": args.seq, "tokens_seen": step * args.batch * args.seq,
-              "train_tokens": data.numel(), "held_out_tokens": held.numel(), "held_out_loss": round(loss, 4),
-              "train_seconds": round(time.time() - t0), "torch_threads": torch.get_num_threads()}
+    report = {
+        "steps": step,
+        "batch": args.batch,
+        "seq": args.seq,
+        "tokens_seen": step * args.batch * args.seq,
+        "train_tokens": data.numel(),
+        "held_out_tokens": held.numel(),
+        "held_out_loss": round(loss, 4),
+        "train_seconds": round(time.time() - t0),
+        "torch_threads": torch.get_num_threads(),
+    }
     (work / "train_report.json").write_text(json.dumps(report, indent=2))
 
 
 @torch.no_grad()
 def evaluate(folder: Path, seq: int) -> dict:
-    """Held-out loss of the exported model on every 512-token window of the held-out files, in total and
-    split into ordinary code and the `encodings/` codec tables (long, repetitive tables that are easy to predict)."""
+    """Held-out loss of the exported model on every 512-token window of the held-out files, in total
+    and split into ordinary code and the `encodings/` codec tables (long, repetitive tables that are
+    easy to predict)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     _, held = stdlib_files()
-    groups = {"held_out_loss": held,
-              "held_out_loss_code": [p for p in held if "encodings" not in p.parts],
-              "held_out_loss_codec_tables": [p for p in held if "encodings" in p.parts]}
+    groups = {
+        "held_out_loss": held,
+        "held_out_loss_code": [p for p in held if "encodings" not in p.parts],
+        "held_out_loss_codec_tables": [p for p in held if "encodings" in p.parts],
+    }
     out = {}
     for name, files in groups.items():
-        ids = torch.tensor([t for text in read_texts(files) for t in tok.encode(text) + [tok.eos_token_id]])
-        losses = [model(input_ids=w[None], labels=w[None]).loss.item() for w in ids.split(seq) if w.numel() == seq]
+        ids = torch.tensor(
+            [t for text in read_texts(files) for t in tok.encode(text) + [tok.eos_token_id]]
+        )
+        losses = [
+            model(input_ids=w[None], labels=w[None]).loss.item()
+            for w in ids.split(seq)
+            if w.numel() == seq
+        ]
         out[name] = round(sum(losses) / len(losses), 4)
         out[name.replace("loss", "windows")] = len(losses)
     return out
 
 
 def export(work: Path, out: Path) -> None:
-    """Write the bf16 Hugging Face folder: config.json, model.safetensors, tokenizer files, report."""
+    """Write the bf16 Hugging Face folder: config.json, model.safetensors, tokenizer files,
+    report."""
     from transformers import Qwen3ForCausalLM
 
     model = Qwen3ForCausalLM.from_pretrained(work / "final", dtype=torch.float32)
@@ -190,13 +221,16 @@ def export(work: Path, out: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (out / name).write_bytes((work / "tokenizer" / name).read_bytes())
     report = json.loads((work / "train_report.json").read_text())
-    report.pop("held_out_loss", None)  # the in-training figure (first windows only) is replaced by the full evaluation
+    # the in-training figure (first windows only) is replaced by the full evaluation
+    report.pop("held_out_loss", None)
     report.update(evaluate(out, report["seq"]))
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_work_args(p, ".cache/train_tiny_target", bundled="models/tiny-qwen3", what="model")
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=256)
@@ -222,7 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "tokenizer" / "tokenizer.json").exists():
         train_files, held_files = stdlib_files()
-        print(f"corpus: {len(train_files)} train files, {len(held_files)} held-out files", flush=True)
+        print(
+            f"corpus: {len(train_files)} train files, {len(held_files)} held-out files", flush=True
+        )
         train_tokenizer(read_texts(train_files), args.vocab_size, work / "tokenizer")
     if not (work / "train_report.json").exists():
         train(args, work, *corpus_ids(work, work / "tokenizer" / "tokenizer.json"))

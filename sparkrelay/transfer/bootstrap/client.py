@@ -1,6 +1,6 @@
-"""The bootstrap server's clients (bootstrap/server.py): stages register with PUT /route; the decode reads the
-server info and each stage's endpoint with GET /route (503 = retry until the deadline) and heartbeats GET /health.
-Plain urllib, no proxy, bounded timeouts."""
+"""The bootstrap server's clients (bootstrap/server.py): stages register with PUT /route; the decode
+reads the server info and each stage's endpoint with GET /route (503 = retry until the deadline) and
+heartbeats GET /health. Plain urllib, no proxy, bounded timeouts."""
 
 from __future__ import annotations
 
@@ -15,18 +15,21 @@ Alive = Optional[Callable[[], bool]]  # False: nobody waits for the answer any m
 
 
 class BootstrapError(RuntimeError):
-    """A bootstrap request the server refused for good (a 4xx other than 503), or a malformed answer."""
+    """A bootstrap request the server refused for good (a 4xx other than 503), or a malformed
+    answer."""
 
 
 class BootstrapCancelled(RuntimeError):
-    """Retrying stopped because nobody waits for the answer any more (every room that needed it ended)."""
+    """Retrying stopped because nobody waits for the answer any more (every room that needed it
+    ended)."""
 
 
 def is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never route loopback via a proxy
+# never route loopback via a proxy
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def bootstrap_url(host: str, port: int) -> str:
@@ -34,10 +37,15 @@ def bootstrap_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def http_request(method: str, url: str, body: Optional[dict] = None, timeout: float = 2.0,
-                 token: Optional[str] = None) -> tuple[int, bytes]:
-    """(status, body) for any HTTP answer; connection errors and timeouts raise OSError. `token`: sent as
-    `Authorization: Bearer`."""
+def http_request(
+    method: str,
+    url: str,
+    body: Optional[dict] = None,
+    timeout: float = 2.0,
+    token: Optional[str] = None,
+) -> tuple[int, bytes]:
+    """(status, body) for any HTTP answer; connection errors and timeouts raise OSError. `token`:
+    sent as `Authorization: Bearer`."""
     data = None if body is None else json.dumps(body).encode()
     headers = {} if data is None else {"Content-Type": "application/json"}
     if token:
@@ -56,7 +64,8 @@ def http_request(method: str, url: str, body: Optional[dict] = None, timeout: fl
 
 
 def _answer_text(text: bytes) -> str:
-    """The message of an error answer: the "error" of a JSON object, else the text itself (first 300 chars)."""
+    """The message of an error answer: the "error" of a JSON object, else the text itself (first 300
+    chars)."""
     try:
         answer = json.loads(text)
     except ValueError:
@@ -66,7 +75,9 @@ def _answer_text(text: bytes) -> str:
     return text.decode(errors="replace")[:300]
 
 
-def register_rank(bootstrap_url: str, body: dict, retries: int = 5, token: Optional[str] = None) -> None:
+def register_rank(
+    bootstrap_url: str, body: dict, retries: int = 5, token: Optional[str] = None
+) -> None:
     """PUT /route, retrying connection errors and 5xx with exponential backoff (0.1 s doubling)."""
     last = ""
     for attempt in range(retries + 1):
@@ -78,16 +89,20 @@ def register_rank(bootstrap_url: str, body: dict, retries: int = 5, token: Optio
             return
         last = f"HTTP {code}: {_answer_text(text)}" if code else text.decode()
         if 400 <= code < 500:
-            raise BootstrapError(f"bootstrap server at {bootstrap_url} refused the registration: {last}")
+            raise BootstrapError(
+                f"bootstrap server at {bootstrap_url} refused the registration: {last}"
+            )
         if attempt < retries:
-            time.sleep(0.1 * 2 ** attempt)
-    raise BootstrapError(f"could not register with the bootstrap server at {bootstrap_url} after "
-                         f"{retries + 1} attempts: {last}")
+            time.sleep(0.1 * 2**attempt)
+    raise BootstrapError(
+        f"could not register with the bootstrap server at {bootstrap_url} after "
+        f"{retries + 1} attempts: {last}"
+    )
 
 
 def _get_until(url: str, deadline: float, token: Optional[str] = None, alive: Alive = None) -> dict:
-    """GET url, retrying 503 and connection errors until `deadline` (time.monotonic()) or until alive() is False;
-    the JSON object."""
+    """GET url, retrying 503 and connection errors until `deadline` (time.monotonic()) or until
+    alive() is False; the JSON object."""
     delay, last = 0.05, "no attempt"
     while True:
         if alive is not None and not alive():
@@ -96,7 +111,9 @@ def _get_until(url: str, deadline: float, token: Optional[str] = None, alive: Al
         if remaining <= 0:
             raise TimeoutError(f"GET {url}: not answered before the bootstrap deadline ({last})")
         try:
-            code, text = http_request("GET", url, timeout=min(2.0, max(remaining, 0.05)), token=token)
+            code, text = http_request(
+                "GET", url, timeout=min(2.0, max(remaining, 0.05)), token=token
+            )
         except OSError as e:
             code, text, last = 0, b"", str(e)
         if code == 200:
@@ -115,25 +132,42 @@ def _get_until(url: str, deadline: float, token: Optional[str] = None, alive: Al
         delay = min(delay * 2, 1.0)
 
 
-def fetch_prefill_info(url: str, deadline: float, token: Optional[str] = None, alive: Alive = None) -> dict:
-    """The server info (with "schema") from the bootstrap server at `url`; deadline is a time.monotonic()."""
-    info = _get_until(f"{url}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
-                      deadline, token, alive)
+def fetch_prefill_info(
+    url: str, deadline: float, token: Optional[str] = None, alive: Alive = None
+) -> dict:
+    """The server info (with "schema") from the bootstrap server at `url`; deadline is a
+    time.monotonic()."""
+    info = _get_until(
+        f"{url}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
+        deadline,
+        token,
+        alive,
+    )
     pp_size = info.get("pp_size")
     if not is_int(pp_size) or not 1 <= pp_size <= 1024 or not isinstance(info.get("schema"), dict):
-        raise BootstrapError(f"bootstrap server at {url} sent malformed server info (pp_size {pp_size!r}, "
-                             f"schema {type(info.get('schema')).__name__})")
+        raise BootstrapError(
+            f"bootstrap server at {url} sent malformed server info (pp_size {pp_size!r}, "
+            f"schema {type(info.get('schema')).__name__})"
+        )
     return info
 
 
-def fetch_rank(url: str, pp_rank: int, deadline: float, token: Optional[str] = None,
-               alive: Alive = None) -> tuple[str, int]:
+def fetch_rank(
+    url: str, pp_rank: int, deadline: float, token: Optional[str] = None, alive: Alive = None
+) -> tuple[str, int]:
     """(rank_ip, rank_port): the ZMQ PULL endpoint of prefill stage `pp_rank`."""
-    entry = _get_until(f"{url}/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0"
-                       f"&target_pp_rank={pp_rank}", deadline, token, alive)
+    entry = _get_until(
+        f"{url}/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0"
+        f"&target_pp_rank={pp_rank}",
+        deadline,
+        token,
+        alive,
+    )
     ip, port = entry.get("rank_ip"), entry.get("rank_port")
     if not isinstance(ip, str) or not ip or not is_int(port) or not 1 <= port <= 65535:
-        raise BootstrapError(f"bootstrap server at {url} sent a malformed endpoint for pp_rank {pp_rank}: {entry}")
+        raise BootstrapError(
+            f"bootstrap server at {url} sent a malformed endpoint for pp_rank {pp_rank}: {entry}"
+        )
     return ip, port
 
 

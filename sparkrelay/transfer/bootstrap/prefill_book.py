@@ -1,4 +1,5 @@
-"""PrefillBook: what the decode agent knows about each prefill server, and when it must read it again.
+"""PrefillBook: what the decode agent knows about each prefill server, and when it must read it
+again.
 
     record(addr)  -- cached -->  PrefillRecord (server info with the schema, every stage's PULL endpoint)
                   -- missing --> one caller fetches GET /route (info, then each stage); the others park their
@@ -8,8 +9,8 @@
                      others (a restarted prefill's stages listen on new ports). Dead (lost heartbeat, a stage
                      that took nothing): its endpoints are retired at once.
 
-A retired endpoint is dead: nothing more is sent there, and the caller closes its socket (linger 0) and drops what
-was queued for it. Thread safe; never calls back into the agent.
+A retired endpoint is dead: nothing more is sent there, and the caller closes its socket (linger 0)
+and drops what was queued for it. Thread safe; never calls back into the agent.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ MAX_DEAD = 4096  # retired endpoints remembered
 
 @dataclass
 class PrefillRecord:
-    """What the decode caches about one prefill (its bootstrap /route answers) until a room fails against it."""
+    """What the decode caches about one prefill (its bootstrap /route answers) until a room fails
+    against it."""
 
     info: dict  # the server info, with "schema" and "pp_size"
-    endpoints: dict[int, Dest] = field(default_factory=dict)  # pp_rank -> PULL endpoint, every stage
+    # pp_rank -> PULL endpoint, every stage
+    endpoints: dict[int, Dest] = field(default_factory=dict)
 
 
 class PrefillBook:
@@ -40,7 +43,8 @@ class PrefillBook:
         self._lock = threading.Lock()
         self._records: OrderedDict[Addr, PrefillRecord] = OrderedDict()  # least recently used first
         self._fetching: dict[Addr, list] = {}  # addr -> the items parked behind its fetch
-        self._aside: OrderedDict[Addr, list[Dest]] = OrderedDict()  # endpoints of a softly forgotten record
+        # endpoints of a softly forgotten record
+        self._aside: OrderedDict[Addr, list[Dest]] = OrderedDict()
         self._dead: OrderedDict[Dest, None] = OrderedDict()
 
     def addrs(self) -> list[Addr]:
@@ -52,8 +56,9 @@ class PrefillBook:
             return self._records.get(addr)
 
     def claim(self, addr: Addr, item: object) -> tuple[Optional[PrefillRecord], bool]:
-        """(record, False) when cached; (None, True) when the caller must fetch() then release(); (None, False)
-        when another caller is fetching: `item` is parked and comes back from that caller's release()."""
+        """(record, False) when cached; (None, True) when the caller must fetch() then release();
+        (None, False) when another caller is fetching: `item` is parked and comes back from that
+        caller's release()."""
         with self._lock:
             known = self._records.get(addr)
             if known is not None:
@@ -74,12 +79,18 @@ class PrefillBook:
         with self._lock:
             return self._fetching.pop(addr, [])
 
-    def fetch(self, addr: Addr, deadline: float, wanted: Callable[[], bool]) -> tuple[PrefillRecord, list[Dest]]:
-        """GET /route until `deadline` (monotonic) or until wanted() is False; the fresh record, cached, and the
-        endpoints it retires. Raises what bootstrap/client.py raises (TimeoutError, BootstrapError, ...)."""
+    def fetch(
+        self, addr: Addr, deadline: float, wanted: Callable[[], bool]
+    ) -> tuple[PrefillRecord, list[Dest]]:
+        """GET /route until `deadline` (monotonic) or until wanted() is False; the fresh record,
+        cached, and the endpoints it retires. Raises what bootstrap/client.py raises (TimeoutError,
+        BootstrapError, ...)."""
         url = bootstrap_url(*addr)
         info = fetch_prefill_info(url, deadline, self._token, wanted)
-        endpoints = {pp: fetch_rank(url, pp, deadline, self._token, wanted) for pp in reversed(range(info["pp_size"]))}
+        endpoints = {
+            pp: fetch_rank(url, pp, deadline, self._token, wanted)
+            for pp in reversed(range(info["pp_size"]))
+        }
         known, fresh = PrefillRecord(info, endpoints), set(endpoints.values())
         with self._lock:
             old = self._aside.pop(addr, [])
@@ -94,7 +105,8 @@ class PrefillBook:
         return known, gone
 
     def forget(self, addr: Addr, dead: bool, listing: Optional[Dest] = None) -> list[Dest]:
-        """Drop addr's record (the next room fetches it again); the endpoints retired now (only when dead).
+        """Drop addr's record (the next room fetches it again); the endpoints retired now (only when
+        dead).
         listing: only if the record still lists this endpoint (a fresher record is left alone)."""
         with self._lock:
             known = self._records.get(addr)

@@ -1,17 +1,18 @@
-"""The prefill bootstrap HTTP server (SGLang's routes: docs/pd_protocol.md, the bootstrap server); its clients are
-in bootstrap/client.py.
+"""The prefill bootstrap HTTP server (SGLang's routes: docs/pd_protocol.md, the bootstrap server);
+its clients are in bootstrap/client.py.
 
     prefill stage s --PUT /route {pp_rank, rank_ip, rank_port, ...}--> BootstrapServer (on the prefill leader)
     decode          --GET /route?-1,-1,-1,-1--> server info + schema   (503 until every pp rank registered)
                     --GET /route?0,0,0,pp-->    {rank_ip, rank_port}   (the stage's ZMQ PULL endpoint)
                     --GET /health-->            heartbeat
 
-sparkrelay's prefill runs one attention TP/CP/DP group, so the table is keyed (dp, cp, tp, pp) with only pp
-varying; registrations for other sizes are refused with a 400 rather than served wrong.
+sparkrelay's prefill runs one attention TP/CP/DP group, so the table is keyed (dp, cp, tp, pp) with
+only pp varying; registrations for other sizes are refused with a 400 rather than served wrong.
 
-With an auth token every route but GET /health needs `Authorization: Bearer TOKEN` (401 with a JSON message
-otherwise), and the server info says "auth_required": true. Request bodies over MAX_BODY_BYTES get a 413.
-Every refusal is logged with its reason (rate limited) and counted (rejected()).
+With an auth token every route but GET /health needs `Authorization: Bearer TOKEN` (401 with a JSON
+message otherwise), and the server info says "auth_required": true. Request bodies over
+MAX_BODY_BYTES get a 413. Every refusal is logged with its reason (rate limited) and counted
+(rejected()).
 """
 
 from __future__ import annotations
@@ -39,8 +40,19 @@ _HOST_CHARS = re.compile(r"[A-Za-z0-9.:\-\[\]%_]+")  # names, IPv4, IPv6 (+ zone
 
 DP_RANK_TTL_S = 120.0
 DP_RANK_TABLE_MAX = 1 << 16
-REG_INT_FIELDS = ("attn_tp_size", "attn_tp_rank", "attn_cp_size", "attn_cp_rank", "attn_dp_size", "attn_dp_rank",
-                  "pp_size", "pp_rank", "system_dp_size", "system_dp_rank", "rank_port")
+REG_INT_FIELDS = (
+    "attn_tp_size",
+    "attn_tp_rank",
+    "attn_cp_size",
+    "attn_cp_rank",
+    "attn_dp_size",
+    "attn_dp_rank",
+    "pp_size",
+    "pp_rank",
+    "system_dp_size",
+    "system_dp_rank",
+    "rank_port",
+)
 SINGLE_GROUP_FIELDS = ("attn_tp_size", "attn_cp_size", "attn_dp_size", "system_dp_size")
 ROUTE_PARAMS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 MAX_BODY_BYTES = 64 << 10  # a registration is < 1 KiB
@@ -58,19 +70,36 @@ def _bad(msg: str, code: int = 400) -> PlainTextResponse:
 
 
 class BootstrapServer:
-    def __init__(self, host: str, port: int, pp_size: int, schema: dict, prefill_http_port: Optional[int],
-                 page_size: int, kv_cache_dtype: str, auth_token: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        pp_size: int,
+        schema: dict,
+        prefill_http_port: Optional[int],
+        page_size: int,
+        kv_cache_dtype: str,
+        auth_token: Optional[str] = None,
+    ) -> None:
         if pp_size < 1:
             raise ValueError(f"pp_size must be >= 1, got {pp_size}")
         token = check_token(auth_token)
         self._expected_auth = None if token is None else f"Bearer {token}".encode()
         self._rejects = RejectLog(logger)
         self.host, self.port, self.pp_size = host, port, pp_size
-        self.schema = json.loads(json.dumps(schema))  # what the decode will see: tuples become lists
-        self.prefill_http_port, self.page_size, self.kv_cache_dtype = prefill_http_port, page_size, kv_cache_dtype
+        # what the decode will see: tuples become lists
+        self.schema = json.loads(json.dumps(schema))
+        self.prefill_http_port, self.page_size, self.kv_cache_dtype = (
+            prefill_http_port,
+            page_size,
+            kv_cache_dtype,
+        )
         self._lock = threading.Lock()
-        self._table: dict[tuple[int, int, int, int], dict] = {}  # (dp, cp, tp, pp) -> {rank_ip, rank_port}
-        self._dp_ranks: OrderedDict[int, tuple[int, float]] = OrderedDict()  # room -> (dp_rank, registered at)
+        self._table: dict[
+            tuple[int, int, int, int], dict
+        ] = {}  # (dp, cp, tp, pp) -> {rank_ip, rank_port}
+        # room -> (dp_rank, registered at)
+        self._dp_ranks: OrderedDict[int, tuple[int, float]] = OrderedDict()
         self._server: Optional[uvicorn.Server] = None
         self._thread: Optional[threading.Thread] = None
         self.app = self._build_app()
@@ -78,27 +107,40 @@ class BootstrapServer:
     # ---- lifecycle ----
 
     def start(self, timeout: float = 10.0) -> None:
-        """Serve in a daemon thread; returns once listening. OSError if host:port cannot be bound."""
+        """Serve in a daemon thread; returns once listening. OSError if host:port cannot be
+        bound."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        # asyncio sets TCP_NODELAY only on sockets made with proto IPPROTO_TCP, which this one was not: with Nagle on,
-        # a reply's body waited for the delayed ACK of its headers on every keep-alive request.
-        # Accepted connections inherit it from the listening socket.
+        # asyncio sets TCP_NODELAY only on sockets made with proto IPPROTO_TCP, which this one was
+        # not: with Nagle on, a reply's body waited for the delayed ACK of its headers on every
+        # keep-alive request. Accepted connections inherit it from the listening socket.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             sock.bind((self.host, self.port))
         except OSError as e:
             sock.close()
-            raise OSError(e.errno, f"bootstrap server cannot listen on {self.host}:{self.port} ({e.strerror}); "
-                                   "is another prefill server using --disaggregation-bootstrap-port?") from None
+            raise OSError(
+                e.errno,
+                f"bootstrap server cannot listen on {self.host}:{self.port} ({e.strerror}); "
+                "is another prefill server using --disaggregation-bootstrap-port?",
+            ) from None
         sock.listen(1024)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=1)
+        config = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=1,
+        )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                        name=f"bootstrap-{self.port}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run,
+            kwargs={"sockets": [sock]},
+            name=f"bootstrap-{self.port}",
+            daemon=True,
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._server.started:
@@ -107,12 +149,20 @@ class BootstrapServer:
                 raise OSError(f"bootstrap server on {self.host}:{self.port} did not start")
             time.sleep(0.01)
         warn_if_exposed(self.host, self._expected_auth is not None, "the bootstrap server")
-        logger.info("bootstrap server listening on %s:%d (pp_size %d)", self.host, self.port, self.pp_size)
+        logger.info(
+            "bootstrap server listening on %s:%d (pp_size %d)", self.host, self.port, self.pp_size
+        )
 
     def threads_alive(self) -> bool:
         """The server thread runs and serves (False before start() and after stop())."""
         srv, thread = self._server, self._thread
-        return srv is not None and thread is not None and thread.is_alive() and srv.started and not srv.should_exit
+        return (
+            srv is not None
+            and thread is not None
+            and thread.is_alive()
+            and srv.started
+            and not srv.should_exit
+        )
 
     def rejected(self) -> dict[str, int]:
         """Requests refused so far, by kind (auth, size, request)."""
@@ -137,8 +187,11 @@ class BootstrapServer:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-        handlers = {"/route": self._register, "/register_dp_rank": self._register_dp_rank,
-                    "/query_dp_ranks": self._query_dp_ranks}
+        handlers = {
+            "/route": self._register,
+            "/register_dp_rank": self._register_dp_rank,
+            "/query_dp_ranks": self._query_dp_ranks,
+        }
 
         async def with_body(request: Request):
             try:
@@ -162,17 +215,24 @@ class BootstrapServer:
         return app if self._expected_auth is None else self._authenticated(app)
 
     def _authenticated(self, app):
-        """Pure ASGI: every request but GET /health must carry the token, checked before any route runs."""
+        """Pure ASGI: every request but GET /health must carry the token, checked before any route
+        runs."""
         expected = self._expected_auth
 
         async def asgi(scope, receive, send):
-            if scope["type"] == "http" and not (scope["method"] == "GET" and scope["path"] == "/health"):
+            if scope["type"] == "http" and not (
+                scope["method"] == "GET" and scope["path"] == "/health"
+            ):
                 got = b""
                 for name, value in scope["headers"]:
                     if name == b"authorization":
                         got = value
                 if not hmac.compare_digest(got, expected):
-                    why = "the Bearer token does not match" if got else "no Authorization: Bearer token was sent"
+                    why = (
+                        "the Bearer token does not match"
+                        if got
+                        else "no Authorization: Bearer token was sent"
+                    )
                     response = self._refuse("auth", Request(scope), f"{AUTH_REQUIRED} ({why})", 401)
                     await response(scope, receive, send)
                     return
@@ -182,8 +242,15 @@ class BootstrapServer:
 
     def _refuse(self, kind: str, request: Request, msg: str, code: int) -> JSONResponse:
         peer = request.client.host if request.client else "?"
-        self._rejects.note(kind, "bootstrap: refused %s %s from %s: %d %s", request.method, request.url.path, peer,
-                           code, msg[:300])
+        self._rejects.note(
+            kind,
+            "bootstrap: refused %s %s from %s: %d %s",
+            request.method,
+            request.url.path,
+            peer,
+            code,
+            msg[:300],
+        )
         headers = {"WWW-Authenticate": "Bearer"} if code == 401 else None
         return JSONResponse({"error": msg}, status_code=code, headers=headers)
 
@@ -191,9 +258,15 @@ class BootstrapServer:
         """Log and count a 4xx refusal (503 "not registered yet" is routine, not a refusal)."""
         if 400 <= response.status_code < 500:
             peer = request.client.host if request.client else "?"
-            self._rejects.note("request", "bootstrap: refused %s %s from %s: %d %s", request.method,
-                               request.url.path, peer, response.status_code,
-                               bytes(response.body[:300]).decode(errors="replace"))
+            self._rejects.note(
+                "request",
+                "bootstrap: refused %s %s from %s: %d %s",
+                request.method,
+                request.url.path,
+                peer,
+                response.status_code,
+                bytes(response.body[:300]).decode(errors="replace"),
+            )
         return response
 
     def _register(self, body: dict):
@@ -202,23 +275,36 @@ class BootstrapServer:
                 return _bad(f"{name}: must be an integer, got {body.get(name)!r}")
         for name in SINGLE_GROUP_FIELDS:
             if body[name] != 1:
-                return _bad(f"{name}: this bootstrap server serves one attention group (size 1), got {body[name]}")
+                return _bad(
+                    f"{name}: this bootstrap server serves one attention group (size 1), got {body[name]}"
+                )
         for name in ("attn_tp_rank", "attn_cp_rank", "attn_dp_rank", "system_dp_rank"):
             if body[name] != 0:
                 return _bad(f"{name}: must be 0 with a group of size 1, got {body[name]}")
         if body["pp_size"] != self.pp_size:
-            return _bad(f"pp_size: this prefill server has pp_size {self.pp_size}, got {body['pp_size']}")
+            return _bad(
+                f"pp_size: this prefill server has pp_size {self.pp_size}, got {body['pp_size']}"
+            )
         if not 0 <= body["pp_rank"] < self.pp_size:
             return _bad(f"pp_rank: must be in 0..{self.pp_size - 1}, got {body['pp_rank']}")
         if not 1 <= body["rank_port"] <= 65535:
             return _bad(f"rank_port: must be in 1..65535, got {body['rank_port']}")
         rank_ip = body.get("rank_ip")
-        if not isinstance(rank_ip, str) or not 0 < len(rank_ip) <= 255 or not _HOST_CHARS.fullmatch(rank_ip):
+        if (
+            not isinstance(rank_ip, str)
+            or not 0 < len(rank_ip) <= 255
+            or not _HOST_CHARS.fullmatch(rank_ip)
+        ):
             return _bad(f"rank_ip: must be a host name or IP address, got {rank_ip!r}")
         problem = self._check_optional(body)
         if problem:
             return _bad(problem)
-        key = (0, 0, 0, body["pp_rank"])  # (dp group, cp, tp, pp); dp group = attn_dp_rank as system_dp_size == 1
+        key = (
+            0,
+            0,
+            0,
+            body["pp_rank"],
+        )  # (dp group, cp, tp, pp); dp group = attn_dp_rank as system_dp_size == 1
         with self._lock:
             self._table[key] = {"rank_ip": advertise_host(rank_ip), "rank_port": body["rank_port"]}
             if self.prefill_http_port is None and body.get("prefill_http_port") is not None:
@@ -231,7 +317,9 @@ class BootstrapServer:
         if page_size is not None and (not is_int(page_size) or page_size != self.page_size):
             return f"page_size: this prefill server uses {self.page_size}, got {page_size!r}"
         if dtype is not None and dtype != self.kv_cache_dtype:
-            return f"kv_cache_dtype: this prefill server uses {self.kv_cache_dtype!r}, got {dtype!r}"
+            return (
+                f"kv_cache_dtype: this prefill server uses {self.kv_cache_dtype!r}, got {dtype!r}"
+            )
         http_port = body.get("prefill_http_port")
         if http_port is not None and (not is_int(http_port) or not 1 <= http_port <= 65535):
             return f"prefill_http_port: must be an integer in 1..65535 or null, got {http_port!r}"
@@ -258,13 +346,25 @@ class BootstrapServer:
             entry = self._table.get(tuple(ranks[n] for n in ROUTE_PARAMS))
             http_port = self.prefill_http_port
         if registered < self.pp_size:
-            return _bad(f"prefill server not fully registered yet ({registered}/{self.pp_size} ranks)", 503)
+            return _bad(
+                f"prefill server not fully registered yet ({registered}/{self.pp_size} ranks)", 503
+            )
         if all(v == -1 for v in ranks.values()):
-            return JSONResponse({"attn_tp_size": 1, "attn_cp_size": 1, "dp_size": 1, "pp_size": self.pp_size,
-                                 "page_size": self.page_size, "kv_cache_dtype": self.kv_cache_dtype,
-                                 "follow_bootstrap_room": False, "enable_dsa_cache_layer_split": False,
-                                 "prefill_http_port": http_port, "auth_required": self._expected_auth is not None,
-                                 "schema": self.schema})
+            return JSONResponse(
+                {
+                    "attn_tp_size": 1,
+                    "attn_cp_size": 1,
+                    "dp_size": 1,
+                    "pp_size": self.pp_size,
+                    "page_size": self.page_size,
+                    "kv_cache_dtype": self.kv_cache_dtype,
+                    "follow_bootstrap_room": False,
+                    "enable_dsa_cache_layer_split": False,
+                    "prefill_http_port": http_port,
+                    "auth_required": self._expected_auth is not None,
+                    "schema": self.schema,
+                }
+            )
         if any(v == -1 for v in ranks.values()):
             return _bad("either all four ranks are -1 (server info) or none is")
         if entry is None:
@@ -289,7 +389,11 @@ class BootstrapServer:
 
     def _query_dp_ranks(self, body: dict):
         rooms = body.get("bootstrap_rooms")
-        if not isinstance(rooms, list) or len(rooms) > DP_RANK_TABLE_MAX or not all(is_int(r) for r in rooms):
+        if (
+            not isinstance(rooms, list)
+            or len(rooms) > DP_RANK_TABLE_MAX
+            or not all(is_int(r) for r in rooms)
+        ):
             return _bad(f"bootstrap_rooms: must be a list of at most {DP_RANK_TABLE_MAX} integers")
         with self._lock:
             self._expire_dp_ranks(time.monotonic())
@@ -316,7 +420,11 @@ async def _json_body(request: Request) -> dict:
             raise _Refusal(f"request body is over {MAX_BODY_BYTES} bytes", 413)
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: [[[[... nested past the limit
+    except (
+        ValueError,
+        UnicodeDecodeError,
+        RecursionError,
+    ) as e:  # RecursionError: [[[[... nested past the limit
         raise _Refusal(f"body must be JSON ({type(e).__name__})", 400) from None
     if not isinstance(body, dict):
         raise _Refusal("body must be a JSON object", 400)

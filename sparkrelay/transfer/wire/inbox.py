@@ -1,4 +1,5 @@
-"""The receiving end of the control channel: a bound PULL socket and its monitor, and the address helpers."""
+"""The receiving end of the control channel: a bound PULL socket and its monitor, and the address
+helpers."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def tcp_endpoint(host: str, port: int | str) -> str:
 
 
 def bind_pull(ctx: zmq.Context, host: str, max_msg_size: int) -> tuple[zmq.Socket, int]:
-    """A PULL socket on host:<random port>; a frame over max_msg_size bytes makes zmq drop the connection."""
+    """A PULL socket on host:<random port>; a frame over max_msg_size bytes makes zmq drop the
+    connection."""
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
@@ -38,19 +40,24 @@ def bind_pull(ctx: zmq.Context, host: str, max_msg_size: int) -> tuple[zmq.Socke
     return sock, port
 
 
-_PEER_EVENTS = {zmq.EVENT_DISCONNECTED: "a peer disconnected (it closed, or zmq dropped it for a frame over "
-                                        "MAXMSGSIZE {max} bytes)",
-                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "a connection failed the ZMTP handshake (not a ZMQ peer?)",
-                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "a connection broke the ZMTP protocol (garbage bytes?)",
-                zmq.EVENT_HANDSHAKE_FAILED_AUTH: "a connection failed ZMTP authentication"}
+_PEER_EVENTS = {
+    zmq.EVENT_DISCONNECTED: "a peer disconnected (it closed, or zmq dropped it for a frame over "
+    "MAXMSGSIZE {max} bytes)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "a connection failed the ZMTP handshake (not a ZMQ peer?)",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "a connection broke the ZMTP protocol (garbage bytes?)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "a connection failed ZMTP authentication",
+}
 
 
 class Inbox:
-    """A bound PULL socket and its zmq monitor, owned by one listener thread. What zmq refuses on its own (a frame
-    over MAXMSGSIZE, a connection that is not ZMTP) never reaches recv; the monitor's events make it visible in the
-    log. Messages are read whole: frames, then the caller checks the tag (FrameAuth.open) before parsing."""
+    """A bound PULL socket and its zmq monitor, owned by one listener thread. What zmq refuses on
+    its own (a frame over MAXMSGSIZE, a connection that is not ZMTP) never reaches recv; the
+    monitor's events make it visible in the log. Messages are read whole: frames, then the caller
+    checks the tag (FrameAuth.open) before parsing."""
 
-    def __init__(self, ctx: zmq.Context, host: str, max_msg_size: int, who: str, rejects: RejectLog) -> None:
+    def __init__(
+        self, ctx: zmq.Context, host: str, max_msg_size: int, who: str, rejects: RejectLog
+    ) -> None:
         self.sock, self.port = bind_pull(ctx, host, max_msg_size)
         self.max_msg_size, self.who, self.rejects = max_msg_size, who, rejects
         self.monitor = self.sock.get_monitor_socket(sum(_PEER_EVENTS))
@@ -78,9 +85,18 @@ class Inbox:
             except zmq.Again:
                 return
             what = _PEER_EVENTS.get(event["event"])
-            if what is not None:  # a disconnect is routine (a peer restarting): info; the others are warnings
-                level = logging.INFO if event["event"] == zmq.EVENT_DISCONNECTED else logging.WARNING
-                self.rejects.note("connection", "%s: %s", self.who, what.format(max=self.max_msg_size), level=level)
+            # a disconnect is routine (a peer restarting): info; the others are warnings
+            if what is not None:
+                level = (
+                    logging.INFO if event["event"] == zmq.EVENT_DISCONNECTED else logging.WARNING
+                )
+                self.rejects.note(
+                    "connection",
+                    "%s: %s",
+                    self.who,
+                    what.format(max=self.max_msg_size),
+                    level=level,
+                )
 
     def close(self) -> None:
         try:

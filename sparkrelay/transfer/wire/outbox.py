@@ -9,11 +9,11 @@
     discard(dest, match)   --> queued messages whose tag matches are removed unsent (an aborted room)
     drop(dest)             --> socket closed with linger 0, its queued messages returned (a forgotten peer)
 
-A peer that is dead or stalled therefore only delays its own messages, never another peer's: there is no
-blocking send. Sockets use IMMEDIATE, so zmq queues nothing for a peer it never reached: such messages wait
-here, where they are counted and expire. Frames are queued as given (zmq sends them with copy=False), so a
-slow peer holds references to buffers its sender already owns, never copies. Owned by one thread (zmq sockets
-are not thread safe).
+A peer that is dead or stalled therefore only delays its own messages, never another peer's: there
+is no blocking send. Sockets use IMMEDIATE, so zmq queues nothing for a peer it never reached: such
+messages wait here, where they are counted and expire. Frames are queued as given (zmq sends them
+with copy=False), so a slow peer holds references to buffers its sender already owns, never copies.
+Owned by one thread (zmq sockets are not thread safe).
 """
 
 from __future__ import annotations
@@ -41,21 +41,35 @@ class Queued:
 
 
 class Outbox:
-    def __init__(self, ctx: zmq.Context, timeout_s: float, auth: FrameAuth, limit: int = 1024,
-                 max_queued: int = MAX_QUEUED) -> None:
-        self.ctx, self.timeout_s, self.auth, self.limit, self.max_queued = ctx, timeout_s, auth, limit, max_queued
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        timeout_s: float,
+        auth: FrameAuth,
+        limit: int = 1024,
+        max_queued: int = MAX_QUEUED,
+    ) -> None:
+        self.ctx, self.timeout_s, self.auth, self.limit, self.max_queued = (
+            ctx,
+            timeout_s,
+            auth,
+            limit,
+            max_queued,
+        )
         self.sent: list[Any] = []  # tags of notify=True messages zmq has taken, until take_sent()
         self.socks: OrderedDict[Dest, zmq.Socket] = OrderedDict()  # least recently used first
         self.queues: dict[Dest, deque[Queued]] = {}  # only destinations with something waiting
-        self.progress: dict[Dest, float] = {}  # when each queue was made or last sent something (monotonic)
+        self.progress: dict[
+            Dest, float
+        ] = {}  # when each queue was made or last sent something (monotonic)
         self.poller = zmq.Poller()
 
     def pending(self) -> int:
         return sum(len(q) for q in self.queues.values())
 
     def put(self, dest: Dest, frames: list, tag: Any = None, notify: bool = False) -> bool:
-        """Send now if zmq takes the message, else queue it behind dest's earlier ones. False (nothing sent or
-        queued) when dest already has max_queued messages waiting."""
+        """Send now if zmq takes the message, else queue it behind dest's earlier ones. False
+        (nothing sent or queued) when dest already has max_queued messages waiting."""
         frames = self.auth.seal(frames)
         sock = self._socket(dest)
         q = self.queues.get(dest)
@@ -90,8 +104,9 @@ class Outbox:
         return gone
 
     def pump(self, timeout_ms: int) -> list[tuple[Dest, Any]]:
-        """Waits up to timeout_ms for any queue's peer to take messages, sends what it can in order, and returns
-        (dest, tag) of every message given up: a destination that took nothing for timeout_s loses its queue."""
+        """Waits up to timeout_ms for any queue's peer to take messages, sends what it can in order,
+        and returns (dest, tag) of every message given up: a destination that took nothing for
+        timeout_s loses its queue."""
         if not self.queues:
             return []
         ready = {s for s, _ in self.poller.poll(timeout_ms)}
@@ -150,7 +165,8 @@ class Outbox:
             self.socks.move_to_end(dest)
             return sock
         sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 1000)  # close() on shutdown: queued control messages get a second
+        # close() on shutdown: queued control messages get a second
+        sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued inside zmq for a peer never reached
         if ":" in dest[0]:
@@ -158,6 +174,7 @@ class Outbox:
         sock.connect(tcp_endpoint(*dest))
         self.socks[dest] = sock
         idle = [d for d in self.socks if d not in self.queues]
-        while len(self.socks) > self.limit and idle:  # least recently used socket with nothing waiting
+        # least recently used socket with nothing waiting
+        while len(self.socks) > self.limit and idle:
             self.drop(idle.pop(0))
         return sock
