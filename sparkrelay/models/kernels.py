@@ -7,7 +7,9 @@ that bandwidth. Of the CPU layouts measured (MKL's `x @ weight_t`, F.linear, MKL
 packed, inductor's CPP GEMM), oneDNN's packed one streams weights the fastest, in float32 and
 bfloat16, at one row and at several (figures: speed notes of docs/architecture.md).
 
-So on CPU every large weight is reordered once into oneDNN's blocked layout (PackedLinear, an opaque
+Where the CPU has AVX-512 bf16, a bfloat16 weight is an AvxLinear: sparkrelay's own kernel
+(models/cpu_kernels.py) for the few rows of a decode step, oneDNN for more. Elsewhere, and for
+float32, every large weight is reordered once into oneDNN's blocked layout (PackedLinear, an opaque
 mkldnn tensor that `_linear_pointwise` reads as it is, for any row count). A small float32 weight (<
 PACK_MIN_FP32
 elements: the bundled tiny model's) keeps both layouts (SmallLinear, a few MB at most): one row goes
@@ -33,10 +35,14 @@ import os
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from sparkrelay.models import cpu_kernels
 
 # float32 weights from this many elements up are packed only (module docstring)
 PACK_MIN_FP32 = 1 << 19
+KERNEL_ROWS = 8  # AvxLinear: rows from 1 to this through sparkrelay's kernel, more through oneDNN
 ONEDNN_CACHE_ENTRIES = 64  # per oneDNN shape cache (module docstring)
 for _var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
     # inherited by the pipeline stages' processes too
@@ -132,6 +138,48 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> to
     return x.new_empty(*x.shape[:-1], packed.shape[0])  # [..., out]
 
 
+class AvxLinear(nn.Module):
+    """A frozen bfloat16 Linear on a CPU with AVX-512 bf16: up to KERNEL_ROWS rows (a decode step, a
+    DSpark verify) through sparkrelay's kernel on its own packed layout (models/cpu_kernels.py), more
+    rows (prefill) through oneDNN on its packed copy, which is faster there. Both layouts are kept:
+    twice the weight's memory for the fastest product at every row count. x [..., in] -> [..., out]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, module) -> None:
+        super().__init__()
+        self._ext = module
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("tiles", cpu_kernels.pack_bf16(weight), persistent=False)
+        padded = None
+        if bias is not None:  # fp32, N padded to the kernel's tile
+            padded = torch.zeros(-(-self.out_features // cpu_kernels.TILE) * cpu_kernels.TILE)
+            padded[: self.out_features] = bias.detach().float()
+        self.register_buffer("tile_bias", padded, persistent=False)
+        self.wide = PackedLinear(weight, bias)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """[out, in], a dense copy (for code that reads the weight once)."""
+        return cpu_kernels.unpack_bf16(self.tiles, self.out_features, self.in_features)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.wide.bias
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows > KERNEL_ROWS or x.dtype != torch.bfloat16 or torch.compiler.is_compiling():
+            return self.wide(x)
+        x2 = x.reshape(rows, self.in_features)
+        if self.in_features % 2:  # the kernel reads activations in pairs
+            x2 = F.pad(x2, (0, 1))
+        y = self._ext.linear_bf16(x2.contiguous(), self.tiles, self.out_features, self.tile_bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     """oneDNN's packed product is the fast one for bfloat16 and float32 weights on CPU (module
     docstring)."""
@@ -143,6 +191,10 @@ def frozen_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.
     """weight [out, in] (+ bias [out]) -> the fastest frozen layer for its dtype and device (module docstring)."""
     if not can_pack(weight):
         return TLinear(weight, bias)
+    if weight.dtype == torch.bfloat16:
+        module = cpu_kernels.load()
+        if module is not None:
+            return AvxLinear(weight, bias, module)
     small = weight.dtype == torch.float32 and weight.numel() < PACK_MIN_FP32
     return SmallLinear(weight, bias) if small else PackedLinear(weight, bias)
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparkrelay.config import ConfigError
-from sparkrelay.models.kernels import PackedLinear, TLinear
+from sparkrelay.models.kernels import AvxLinear, PackedLinear, TLinear
 
 TORCHAO_CONFIGS = ("", "int8wo")
 DEQUANT_ROWS = 64  # rows from which dequantize + F.linear beats the int8 kernel (measured: docs/architecture.md)
@@ -77,7 +77,7 @@ def quantize_int8wo(model: nn.Module, skip: tuple[str, ...] = ("head",)) -> int:
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, (TLinear, PackedLinear)) and name not in skip
+        if isinstance(child, (TLinear, PackedLinear, AvxLinear)) and name not in skip
     ]
     for parent, name, child in found:
         setattr(parent, name, Int8Linear(child.weight, child.bias, child.dtype))

@@ -1,5 +1,5 @@
-"""Frozen linear kernels: packed bfloat16 (oneDNN) and weight-only int8 against F.linear; whole
-models with them."""
+"""Frozen linear kernels: packed bfloat16 (oneDNN, the fallback of sparkrelay's own kernels:
+test_cpu_kernels.py) and weight-only int8 against F.linear; whole models with them."""
 
 import os
 import shutil
@@ -15,7 +15,14 @@ from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models import kernels
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.decoder import load_causal_lm
-from sparkrelay.models.kernels import PackedLinear, SmallLinear, TLinear, fast_head, frozen_linear
+from sparkrelay.models.kernels import (
+    AvxLinear,
+    PackedLinear,
+    SmallLinear,
+    TLinear,
+    fast_head,
+    frozen_linear,
+)
 from sparkrelay.models.layers import fuse_linears
 from sparkrelay.models.quant import (
     DEQUANT_ROWS,
@@ -42,7 +49,7 @@ def weights(
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(384, 256), (256, 768), (1000, 96)])
 @torch.inference_mode()
-def test_packed_bf16_equals_f_linear(rows, bias, shape):
+def test_packed_bf16_equals_f_linear(rows, bias, shape, cpu_kernels_off):
     w, b = weights(*shape, bias)
     layer = frozen_linear(w, b)
     assert isinstance(layer, PackedLinear)
@@ -57,7 +64,7 @@ def test_packed_bf16_equals_f_linear(rows, bias, shape):
 
 @pytest.mark.parametrize("rows", ROWS)
 @torch.inference_mode()
-def test_float32_layouts(rows):
+def test_float32_layouts(rows, cpu_kernels_off):
     """float32 on CPU: a small weight keeps both layouts (one row: MKL, several: oneDNN), a large
     one is packed."""
     g = torch.Generator().manual_seed(4)
@@ -84,7 +91,7 @@ def test_float32_layouts(rows):
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("bias", [False, True])
 @torch.inference_mode()
-def test_fused_qkv_packed_equals_separate_products(rows, bias):
+def test_fused_qkv_packed_equals_separate_products(rows, bias, cpu_kernels_off):
     lins = [nn.Linear(128, n, bias=bias).to(torch.bfloat16) for n in (256, 64, 64)]
     fused = fuse_linears(*lins)
     assert isinstance(fused, PackedLinear)
@@ -128,7 +135,7 @@ def test_int8wo_replaces_every_layer_linear_but_the_head(random_model_dir, dtype
         layer.mlp.down_proj,
     ):
         assert isinstance(lin, Int8Linear)
-    assert model.head is None or isinstance(model.head, (PackedLinear, TLinear))
+    assert model.head is None or isinstance(model.head, (PackedLinear, TLinear, AvxLinear))
     assert isinstance(model.model.embed_tokens, nn.Embedding) and isinstance(
         model.lm_head, nn.Linear
     )
@@ -224,7 +231,7 @@ def test_dspark_bf16_drafter_is_packed_and_accepts(bundled_model_dir, bundled_dr
         **settings,
     )
     drafter = llm.engine.proposer.drafter
-    kind = Int8Linear if tao else PackedLinear
+    kind = Int8Linear if tao else (PackedLinear, AvxLinear)  # AvxLinear: sparkrelay's kernels
     assert all(
         isinstance(m, kind)
         for l in drafter.layers

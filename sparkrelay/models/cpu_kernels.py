@@ -1,0 +1,127 @@
+"""sparkrelay's own CPU kernels (sparkrelay/csrc/cpu_linear.cpp): AVX-512 weight-only linears for the
+few rows of a decode step, built once with torch.utils.cpp_extension (g++ and ninja) and loaded
+from build/cpu_kernels/ after that; the build is redone when the source or the flags change.
+
+They are used where the CPU has the instructions (avx512f/bw/vl and avx512_bf16) unless
+SPARKRELAY_CPU_KERNELS=0; anywhere else, or when the build fails (no compiler, no ninja), the
+linears stay on oneDNN (kernels.PackedLinear), and the reason is logged once as a warning: a
+missing kernel costs speed, never a start. Set-up builds them: `python -m
+sparkrelay.models.cpu_kernels` prints what it did. Design: docs/cpu_kernels.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu_linear.cpp"
+BUILD = Path(os.environ.get("SPARKRELAY_KERNEL_BUILD", SOURCE.parents[2] / "build" / "cpu_kernels"))
+NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+ENV = "SPARKRELAY_CPU_KERNELS"
+TILE = 32  # output columns per packed tile (cpu_linear.cpp)
+
+_state: dict[str, object] = {}
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _why_not() -> str:
+    """Why the kernels cannot be used here, or ""."""
+    if os.environ.get(ENV, "1") == "0":
+        return f"{ENV}=0"
+    missing = [f for f in NEEDED if f not in cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} is not on PATH; install g++)"
+    if shutil.which("ninja") is None:
+        return "ninja is not on PATH (pip install ninja)"
+    return ""
+
+
+def _build() -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    BUILD.mkdir(parents=True, exist_ok=True)
+    return load(
+        name="sparkrelay_cpu_kernels",
+        sources=[str(SOURCE)],
+        extra_cflags=FLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(BUILD),
+        verbose=False,
+    )
+
+
+def load() -> Optional[ModuleType]:
+    """The built extension, or None (warned once with the reason and the fallback)."""
+    if "module" not in _state:
+        why = _why_not()
+        module = None
+        if not why:
+            try:
+                module = _build()
+            except Exception as e:  # a compile or load failure: the fallback serves
+                why = f"building {SOURCE.name} failed ({type(e).__name__}: {str(e)[-300:]})"
+        if why:
+            logger.warning("CPU kernels off: %s; the linears use oneDNN (slower decoding)", why)
+        _state["module"], _state["why"] = module, why
+    return _state["module"]  # type: ignore[return-value]
+
+
+def why_off() -> str:
+    """After load(): why the kernels are off, or ""."""
+    load()
+    return str(_state["why"])
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> the kernel's bf16 layout, 1-D: [N/32 tiles][K/2 pairs][2][16][2] (N padded
+    to 32 and K to even with zeros)."""
+    n, k = weight.shape
+    n_pad, k_pad = -(-n // TILE) * TILE, k + k % 2
+    w = torch.zeros(n_pad, k_pad, dtype=torch.bfloat16)
+    w[:n, :k] = weight.detach().to(torch.bfloat16)
+    return w.view(n_pad // TILE, 2, 16, k_pad // 2, 2).permute(0, 3, 1, 2, 4).contiguous().view(-1)
+
+
+def unpack_bf16(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """pack_bf16's inverse: [N, K]."""
+    n_pad, k_pad = -(-n // TILE) * TILE, k + k % 2
+    w = packed.view(n_pad // TILE, k_pad // 2, 2, 16, 2).permute(0, 2, 3, 1, 4)
+    return w.reshape(n_pad, k_pad)[:n, :k].contiguous()
+
+
+def main() -> None:
+    """Set-up's step: build (or find built) and say which path the linears take."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    module = load()
+    if module is None:
+        print(f"CPU kernels: off ({why_off()}); the linears use oneDNN", flush=True)
+        return
+    print(f"CPU kernels: built in {BUILD} (AVX-512 bf16)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

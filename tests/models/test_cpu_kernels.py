@@ -1,0 +1,127 @@
+"""sparkrelay's AVX-512 kernels (models/cpu_kernels.py, csrc/cpu_linear.cpp): built by set-up on a CPU
+that has the instructions; every row count from 1 to 8 and every shape class (N and K odd, below and
+above a tile) equal to a float64 reference within bfloat16 rounding; dispatch by rows, dtype and
+SPARKRELAY_CPU_KERNELS; and the fallback on a machine without a compiler."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparkrelay.models import cpu_kernels
+from sparkrelay.models.kernels import KERNEL_ROWS, AvxLinear, PackedLinear, fast_head, frozen_linear
+
+HAS_CPU = not [f for f in cpu_kernels.NEEDED if f not in cpu_kernels.cpu_flags()]
+needs_cpu = pytest.mark.skipif(not HAS_CPU, reason="this CPU lacks AVX-512 bf16")
+SHAPES = [(1, 2), (31, 7), (32, 64), (33, 65), (100, 300), (1000, 96), (96, 1001)]  # (N, K)
+
+
+def operands(n: int, k: int, rows: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    return w, torch.randn(n, generator=g), x
+
+
+def assert_near_float64(got: torch.Tensor, x, w, b) -> None:
+    """Within the output's bfloat16 rounding (2^-8 relative) plus fp32 accumulation error."""
+    ref = x.double() @ w.double().t() + (0 if b is None else b.double())
+    bound = 2.0**-8 * ref.abs() + 1e-6 * (x.double().abs() @ w.double().abs().t()) + 1e-6
+    err = (got.double() - ref).abs()
+    assert bool((err <= bound).all()), f"max error {float(err.max()):.3g} over the bound"
+
+
+@needs_cpu
+def test_set_up_built_the_kernels():
+    assert cpu_kernels.load() is not None, cpu_kernels.why_off()
+
+
+@needs_cpu
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+@torch.inference_mode()
+def test_kernel_equals_float64_at_every_row_count(shape, bias):
+    n, k = shape
+    ext = cpu_kernels.load()
+    packed = cpu_kernels.pack_bf16(operands(n, k, 1)[0])
+    assert torch.equal(cpu_kernels.unpack_bf16(packed, n, k), operands(n, k, 1)[0])
+    for rows in range(1, KERNEL_ROWS + 2):  # 9: a second row group
+        w, b, x = operands(n, k, rows, seed=rows)
+        packed = cpu_kernels.pack_bf16(w)
+        tile_bias = None
+        if bias:
+            tile_bias = torch.zeros(-(-n // cpu_kernels.TILE) * cpu_kernels.TILE)
+            tile_bias[:n] = b
+        xk = F.pad(x, (0, k % 2)).contiguous()
+        got = ext.linear_bf16(xk, packed, n, tile_bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        assert_near_float64(got, x, w, b if bias else None)
+
+
+@needs_cpu
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])
+@torch.inference_mode()
+def test_avx_linear_dispatch(rows):
+    """bf16 weights: AvxLinear, its kernel up to KERNEL_ROWS rows, oneDNN above (both near float64);
+    [R, B, d] inputs keep their shape; float32 weights stay on oneDNN."""
+    w, b, x = operands(300, 257, rows)
+    layer = frozen_linear(w, b.to(torch.bfloat16))
+    assert isinstance(layer, AvxLinear) and torch.equal(layer.weight, w)
+    got = layer(x)
+    assert_near_float64(got, x, w, b.to(torch.bfloat16))
+    assert torch.equal(layer(x.view(1, rows, -1)), got.view(1, rows, -1))
+    calls = []
+    layer._ext = type(
+        "Spy", (), {"linear_bf16": lambda *a: calls.append(1) or cpu_kernels.load().linear_bf16(*a)}
+    )
+    layer(x)
+    assert len(calls) == (1 if rows <= KERNEL_ROWS else 0)
+    assert not isinstance(frozen_linear(w.float()), AvxLinear)
+    assert isinstance(fast_head(w), AvxLinear)
+
+
+@needs_cpu
+def test_the_environment_turns_them_off(cpu_kernels_off):
+    w, b, x = operands(64, 64, 1)
+    assert isinstance(frozen_linear(w), PackedLinear)
+    assert cpu_kernels.why_off() == "SPARKRELAY_CPU_KERNELS=0"
+
+
+def test_no_compiler_means_the_fallback(tmp_path):
+    """PATH without a compiler and an empty build folder: one warning names the compiler and the
+    fallback, the bf16 linears are oneDNN's, and a bfloat16 model generates."""
+    bin_dir = tmp_path / "bin"  # empty: no c++, no ninja (this interpreter is called by its path)
+    bin_dir.mkdir()
+    script = textwrap.dedent(f"""
+        import logging, torch
+        logging.basicConfig(level=logging.WARNING)
+        from sparkrelay import LLM, SamplingParams
+        from sparkrelay.models import cpu_kernels
+        from sparkrelay.models.kernels import PackedLinear, frozen_linear
+        assert cpu_kernels.load() is None
+        print("WHY", cpu_kernels.why_off())
+        assert isinstance(frozen_linear(torch.randn(64, 64).to(torch.bfloat16)), PackedLinear)
+        llm = LLM({str(Path("models/tiny-qwen3").resolve())!r}, dtype="bfloat16", max_total_tokens=1024)
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
+        print("TOKENS", len(out[0]["output_ids"]))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "CXX"}
+    env.update(PATH=str(bin_dir), SPARKRELAY_KERNEL_BUILD=str(tmp_path / "build"))
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if HAS_CPU:
+        assert "WHY no C++ compiler" in proc.stdout, proc.stdout
+        assert proc.stderr.count("CPU kernels off: no C++ compiler") == 1, proc.stderr[-2000:]
+        assert "the linears use oneDNN" in proc.stderr
+    assert "TOKENS 4" in proc.stdout
