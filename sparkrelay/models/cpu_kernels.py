@@ -2,7 +2,7 @@
 few rows of a decode step, built once with torch.utils.cpp_extension (g++ and ninja) and loaded
 from build/cpu_kernels/ after that; the build is redone when the source or the flags change.
 
-They are used where the CPU has the instructions (avx512f/bw/vl and avx512_bf16) unless
+They are used where the CPU has the instructions (avx512f/bw/vl, avx512_bf16, avx512_vnni) unless
 SPARKRELAY_CPU_KERNELS=0; anywhere else, or when the build fails (no compiler, no ninja), the
 linears stay on oneDNN (kernels.PackedLinear), and the reason is logged once as a warning: a
 missing kernel costs speed, never a start. Set-up builds them: `python -m
@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu_linear.cpp"
 BUILD = Path(os.environ.get("SPARKRELAY_KERNEL_BUILD", SOURCE.parents[2] / "build" / "cpu_kernels"))
-NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp"]
 ENV = "SPARKRELAY_CPU_KERNELS"
 TILE = 32  # output columns per packed tile (cpu_linear.cpp)
 
@@ -112,6 +112,23 @@ def unpack_bf16(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return w.reshape(n_pad, k_pad)[:n, :k].contiguous()
 
 
+def pad_to_tile(v: torch.Tensor) -> torch.Tensor:
+    """[N] -> [N padded to 32] with zeros (the kernels' epilogues read whole tiles)."""
+    out = torch.zeros(-(-v.numel() // TILE) * TILE, dtype=v.dtype)
+    out[: v.numel()] = v
+    return out
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] int8 -> the kernel's int8 layout, 1-D: [N/32 tiles][K/4 quads][2][16][4] (N padded
+    to 32 and K to 4 with zeros)."""
+    n, k = q.shape
+    n_pad, k_pad = -(-n // TILE) * TILE, -(-k // 4) * 4
+    w = torch.zeros(n_pad, k_pad, dtype=torch.int8)
+    w[:n, :k] = q
+    return w.view(n_pad // TILE, 2, 16, k_pad // 4, 4).permute(0, 3, 1, 2, 4).contiguous().view(-1)
+
+
 def main() -> None:
     """Set-up's step: build (or find built) and say which path the linears take."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -119,7 +136,7 @@ def main() -> None:
     if module is None:
         print(f"CPU kernels: off ({why_off()}); the linears use oneDNN", flush=True)
         return
-    print(f"CPU kernels: built in {BUILD} (AVX-512 bf16)", flush=True)
+    print(f"CPU kernels: built in {BUILD} (AVX-512 bf16 and int8)", flush=True)
 
 
 if __name__ == "__main__":

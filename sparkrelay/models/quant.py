@@ -6,7 +6,9 @@ without a dequantized copy.
     y = x @ wᵀ ≈ (x @ qᵀ) * s                  torch.ops.aten._weight_int8pack_mm(x [T, in], q, s) -> [T, out]
 
 torchao's own int8 weight-only (0.18.0) dequantizes per call and was slower than bfloat16 F.linear,
-so torch's kernel is used: it reads half the bytes of bfloat16 and wins at one row, but it is
+so on a CPU with AVX-512 VNNI the few rows of a decode step (up to kernels.KERNEL_ROWS) go through
+sparkrelay's int8 kernel (models/cpu_kernels.py: activations quantized per row, fp32 epilogue), and
+otherwise torch's kernel is used: it reads half the bytes of bfloat16 and wins at one row, but it is
 compute-bound and its cost grows with the rows. From DEQUANT_ROWS rows on (prefill, wide verifies),
 dequantizing the weight for the call (a temporary) and F.linear is faster. Figures: speed notes of
 docs/architecture.md. The LM head and the embeddings stay in the model dtype (packed bf16 head:
@@ -20,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparkrelay.config import ConfigError
-from sparkrelay.models.kernels import AvxLinear, PackedLinear, TLinear
+from sparkrelay.models import cpu_kernels
+from sparkrelay.models.kernels import KERNEL_ROWS, AvxLinear, PackedLinear, TLinear
 
 TORCHAO_CONFIGS = ("", "int8wo")
 DEQUANT_ROWS = 64  # rows from which dequantize + F.linear beats the int8 kernel (measured: docs/architecture.md)
@@ -48,6 +51,16 @@ class Int8Linear(nn.Module):
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         )
+        self._ext = cpu_kernels.load() if q.device.type == "cpu" else None
+        if self._ext is not None:  # sparkrelay's kernel: its own packed copy, fp32 epilogue terms
+            self.register_buffer("tiles", cpu_kernels.pack_int8(q), persistent=False)
+            self.register_buffer(
+                "tile_scale", cpu_kernels.pad_to_tile(scales.float()), persistent=False
+            )
+            qsum = q.sum(dim=1, dtype=torch.int32)
+            self.register_buffer("tile_qsum", cpu_kernels.pad_to_tile(qsum), persistent=False)
+            tile_bias = None if bias is None else cpu_kernels.pad_to_tile(bias.detach().float())
+            self.register_buffer("tile_bias", tile_bias, persistent=False)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -59,8 +72,23 @@ class Int8Linear(nn.Module):
         return self.scales.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)  # [T, in]: the kernel takes 2-D inputs only
-        if rows.shape[0] >= DEQUANT_ROWS:
+        rows = x.reshape(-1, self.in_features)  # [T, in]: the kernels take 2-D inputs only
+        if (
+            self._ext is not None
+            and rows.shape[0] <= KERNEL_ROWS
+            and not torch.compiler.is_compiling()
+        ):
+            y = self._ext.linear_int8(
+                rows.contiguous(),
+                self.tiles,
+                self.tile_scale,
+                self.tile_qsum,
+                self.out_features,
+                self.tile_bias,
+            )  # [T, out], bias included
+            return y.view(*x.shape[:-1], self.out_features)
+        # torch's int8 product needs K a multiple of 16 (it crashes otherwise): dequantize then
+        if rows.shape[0] >= DEQUANT_ROWS or self.in_features % 16:
             y = F.linear(rows, self.weight)
         else:
             # [T, out]

@@ -1,6 +1,6 @@
 """sparkrelay's AVX-512 kernels (models/cpu_kernels.py, csrc/cpu_linear.cpp): built by set-up on a CPU
-that has the instructions; every row count from 1 to 8 and every shape class (N and K odd, below and
-above a tile) equal to a float64 reference within bfloat16 rounding; dispatch by rows, dtype and
+that has the instructions; bf16 and int8, every row count from 1 to 8 and every shape class (N and K
+odd, below and above a tile) equal to a float64 reference within the output's rounding; dispatch by rows, dtype and
 SPARKRELAY_CPU_KERNELS; and the fallback on a machine without a compiler."""
 
 import os
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from sparkrelay.models import cpu_kernels
 from sparkrelay.models.kernels import KERNEL_ROWS, AvxLinear, PackedLinear, fast_head, frozen_linear
+from sparkrelay.models.quant import Int8Linear, quantize_per_channel
 
 HAS_CPU = not [f for f in cpu_kernels.NEEDED if f not in cpu_kernels.cpu_flags()]
 needs_cpu = pytest.mark.skipif(not HAS_CPU, reason="this CPU lacks AVX-512 bf16")
@@ -83,6 +84,59 @@ def test_avx_linear_dispatch(rows):
     assert len(calls) == (1 if rows <= KERNEL_ROWS else 0)
     assert not isinstance(frozen_linear(w.float()), AvxLinear)
     assert isinstance(fast_head(w), AvxLinear)
+
+
+@needs_cpu
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@torch.inference_mode()
+def test_int8_kernel_equals_its_float64_reference(shape, dtype):
+    """Exactly the float64 product of the per-row quantized activations and the int8 weight (to the
+    output dtype's rounding), and within 2% relative RMS of the unquantized product."""
+    n, k = shape
+    ext = cpu_kernels.load()
+    for rows in (1, 2, 5, KERNEL_ROWS, KERNEL_ROWS + 1):
+        w, b, x = operands(n, k, rows, seed=rows)
+        q, s = quantize_per_channel(w.float())
+        got = ext.linear_int8(
+            x.to(dtype).contiguous(),
+            cpu_kernels.pack_int8(q),
+            cpu_kernels.pad_to_tile(s),
+            cpu_kernels.pad_to_tile(q.sum(1, dtype=torch.int32)),
+            n,
+            cpu_kernels.pad_to_tile(b),
+        )
+        assert got.dtype == dtype and got.shape == (rows, n)
+        xf = x.to(dtype).float()  # the kernel's own quantization, in float32
+        sx = xf.abs().amax(1, keepdim=True) / 127
+        sx = torch.where(sx > 0, sx, torch.ones_like(sx))
+        xq = torch.round(xf * (1 / sx)).double()
+        ref = (xq @ q.double().t()) * sx.double() * s.double() + b.double()
+        ulp = 2.0**-8 if dtype == torch.bfloat16 else 1e-5
+        bound = ulp * ref.abs() + 1e-4 * (ref.abs().max() + 1)
+        assert bool(((got.double() - ref).abs() <= bound).all())
+        exact = x.to(dtype).double() @ w.double().t() + b.double()
+        if k >= 64:  # a few inputs: one rounding dominates
+            assert float((got.double() - exact).norm() / exact.norm()) < 0.02
+
+
+@needs_cpu
+@pytest.mark.parametrize("rows", [1, 8, 9])
+@torch.inference_mode()
+def test_int8_linear_dispatch(rows):
+    """Int8Linear: the kernel up to KERNEL_ROWS rows, torch's int8 product above."""
+    w, b, x = operands(96, 130, rows)
+    layer = Int8Linear(w, b.to(torch.bfloat16), torch.bfloat16)
+    calls = []
+    real = cpu_kernels.load()
+    layer._ext = type(
+        "Spy", (), {"linear_int8": lambda *a: calls.append(1) or real.linear_int8(*a)}
+    )
+    got = layer(x.view(1, rows, -1))
+    assert got.shape == (1, rows, 96) and got.dtype == torch.bfloat16
+    assert len(calls) == (1 if rows <= KERNEL_ROWS else 0)
+    exact = x.double() @ w.double().t() + b.to(torch.bfloat16).double()
+    assert float((got[0].double() - exact).norm() / exact.norm()) < 0.02
 
 
 @needs_cpu

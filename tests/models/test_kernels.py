@@ -103,7 +103,7 @@ def test_fused_qkv_packed_equals_separate_products(rows, bias, cpu_kernels_off):
 @pytest.mark.parametrize("rows", ROWS + (DEQUANT_ROWS + 3,))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @torch.inference_mode()
-def test_int8wo_linear(rows, dtype):
+def test_int8wo_linear(rows, dtype, cpu_kernels_off):
     w, b = weights(512, 256, True, seed=1)
     layer = Int8Linear(w, b, dtype)
     x = torch.randn(rows, 256).to(dtype)
