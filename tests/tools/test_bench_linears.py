@@ -1,0 +1,39 @@
+"""tools/bench/linears: a run at a small shape writes its table, JSON and chart, with one row per
+(variant, rows) and weight GB/s consistent with the bytes and the time."""
+
+import json
+
+import pytest
+
+from sparkrelay.models import cpu_kernels
+from sparkrelay.tools.bench import linears
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels are off here")
+def test_a_small_run_writes_consistent_files(tmp_path):
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    (cfg / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3ForCausalLM"],
+                "hidden_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "head_dim": 64,
+                "intermediate_size": 256,
+                "vocab_size": 512,
+            }
+        )
+    )
+    out = tmp_path / "out"
+    linears.main(["--config", str(cfg), "--rows", "1,8", "--repeats", "1", "--out", str(out)])
+    record = json.loads((out / "linears.json").read_text())
+    assert {(r["variant"], r["rows"]) for r in record["rows"]} == {
+        (v, n) for v in linears.VARIANTS for n in (1, 8)
+    }
+    for r in record["rows"]:
+        assert r["gb_s_max"] == pytest.approx(r["weight_bytes"] / r["ms_min"] / 1e6, rel=0.02)
+    assert record["bandwidth"]["peak"] > 0 and "commit" in record
+    assert "Decode linears" in (out / "linears.md").read_text()
