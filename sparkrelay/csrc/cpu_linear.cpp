@@ -11,12 +11,22 @@
 // Tiles are split over threads (at::parallel_for); a thread runs every row group of its tiles, so
 // a tile read for the first 8 rows is still in cache for the next 8. Layout, loop order, prefetch
 // and threads are described in docs/cpu_kernels.md.
+//
+// On a CPU with AMX (amx_bf16, amx_int8), 2 rows and more go through the tile unit instead: the
+// same packed bytes are its B operand (16 pairs or quads of one 16-column block = 16 rows of 64
+// bytes, 128 bytes apart), so 8 rows cost about what 1 costs, where the vector path's dot products
+// bound an 8-row product at about 1.4x. The vector loop finishes the K left over and the epilogue.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -28,16 +38,17 @@ constexpr int64_t kPairStep = 2 * kTile;   // bf16 elements per (tile, pair): 64
 constexpr int64_t kMaxRows = 8;            // rows per kernel call
 constexpr int64_t kPrefetchSteps = 8;      // pairs ahead: 8 x 128 B
 
-// rows M of x [M, K] (K even, ldx elements apart) times one tile of packed weight -> y [M, cols].
+// rows M of x [M, K] (K even, ldx elements apart) times one tile of packed weight -> y [M, cols];
+// pairs from p0 on, added to init [M][32] (the tile unit's sums of the pairs before p0) if given.
 template <int M>
-void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pairs, const float* bias,
-               uint16_t* y, int64_t ldy, int64_t cols) {
+void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t p0, int64_t pairs,
+               const float* init, const float* bias, uint16_t* y, int64_t ldy, int64_t cols) {
   __m512 acc0[M], acc1[M];
   for (int m = 0; m < M; ++m) {
-    acc0[m] = _mm512_setzero_ps();
-    acc1[m] = _mm512_setzero_ps();
+    acc0[m] = init ? _mm512_loadu_ps(init + m * kTile) : _mm512_setzero_ps();
+    acc1[m] = init ? _mm512_loadu_ps(init + m * kTile + kLanes) : _mm512_setzero_ps();
   }
-  for (int64_t p = 0; p < pairs; ++p) {
+  for (int64_t p = p0; p < pairs; ++p) {
     const uint16_t* wp = w + p * kPairStep;
     _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchSteps * kPairStep), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchSteps * kPairStep + 32), _MM_HINT_T0);
@@ -64,8 +75,8 @@ void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pairs,
   }
 }
 
-using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const float*, uint16_t*,
-                        int64_t, int64_t);
+using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, const float*,
+                       const float*, uint16_t*, int64_t, int64_t);
 constexpr TileFn kTileFns[kMaxRows + 1] = {nullptr,         tile_bf16<1>, tile_bf16<2>,
                                            tile_bf16<3>,    tile_bf16<4>, tile_bf16<5>,
                                            tile_bf16<6>,    tile_bf16<7>, tile_bf16<8>};
@@ -74,7 +85,8 @@ void check_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                 const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2,
               "linear_bf16: x must be a 2-D bfloat16 CPU tensor");
-  TORCH_CHECK(x.stride(1) == 1 && x.size(1) % 2 == 0, "linear_bf16: x rows must be contiguous, K even");
+  TORCH_CHECK(x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "linear_bf16: x rows must be contiguous, K even");
   const int64_t tiles = (n + kTile - 1) / kTile;
   TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == torch::kBFloat16 &&
                   packed.numel() == tiles * (x.size(1) / 2) * kPairStep,
@@ -96,16 +108,22 @@ void check_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
 
 constexpr int64_t kQuadStep = 4 * kTile;  // int8 elements per (tile, quad): 128 bytes
 
-template <int M>
-void tile_int8(const uint8_t* xq, int64_t ldx, const float* sx, const int8_t* w, int64_t quads,
-               const float* scale, const int32_t* qsum, const float* bias, float* y, int64_t ldy,
-               int64_t cols) {
+inline void store16(float* p, __mmask16 keep, __m512 v) { _mm512_mask_storeu_ps(p, keep, v); }
+inline void store16(uint16_t* p, __mmask16 keep, __m512 v) {
+  _mm256_mask_storeu_epi16(p, keep, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// y is fp32 or bf16 (uint16_t), the input's dtype
+template <int M, typename Out>
+void tile_int8(const uint8_t* xq, int64_t ldx, const float* sx, const int8_t* w, int64_t q0,
+               int64_t quads, const int32_t* init, const float* scale, const int32_t* qsum,
+               const float* bias, Out* y, int64_t ldy, int64_t cols) {
   __m512i acc0[M], acc1[M];
   for (int m = 0; m < M; ++m) {
-    acc0[m] = _mm512_setzero_si512();
-    acc1[m] = _mm512_setzero_si512();
+    acc0[m] = init ? _mm512_loadu_si512(init + m * kTile) : _mm512_setzero_si512();
+    acc1[m] = init ? _mm512_loadu_si512(init + m * kTile + kLanes) : _mm512_setzero_si512();
   }
-  for (int64_t q = 0; q < quads; ++q) {
+  for (int64_t q = q0; q < quads; ++q) {
     const int8_t* wq = w + q * kQuadStep;
     _mm_prefetch(reinterpret_cast<const char*>(wq + kPrefetchSteps * kQuadStep), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wq + kPrefetchSteps * kQuadStep + 64), _MM_HINT_T0);
@@ -133,35 +151,198 @@ void tile_int8(const uint8_t* xq, int64_t ldx, const float* sx, const int8_t* w,
         _mm512_cvtepi32_ps(_mm512_sub_epi32(acc0[m], z0)), _mm512_mul_ps(r, s0), b0);
     const __m512 y1 = _mm512_fmadd_ps(
         _mm512_cvtepi32_ps(_mm512_sub_epi32(acc1[m], z1)), _mm512_mul_ps(r, s1), b1);
-    _mm512_mask_storeu_ps(y + m * ldy, keep0, y0);
-    _mm512_mask_storeu_ps(y + m * ldy + kLanes, keep1, y1);
+    store16(y + m * ldy, keep0, y0);
+    store16(y + m * ldy + kLanes, keep1, y1);
   }
 }
 
-using Int8TileFn = void (*)(const uint8_t*, int64_t, const float*, const int8_t*, int64_t,
-                            const float*, const int32_t*, const float*, float*, int64_t, int64_t);
-constexpr Int8TileFn kInt8TileFns[kMaxRows + 1] = {nullptr,      tile_int8<1>, tile_int8<2>,
-                                                   tile_int8<3>, tile_int8<4>, tile_int8<5>,
-                                                   tile_int8<6>, tile_int8<7>, tile_int8<8>};
+template <typename Out>
+using Int8TileFn = void (*)(const uint8_t*, int64_t, const float*, const int8_t*, int64_t, int64_t,
+                            const int32_t*, const float*, const int32_t*, const float*, Out*,
+                            int64_t, int64_t);
+template <typename Out>
+constexpr Int8TileFn<Out> kInt8TileFns[kMaxRows + 1] = {
+    nullptr,           tile_int8<1, Out>, tile_int8<2, Out>, tile_int8<3, Out>, tile_int8<4, Out>,
+    tile_int8<5, Out>, tile_int8<6, Out>, tile_int8<7, Out>, tile_int8<8, Out>};
 
-// x [M, K] float -> xq [M, K padded to 4] uint8 (zero point 128), sx [M]
-void quantize_rows(const torch::Tensor& x, torch::Tensor& xq, torch::Tensor& sx) {
-  const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
-  const int64_t rows = xf.size(0), k = xf.size(1), ldq = xq.size(1);
-  const float* src = xf.data_ptr<float>();
-  uint8_t* dst = xq.data_ptr<uint8_t>();
-  float* scales = sx.data_ptr<float>();
-  for (int64_t m = 0; m < rows; ++m) {
-    const float* row = src + m * k;
-    float amax = 0.f;
-    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::abs(row[i]));
-    const float s = amax > 0.f ? amax / 127.f : 1.f;
-    scales[m] = s;
-    const float inv = 1.f / s;
-    uint8_t* out = dst + m * ldq;
-    for (int64_t i = 0; i < k; ++i) out[i] = (uint8_t)(std::nearbyint(row[i] * inv) + 128.f);
-    for (int64_t i = k; i < ldq; ++i) out[i] = 128;  // padding: zero after the zero point
+inline __mmask16 first(int64_t count) {  // the first min(count, 16) lanes, none when count <= 0
+  return count >= kLanes ? (__mmask16)0xFFFF : count <= 0 ? 0 : (__mmask16)((1u << count) - 1);
+}
+inline __m512 load16(const float* p, __mmask16 keep) { return _mm512_maskz_loadu_ps(keep, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 keep) {  // bf16 -> fp32: the high half
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// one row of K values -> ldq bytes round(x / s) + 128 (128 past K), s = max |x| / 127 (1 if 0)
+template <typename T>
+void quantize_row(const T* row, int64_t k, uint8_t* out, int64_t ldq, float* scale) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += kLanes) {
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(row + i, first(k - i))));
   }
+  const float top = _mm512_reduce_max_ps(amax);
+  const float s = top > 0.f ? top / 127.f : 1.f;
+  *scale = s;
+  const __m512 inv = _mm512_set1_ps(1.f / s);
+  const __m512i zero_point = _mm512_set1_epi32(128);
+  for (int64_t i = 0; i < ldq; i += kLanes) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(row + i, first(k - i)), inv));
+    const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_add_epi32(q, zero_point));
+    _mm_mask_storeu_epi8(out + i, first(ldq - i), bytes);
+  }
+}
+
+// x [M, K] (rows contiguous) -> xq [M, K padded to 4] uint8 (zero point 128), sx [M]
+void quantize_rows(const torch::Tensor& x, torch::Tensor& xq, torch::Tensor& sx) {
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const torch::Tensor src = bf16 ? x.contiguous() : x.to(torch::kFloat32).contiguous();
+  const int64_t rows = src.size(0), k = src.size(1), ldq = xq.size(1);
+  for (int64_t m = 0; m < rows; ++m) {
+    uint8_t* out = xq.data_ptr<uint8_t>() + m * ldq;
+    float* scale = sx.data_ptr<float>() + m;
+    if (bf16) {
+      quantize_row(reinterpret_cast<const uint16_t*>(src.data_ptr<at::BFloat16>()) + m * k, k, out,
+                   ldq, scale);
+    } else {
+      quantize_row(src.data_ptr<float>() + m * k, k, out, ldq, scale);
+    }
+  }
+}
+
+// ---- the tile unit (AMX): 2 to 8 rows on CPUs that have it ----
+//
+// Tiles 0 and 1 hold activations (rows x 64 bytes: 16 pairs or quads), 2, 3, 6 and 7 weights (16
+// rows of 64 bytes, 128 bytes apart: one block of 16 packed steps), 4 and 5 the two blocks' sums
+// (rows x 16). A loop runs two steps on separate tiles so the next loads issue while the products
+// run; software prefetch measured slower here (the streams are sequential).
+
+constexpr int64_t kAmxSteps = 16;   // pairs (bf16) or quads (int8) per tile product
+constexpr int64_t kAmxMinRows = 2;  // one row streams faster on the vector path
+constexpr int64_t kStepBytes = 128; // packed bytes per (tile, pair) or (tile, quad)
+
+std::atomic<bool> g_amx{false};
+
+struct TileConfig {  // the LDTILECFG operand: palette 1, bytes per row and rows of each tile
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles(int64_t rows) {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    const bool weight = t == 2 || t == 3 || t == 6 || t == 7;
+    c.colsb[t] = 64;
+    c.rows[t] = static_cast<uint8_t>(weight ? kAmxSteps : rows);
+  }
+  _tile_loadconfig(&c);
+}
+
+#define SR_TILE_DOT(c, a, b)   \
+  do {                         \
+    if constexpr (kInt8) {     \
+      _tile_dpbusd(c, a, b);   \
+    } else {                   \
+      _tile_dpbf16ps(c, a, b); \
+    }                          \
+  } while (0)
+
+// the configured rows of x (4 bytes per step, ldx bytes apart) times steps [0, done) of one packed
+// tile -> sums [rows][32] (fp32 for bf16, int32 for int8); done = steps rounded down to 16.
+template <bool kInt8>
+int64_t amx_tile(const uint8_t* x, int64_t ldx, const uint8_t* w, int64_t steps, void* sums) {
+  const int64_t done = steps / kAmxSteps * kAmxSteps;
+  _tile_zero(4);
+  _tile_zero(5);
+  int64_t s = 0;
+  for (; s + 2 * kAmxSteps <= done; s += 2 * kAmxSteps) {
+    const uint8_t* ws = w + s * kStepBytes;
+    _tile_loadd(0, x + 4 * s, ldx);
+    _tile_loadd(2, ws, kStepBytes);
+    _tile_loadd(3, ws + 64, kStepBytes);
+    _tile_loadd(1, x + 4 * (s + kAmxSteps), ldx);
+    _tile_loadd(6, ws + kAmxSteps * kStepBytes, kStepBytes);
+    _tile_loadd(7, ws + kAmxSteps * kStepBytes + 64, kStepBytes);
+    SR_TILE_DOT(4, 0, 2);
+    SR_TILE_DOT(5, 0, 3);
+    SR_TILE_DOT(4, 1, 6);
+    SR_TILE_DOT(5, 1, 7);
+  }
+  if (s < done) {
+    const uint8_t* ws = w + s * kStepBytes;
+    _tile_loadd(0, x + 4 * s, ldx);
+    _tile_loadd(2, ws, kStepBytes);
+    _tile_loadd(3, ws + 64, kStepBytes);
+    SR_TILE_DOT(4, 0, 2);
+    SR_TILE_DOT(5, 0, 3);
+  }
+  _tile_stored(4, sums, kTile * 4);
+  _tile_stored(5, static_cast<uint8_t*>(sums) + 64, kTile * 4);
+  return done;
+}
+
+bool cpu_has_amx() {  // CPUID.(7,0):EDX bits 22 (amx-bf16), 24 (amx-tile), 25 (amx-int8)
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return ((d >> 22) & 1) && ((d >> 24) & 1) && ((d >> 25) & 1);
+}
+
+// Linux lends the tile state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA); asking is idempotent.
+bool request_tile_state() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+
+// A thread's use of the tile unit over its share of tiles: start() runs a row group's whole
+// steps on it (configuring the tiles for m rows when that changes) and says where the vector loop
+// goes on.
+struct TileRun {
+  bool amx;
+  int64_t configured = 0;
+  alignas(64) int32_t sums[kMaxRows * kTile];
+
+  template <bool kInt8>
+  int64_t start(const uint8_t* x, int64_t ldx, const uint8_t* w, int64_t steps, int64_t m) {
+    if (!amx) return 0;
+    if (configured != m) configure_tiles(m);
+    configured = m;
+    return amx_tile<kInt8>(x, ldx, w, steps, sums);
+  }
+  ~TileRun() {
+    if (configured) _tile_release();
+  }
+};
+
+struct Int8Operands {  // linear_int8's checked inputs, as pointers
+  const uint8_t* xq;
+  const float* sx;
+  const int8_t* w;
+  const float* scale;
+  const int32_t* qsum;
+  const float* bias;
+  int64_t rows, quads, n;
+};
+
+// every tile and row group of y [rows, n] (fp32 or bf16), tiles split over threads
+template <typename Out>
+void run_int8(const Int8Operands& o, Out* y) {
+  const int64_t ldx = o.quads * 4, tiles = (o.n + kTile - 1) / kTile;
+  const bool amx = g_amx && o.rows >= kAmxMinRows && o.quads >= kAmxSteps;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    TileRun run{amx};
+    for (int64_t t = begin; t < end; ++t) {
+      const int8_t* wt = o.w + t * o.quads * kQuadStep;
+      const int64_t cols = std::min(kTile, o.n - t * kTile), c0 = t * kTile;
+      for (int64_t r = 0; r < o.rows; r += kMaxRows) {
+        const int64_t m = std::min(kMaxRows, o.rows - r);
+        const uint8_t* xr = o.xq + r * ldx;
+        const auto* wb = reinterpret_cast<const uint8_t*>(wt);
+        const int64_t q0 = run.start<true>(xr, ldx, wb, o.quads, m);
+        kInt8TileFns<Out>[m](xr, ldx, o.sx + r, wt, q0, o.quads, amx ? run.sums : nullptr,
+                             o.scale + c0, o.qsum + c0, o.bias ? o.bias + c0 : nullptr,
+                             y + r * o.n + c0, o.n, cols);
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -186,30 +367,22 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed,
   torch::Tensor xq = torch::empty({rows, quads * 4}, x.options().dtype(torch::kUInt8));
   torch::Tensor sx = torch::empty({rows}, x.options().dtype(torch::kFloat32));
   quantize_rows(x, xq, sx);
-  torch::Tensor y = torch::empty({rows, n}, x.options().dtype(torch::kFloat32));
-  const uint8_t* xp = xq.data_ptr<uint8_t>();
-  const int8_t* wp = packed.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const int32_t* qp = qsum.data_ptr<int32_t>();
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  const float* sxp = sx.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t ldx = quads * 4;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int8_t* wt = wp + t * quads * kQuadStep;
-      const int64_t cols = std::min(kTile, n - t * kTile), c0 = t * kTile;
-      for (int64_t r = 0; r < rows; r += kMaxRows) {
-        const int64_t m = std::min(kMaxRows, rows - r);
-        kInt8TileFns[m](xp + r * ldx, ldx, sxp + r, wt, quads, sp + c0, qp + c0,
-                        bp ? bp + c0 : nullptr, yp + r * n + c0, n, cols);
-      }
-    }
-  });
-  return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const auto out_dtype = bf16 ? torch::kBFloat16 : torch::kFloat32;
+  torch::Tensor y = torch::empty({rows, n}, x.options().dtype(out_dtype));
+  const Int8Operands ops{xq.data_ptr<uint8_t>(), sx.data_ptr<float>(), packed.data_ptr<int8_t>(),
+                         scale.data_ptr<float>(), qsum.data_ptr<int32_t>(),
+                         bias ? bias->data_ptr<float>() : nullptr, rows, quads, n};
+  if (bf16) {
+    run_int8(ops, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  } else {
+    run_int8(ops, y.data_ptr<float>());
+  }
+  return x.scalar_type() == y.scalar_type() ? y : y.to(x.scalar_type());
 }
 
-// x [M, K] bf16 (K even), packed (pack order above), bias [N padded to 32] fp32 or None -> [M, N] bf16
+// x [M, K] bf16 (K even), packed (pack order above), bias [N padded to 32] fp32 or None
+// -> [M, N] bf16
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                           const c10::optional<torch::Tensor>& bias) {
   check_bf16(x, packed, n, bias);
@@ -220,21 +393,34 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, i
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   const int64_t ldx = x.stride(0);
+  const bool amx = g_amx && rows >= kAmxMinRows && pairs >= kAmxSteps;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    TileRun run{amx};
     for (int64_t t = begin; t < end; ++t) {
       const uint16_t* wt = wp + t * pairs * kPairStep;
       const int64_t cols = std::min(kTile, n - t * kTile);
       for (int64_t r = 0; r < rows; r += kMaxRows) {
         const int64_t m = std::min(kMaxRows, rows - r);
-        kTileFns[m](xp + r * ldx, ldx, wt, pairs, bp ? bp + t * kTile : nullptr, yp + r * n + t * kTile,
-                    n, cols);
+        const int64_t p0 = run.start<false>(reinterpret_cast<const uint8_t*>(xp + r * ldx), 2 * ldx,
+                                            reinterpret_cast<const uint8_t*>(wt), pairs, m);
+        kTileFns[m](xp + r * ldx, ldx, wt, p0, pairs,
+                    amx ? reinterpret_cast<const float*>(run.sums) : nullptr,
+                    bp ? bp + t * kTile : nullptr, yp + r * n + t * kTile, n, cols);
       }
     }
   });
   return y;
 }
 
+// Turns the tile unit on (where the CPU has AMX and the OS lends its state) or off; returns whether
+// it is on. Off until asked: models/cpu_kernels.py asks at load unless SPARKRELAY_CPU_AMX=0.
+bool use_amx(bool on) {
+  g_amx = on && cpu_has_amx() && request_tile_state();
+  return g_amx;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("use_amx", &use_amx, "turn the AMX path on or off; returns whether it is on");
   m.def("linear_bf16", &linear_bf16, "x [M, K] bf16 @ packed bf16 weight -> [M, N] bf16 (+ bias)");
   m.def("linear_int8", &linear_int8,
         "x [M, K] @ packed int8 weight (per-channel scales) -> [M, N] in x's dtype (+ bias)");

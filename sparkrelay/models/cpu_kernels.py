@@ -3,10 +3,11 @@ few rows of a decode step, built once with torch.utils.cpp_extension (g++ and ni
 from build/cpu_kernels/ after that; the build is redone when the source or the flags change.
 
 They are used where the CPU has the instructions (avx512f/bw/vl, avx512_bf16, avx512_vnni) unless
-SPARKRELAY_CPU_KERNELS=0; anywhere else, or when the build fails (no compiler, no ninja), the
-linears stay on oneDNN (kernels.PackedLinear), and the reason is logged once as a warning: a
-missing kernel costs speed, never a start. Set-up builds them: `python -m
-sparkrelay.models.cpu_kernels` prints what it did. Design: docs/cpu_kernels.md.
+SPARKRELAY_CPU_KERNELS=0; on a CPU with AMX their 2- to 8-row products run on the tile unit unless
+SPARKRELAY_CPU_AMX=0 (so 8 rows cost about what one does). Anywhere else, or when the build fails
+(no compiler, no ninja), the linears stay on oneDNN (kernels.PackedLinear), and the reason is
+logged once as a warning: a missing kernel costs speed, never a start. Set-up builds them:
+`python -m sparkrelay.models.cpu_kernels` prints what it did. Design: docs/cpu_kernels.md.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu_linear.cpp"
 BUILD = Path(os.environ.get("SPARKRELAY_KERNEL_BUILD", SOURCE.parents[2] / "build" / "cpu_kernels"))
 NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp"]
+FLAGS += ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]  # used only where the CPU has them (use_amx)
 ENV = "SPARKRELAY_CPU_KERNELS"
+AMX_ENV = "SPARKRELAY_CPU_AMX"
 TILE = 32  # output columns per packed tile (cpu_linear.cpp)
 
 _state: dict[str, object] = {}
@@ -85,8 +88,20 @@ def load() -> Optional[ModuleType]:
                 why = f"building {SOURCE.name} failed ({type(e).__name__}: {str(e)[-300:]})"
         if why:
             logger.warning("CPU kernels off: %s; the linears use oneDNN (slower decoding)", why)
+        _state["amx"] = bool(module) and module.use_amx(amx_wanted())
         _state["module"], _state["why"] = module, why
     return _state["module"]  # type: ignore[return-value]
+
+
+def amx_wanted() -> bool:
+    """Whether the tile unit may be used (SPARKRELAY_CPU_AMX is not 0)."""
+    return os.environ.get(AMX_ENV, "1") != "0"
+
+
+def amx_on() -> bool:
+    """After load(): whether the kernels' 2- to 8-row products run on AMX."""
+    load()
+    return bool(_state["amx"])
 
 
 def why_off() -> str:
@@ -136,7 +151,8 @@ def main() -> None:
     if module is None:
         print(f"CPU kernels: off ({why_off()}); the linears use oneDNN", flush=True)
         return
-    print(f"CPU kernels: built in {BUILD} (AVX-512 bf16 and int8)", flush=True)
+    amx = "on" if amx_on() else "off"
+    print(f"CPU kernels: built in {BUILD} (AVX-512 bf16 and int8; AMX {amx})", flush=True)
 
 
 if __name__ == "__main__":

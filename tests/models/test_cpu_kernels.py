@@ -19,7 +19,21 @@ from sparkrelay.models.quant import Int8Linear, quantize_per_channel
 
 HAS_CPU = not [f for f in cpu_kernels.NEEDED if f not in cpu_kernels.cpu_flags()]
 needs_cpu = pytest.mark.skipif(not HAS_CPU, reason="this CPU lacks AVX-512 bf16")
-SHAPES = [(1, 2), (31, 7), (32, 64), (33, 65), (100, 300), (1000, 96), (96, 1001)]  # (N, K)
+# (N, K): odd, below and above a tile; K past 32 and 64 to reach the tile unit's one and two steps
+SHAPES = [(1, 2), (31, 7), (32, 64), (33, 65), (100, 300), (1000, 96), (96, 1001), (64, 2048)]
+
+
+@pytest.fixture(params=["avx512", "amx"])
+def path(request):
+    """The vector path, then the tile unit (skipped where the CPU or the OS has no AMX)."""
+    ext = cpu_kernels.load()
+    on = ext.use_amx(request.param == "amx")
+    try:
+        if request.param == "amx" and not on:
+            pytest.skip("this CPU (or its OS) has no AMX")
+        yield request.param
+    finally:
+        ext.use_amx(cpu_kernels.amx_on())
 
 
 def operands(n: int, k: int, rows: int, seed: int = 0):
@@ -46,7 +60,7 @@ def test_set_up_built_the_kernels():
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 @torch.inference_mode()
-def test_kernel_equals_float64_at_every_row_count(shape, bias):
+def test_kernel_equals_float64_at_every_row_count(shape, bias, path):
     n, k = shape
     ext = cpu_kernels.load()
     packed = cpu_kernels.pack_bf16(operands(n, k, 1)[0])
@@ -90,7 +104,7 @@ def test_avx_linear_dispatch(rows):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @torch.inference_mode()
-def test_int8_kernel_equals_its_float64_reference(shape, dtype):
+def test_int8_kernel_equals_its_float64_reference(shape, dtype, path):
     """Exactly the float64 product of the per-row quantized activations and the int8 weight (to the
     output dtype's rounding), and within 2% relative RMS of the unquantized product."""
     n, k = shape

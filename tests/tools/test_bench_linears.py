@@ -31,8 +31,10 @@ def test_a_small_run_writes_consistent_files(tmp_path):
     linears.main(["--config", str(cfg), "--rows", "1,8", "--repeats", "1", "--out", str(out)])
     record = json.loads((out / "linears.json").read_text())
     assert {(r["variant"], r["rows"]) for r in record["rows"]} == {
-        (v, n) for v in linears.VARIANTS for n in (1, 8)
+        (v, n) for v in linears.variants() for n in (1, 8)
     }
+    no_amx = {v for v in linears.variants() if v.endswith(linears.NO_AMX)}
+    assert len(no_amx) == (2 if cpu_kernels.amx_on() else 0)
     for r in record["rows"]:
         assert r["gb_s_max"] == pytest.approx(r["weight_bytes"] / r["ms_min"] / 1e6, rel=0.02)
     assert record["bandwidth"]["peak"] > 0 and "commit" in record

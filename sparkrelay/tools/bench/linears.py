@@ -8,7 +8,8 @@ One pass runs every layer's four products of a decode step in order (fused q/k/v
 gate/up, down), each layer with its own weights, so nothing is left in cache from the last pass
 (0.6B in bf16: 0.9 GB of weights per pass). Variants: `bf16 kernel` (AvxLinear's kernel),
 `bf16 onednn` (PackedLinear: the fallback, SPARKRELAY_CPU_KERNELS=0), `int8 kernel` (Int8Linear's
-kernel) and `int8 aten` (torch's _weight_int8pack_mm: its fallback). Each repeat times every
+kernel) and `int8 aten` (torch's _weight_int8pack_mm: its fallback); on a CPU with AMX, also each
+kernel with its tile unit off (`no AMX`, SPARKRELAY_CPU_AMX=0). Each repeat times every
 (variant, rows) once, interleaved; min and median over the repeats. The read bandwidth
 (bandwidth.py) is measured before and after in the same run; a figure's fraction is of the higher.
 Weight GB/s = the weight bytes of one pass / its seconds (int8: one byte per weight plus an fp32
@@ -32,7 +33,20 @@ from sparkrelay.models.quant import quantize_per_channel
 from sparkrelay.tools.bench import bandwidth as bw
 from sparkrelay.tools.bench import common as bc
 
-VARIANTS = ("bf16 kernel", "bf16 onednn", "int8 kernel", "int8 aten")
+VARIANTS = (
+    "bf16 kernel",
+    "bf16 kernel, no AMX",
+    "bf16 onednn",
+    "int8 kernel",
+    "int8 kernel, no AMX",
+    "int8 aten",
+)
+NO_AMX = ", no AMX"
+
+
+def variants() -> list[str]:
+    """The variants this CPU has: the `no AMX` ones only where the kernels use AMX."""
+    return [v for v in VARIANTS if cpu_kernels.amx_on() or not v.endswith(NO_AMX)]
 
 
 def layer_shapes(shape: bw.Shape) -> list[tuple[int, int]]:
@@ -54,10 +68,12 @@ def build(shape: bw.Shape, ext) -> dict[str, list[tuple[Callable, int]]]:
             qt, st = cpu_kernels.pack_int8(q), cpu_kernels.pad_to_tile(s)
             qsum, s16 = cpu_kernels.pad_to_tile(q.sum(1, dtype=torch.int32)), s.to(torch.bfloat16)
             out["bf16 kernel"].append((lambda x, t=tiles, n=n: ext.linear_bf16(x, t, n, None), k))
+            out["bf16 kernel" + NO_AMX].append(out["bf16 kernel"][-1])
             out["bf16 onednn"].append((onednn, k))
             out["int8 kernel"].append(
                 (lambda x, t=qt, s=st, z=qsum, n=n: ext.linear_int8(x, t, s, z, n, None), k)
             )
+            out["int8 kernel" + NO_AMX].append(out["int8 kernel"][-1])
             out["int8 aten"].append(
                 (lambda x, q=q, s=s16: torch.ops.aten._weight_int8pack_mm(x, q, s), k)
             )
@@ -70,11 +86,17 @@ def pass_bytes(shape: bw.Shape, variant: str) -> int:
     return 2 * per if variant.startswith("bf16") else per + 4 * channels
 
 
-def time_pass(products: list[tuple[Callable, int]], xs: dict[int, torch.Tensor]) -> float:
+def time_pass(
+    products: list[tuple[Callable, int]], xs: dict[int, torch.Tensor], variant: str, ext
+) -> float:
+    """Seconds of one pass; a `no AMX` variant runs with the kernels' tile unit off."""
+    ext.use_amx(cpu_kernels.amx_on() and not variant.endswith(NO_AMX))
     start = time.perf_counter()
     for fn, k in products:
         fn(xs[k])
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    ext.use_amx(cpu_kernels.amx_on())
+    return seconds
 
 
 def measure(shape: bw.Shape, rows: list[int], repeats: int, ext) -> dict:
@@ -82,21 +104,21 @@ def measure(shape: bw.Shape, rows: list[int], repeats: int, ext) -> dict:
     products = build(shape, ext)
     ks = {k for _, k in layer_shapes(shape)}
     inputs = {r: {k: torch.randn(r, k).to(torch.bfloat16) for k in ks} for r in rows}
-    seconds: dict[str, list[float]] = {f"{v}|{r}": [] for v in VARIANTS for r in rows}
+    seconds: dict[str, list[float]] = {f"{v}|{r}": [] for v in variants() for r in rows}
     for r in rows:  # one untimed pass each
-        for v in VARIANTS:
-            time_pass(products[v], inputs[r])
+        for v in variants():
+            time_pass(products[v], inputs[r], v, ext)
     for i in range(repeats):
         for r in rows:
-            for v in VARIANTS:
-                seconds[f"{v}|{r}"].append(time_pass(products[v], inputs[r]))
+            for v in variants():
+                seconds[f"{v}|{r}"].append(time_pass(products[v], inputs[r], v, ext))
         print(f"  repeat {i + 1}/{repeats} done", flush=True)
     return seconds
 
 
 def rows_of(name: str, shape: bw.Shape, seconds: dict, peak: float, rows: list[int]) -> list[dict]:
     out = []
-    for v in VARIANTS:
+    for v in variants():
         nbytes = pass_bytes(shape, v)
         for r in rows:
             s = seconds[f"{v}|{r}"]
@@ -163,7 +185,7 @@ def report(args, record: dict) -> None:
             f"{r['config']} x{r['rows']}" for r in record["rows"] if r["variant"] == VARIANTS[0]
         ]
         series = {
-            v: [r["gb_s_median"] for r in record["rows"] if r["variant"] == v] for v in VARIANTS
+            v: [r["gb_s_median"] for r in record["rows"] if r["variant"] == v] for v in variants()
         }
         bc.bar_chart(
             out / "linears.png", groups, series, "decode linears, median weight GB/s", "GB/s"
