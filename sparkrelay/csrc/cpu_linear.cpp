@@ -17,9 +17,9 @@
 // bytes, 128 bytes apart), so 8 rows cost about what 1 costs, where the vector path's dot products
 // bound an 8-row product at about 1.4x. The vector loop finishes the K left over and the epilogue.
 
+#include "cpu_kernels.h"
+
 #include <ATen/Parallel.h>
-#include <immintrin.h>
-#include <torch/extension.h>
 
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -30,9 +30,9 @@
 #include <cmath>
 #include <cstdint>
 
+namespace sparkrelay {
 namespace {
 
-constexpr int64_t kLanes = 16;             // fp32 outputs per zmm register
 constexpr int64_t kTile = 2 * kLanes;      // output columns per tile (two blocks)
 constexpr int64_t kPairStep = 2 * kTile;   // bf16 elements per (tile, pair): 64 = 128 bytes
 constexpr int64_t kMaxRows = 8;            // rows per kernel call
@@ -108,11 +108,6 @@ void check_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
 
 constexpr int64_t kQuadStep = 4 * kTile;  // int8 elements per (tile, quad): 128 bytes
 
-inline void store16(float* p, __mmask16 keep, __m512 v) { _mm512_mask_storeu_ps(p, keep, v); }
-inline void store16(uint16_t* p, __mmask16 keep, __m512 v) {
-  _mm256_mask_storeu_epi16(p, keep, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
 // y is fp32 or bf16 (uint16_t), the input's dtype
 template <int M, typename Out>
 void tile_int8(const uint8_t* xq, int64_t ldx, const float* sx, const int8_t* w, int64_t q0,
@@ -164,15 +159,6 @@ template <typename Out>
 constexpr Int8TileFn<Out> kInt8TileFns[kMaxRows + 1] = {
     nullptr,           tile_int8<1, Out>, tile_int8<2, Out>, tile_int8<3, Out>, tile_int8<4, Out>,
     tile_int8<5, Out>, tile_int8<6, Out>, tile_int8<7, Out>, tile_int8<8, Out>};
-
-inline __mmask16 first(int64_t count) {  // the first min(count, 16) lanes, none when count <= 0
-  return count >= kLanes ? (__mmask16)0xFFFF : count <= 0 ? 0 : (__mmask16)((1u << count) - 1);
-}
-inline __m512 load16(const float* p, __mmask16 keep) { return _mm512_maskz_loadu_ps(keep, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 keep) {  // bf16 -> fp32: the high half
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
 
 // one row of K values -> ldq bytes round(x / s) + 128 (128 past K), s = max |x| / 127 (1 if 0)
 template <typename T>
@@ -419,9 +405,4 @@ bool use_amx(bool on) {
   return g_amx;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("use_amx", &use_amx, "turn the AMX path on or off; returns whether it is on");
-  m.def("linear_bf16", &linear_bf16, "x [M, K] bf16 @ packed bf16 weight -> [M, N] bf16 (+ bias)");
-  m.def("linear_int8", &linear_int8,
-        "x [M, K] @ packed int8 weight (per-channel scales) -> [M, N] in x's dtype (+ bias)");
-}
+}  // namespace sparkrelay

@@ -1,6 +1,7 @@
-"""sparkrelay's own CPU kernels (sparkrelay/csrc/cpu_linear.cpp): AVX-512 weight-only linears for the
-few rows of a decode step, built once with torch.utils.cpp_extension (g++ and ninja) and loaded
-from build/cpu_kernels/ after that; the build is redone when the source or the flags change.
+"""sparkrelay's own CPU kernels (sparkrelay/csrc/): AVX-512 weight-only linears for the few rows of
+a decode step (cpu_linear.cpp) and a one-pass bf16 RMSNorm (cpu_norm.cpp), built once with
+torch.utils.cpp_extension (g++ and ninja) and loaded from build/cpu_kernels/ after that; the build
+is redone when a source or the flags change.
 
 They are used where the CPU has the instructions (avx512f/bw/vl, avx512_bf16, avx512_vnni) unless
 SPARKRELAY_CPU_KERNELS=0; on a CPU with AMX their 2- to 8-row products run on the tile unit unless
@@ -24,8 +25,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cpu_linear.cpp"
-BUILD = Path(os.environ.get("SPARKRELAY_KERNEL_BUILD", SOURCE.parents[2] / "build" / "cpu_kernels"))
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+SOURCES = [CSRC / name for name in ("cpu_linear.cpp", "cpu_norm.cpp", "bindings.cpp")]
+BUILD = Path(os.environ.get("SPARKRELAY_KERNEL_BUILD", CSRC.parents[1] / "build" / "cpu_kernels"))
 NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp"]
 FLAGS += ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]  # used only where the CPU has them (use_amx)
@@ -68,7 +70,8 @@ def _build() -> ModuleType:
     BUILD.mkdir(parents=True, exist_ok=True)
     return load(
         name="sparkrelay_cpu_kernels",
-        sources=[str(SOURCE)],
+        sources=[str(p) for p in SOURCES],
+        extra_include_paths=[str(CSRC)],
         extra_cflags=FLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(BUILD),
@@ -85,7 +88,7 @@ def load() -> Optional[ModuleType]:
             try:
                 module = _build()
             except Exception as e:  # a compile or load failure: the fallback serves
-                why = f"building {SOURCE.name} failed ({type(e).__name__}: {str(e)[-300:]})"
+                why = f"building {CSRC.name}/ failed ({type(e).__name__}: {str(e)[-300:]})"
         if why:
             logger.warning("CPU kernels off: %s; the linears use oneDNN (slower decoding)", why)
         _state["amx"] = bool(module) and module.use_amx(amx_wanted())

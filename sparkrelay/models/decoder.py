@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sparkrelay.models.attention import AttnMeta, paged_attention
@@ -25,6 +24,7 @@ from sparkrelay.models.layers import (
     SwiGLU,
     apply_rope,
     fuse_linears,
+    rms_norm,
     rope_scaling,
     rope_theta,
     transposed,
@@ -150,10 +150,7 @@ class Attention(nn.Module):
         # q heads then k heads, normed and rotated together
         qk = qkv[:, : (h + n_kv) * hd].view(t, h + n_kv, hd)
         if self.qk_norm:
-            qk = (
-                F.rms_norm(qk.float(), (hd,), None, self.q_norm.eps).to(qk.dtype)
-                * self.qk_norm_weight
-            )
+            qk = rms_norm(qk, self.qk_norm_weight, self.q_norm.eps)
         q, k = apply_rope(qk, cos, sin).split([h, n_kv], dim=1)
         return q, k, qkv[:, (h + n_kv) * hd :].view(t, n_kv, hd)
 

@@ -8,7 +8,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparkrelay.models import cpu_kernels
 from sparkrelay.models.kernels import frozen_linear
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, G, D] normalized over D, scaled by weight [G, D] (G = 1: one weight for every row).
+    float32: torch's fused kernel. bfloat16: normalized in float32, rounded, then scaled in bf16,
+    as transformers does; on CPU with the kernels, one pass (csrc/cpu_norm.cpp) instead of eight ops."""
+    if x.dtype == torch.float32:  # one fused kernel
+        if weight.shape[0] == 1:
+            return F.rms_norm(x, (x.shape[-1],), weight[0], eps)
+        return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
+    ext = _norm_kernel(x, weight)
+    if ext is not None:
+        return ext.rms_norm_bf16(x, weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def _norm_kernel(x: torch.Tensor, weight: torch.Tensor):
+    """The extension when it can take (x, weight), else None."""
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return None
+    if torch.compiler.is_compiling() or x.stride(-1) != 1 or x.stride(1) != x.shape[-1]:
+        return None
+    return cpu_kernels.load()
 
 
 class RMSNorm(nn.Module):
@@ -20,9 +44,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused kernel
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        d = x.shape[-1]
+        return rms_norm(x.reshape(-1, 1, d), self.weight.view(1, d), self.eps).view(x.shape)
 
 
 class SwiGLU(nn.Module):

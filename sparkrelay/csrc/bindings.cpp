@@ -1,0 +1,12 @@
+// The extension's Python functions (models/cpu_kernels.py loads them).
+#include "cpu_kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace sparkrelay;
+  m.def("use_amx", &use_amx, "turn the AMX path on or off; returns whether it is on");
+  m.def("linear_bf16", &linear_bf16, "x [M, K] bf16 @ packed bf16 weight -> [M, N] bf16 (+ bias)");
+  m.def("linear_int8", &linear_int8,
+        "x [M, K] @ packed int8 weight (per-channel scales) -> [M, N] in x's dtype (+ bias)");
+  m.def("rms_norm_bf16", &rms_norm_bf16,
+        "x [T, G, D] bf16 (D contiguous), weight [G, D] bf16 -> RMSNorm(x) [T, G, D] bf16");
+}
