@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sparkrelay.models import cpu_kernels
+
 SPLIT_MIN_PREFIX, SPLIT_MIN_QUERIES = 512, 64  # split_prefix from here on (module docstring)
 
 
@@ -63,6 +65,13 @@ class AttnMeta:
         False  # whole prompts of one length from position 0: SDPA's is_causal instead of `mask`
     )
     prefix: int = 0  # > 0: one sequence's chunk after this many cached keys, attended in two calls (split_prefix)
+    _lengths: torch.Tensor | None = None
+
+    def decode_lengths(self) -> torch.Tensor:
+        """[B] keys each decode query sees (its position + 1), computed once per forward."""
+        if self._lengths is None:
+            self._lengths = (self.positions + 1).contiguous()
+        return self._lengths
 
     @classmethod
     def build(
@@ -186,6 +195,11 @@ def paged_attention(
     k_pool.index_copy_(0, meta.slot_mapping, k)
     v_pool.index_copy_(0, meta.slot_mapping, v)
     n_heads, dim = q.shape[1], q.shape[2]
+    ext = decode_kernel(q, k_pool, meta)
+    if ext is not None:
+        return ext.decode_attention_bf16(
+            q.contiguous(), k_pool, v_pool, meta.kv_index, meta.decode_lengths(), scale
+        )
     if meta.max_q == 1 and n_heads > k_pool.shape[1] and not meta.prefix:
         return grouped_decode(q, k_pool, v_pool, meta, scale)
     # see the module docstring
@@ -225,6 +239,18 @@ def paged_attention(
         out = out[:, :, :1]
     out = out.transpose(1, 2).reshape(meta.batch * meta.max_q, n_heads, dim)
     return out if meta.max_q == 1 or meta.batch == 1 else out[meta.q_pad_index]
+
+
+def decode_kernel(q: torch.Tensor, k_pool: torch.Tensor, meta: AttnMeta):
+    """The extension when its decode attention can serve this call (one query per sequence, bf16
+    pools on CPU: csrc/cpu_attention.cpp reads the keys in place, no gather), else None."""
+    if meta.max_q != 1 or meta.prefix or q.device.type != "cpu" or q.dtype != torch.bfloat16:
+        return None
+    if k_pool.dtype != torch.bfloat16 or q.shape[-1] % 2 or q.shape[-1] > 256:
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    return cpu_kernels.load()
 
 
 def grouped_decode(

@@ -26,7 +26,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-SOURCES = [CSRC / name for name in ("cpu_linear.cpp", "cpu_norm.cpp", "bindings.cpp")]
+SOURCES = [
+    CSRC / name for name in ("cpu_linear.cpp", "cpu_norm.cpp", "cpu_attention.cpp", "bindings.cpp")
+]
 BUILD = Path(os.environ.get("SPARKRELAY_KERNEL_BUILD", CSRC.parents[1] / "build" / "cpu_kernels"))
 NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp"]

@@ -97,6 +97,62 @@ def test_rms_norm_kernel_equals_torch_bf16_formula(shape):
 
 
 @needs_cpu
+@pytest.mark.parametrize(
+    "shape", [(1, 16, 8, 128, 160), (3, 9, 3, 64, 37), (2, 4, 4, 34, 5), (1, 32, 4, 256, 700)]
+)  # (B, H, n_kv, D, Lk): GQA groups of 2, 3, 1, 8; D below, at and above a 32-wide chunk
+@torch.inference_mode()
+def test_decode_attention_kernel_equals_float64(shape):
+    """Each query against its own visible keys, read in place from a shuffled pool, within the
+    output's bf16 rounding of the float64 softmax attention."""
+    b, h, n_kv, d, lk = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    q = torch.randn(b, h, d, generator=g).to(torch.bfloat16)
+    pool = 2 * lk + 10
+    k_pool, v_pool = (torch.randn(pool, n_kv, d, generator=g).to(torch.bfloat16) for _ in "kv")
+    slots = torch.stack([torch.randperm(pool, generator=g)[:lk] for _ in range(b)])
+    lengths = torch.randint(1, lk + 1, (b,), generator=g)
+    lengths[0] = lk
+    out = cpu_kernels.load().decode_attention_bf16(q, k_pool, v_pool, slots, lengths, d**-0.5)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    for i in range(b):
+        keys = slots[i, : int(lengths[i])]
+        k, v = k_pool[keys].double(), v_pool[keys].double()  # [L, n_kv, D]
+        for head in range(h):
+            kv_head = head // (h // n_kv)
+            p = torch.softmax(k[:, kv_head] @ q[i, head].double() * d**-0.5, 0)
+            ref = p @ v[:, kv_head]
+            err = (out[i, head].double() - ref).abs()
+            assert bool((err <= 2.0**-8 * ref.abs() + 1e-3).all()), float(err.max())
+
+
+@needs_cpu
+@torch.inference_mode()
+def test_paged_decode_takes_the_kernel_and_matches_sdpa(monkeypatch):
+    """models/attention: a bf16 decode batch goes to the kernel; with the kernels off, torch's SDPA
+    gives the same attention (to bf16 rounding) on the same metadata."""
+    from sparkrelay.models import attention
+
+    g = torch.Generator().manual_seed(3)
+    page, tables = 4, [[5, 2, 7], [1, 3, 0, 6]]
+    meta = attention.AttnMeta.build([9, 13], [10, 14], tables, page, "cpu")
+    q, k, v = (torch.randn(2, n, 64, generator=g).to(torch.bfloat16) for n in (8, 2, 2))
+    pools = [torch.randn(32, 2, 64, generator=g).to(torch.bfloat16) for _ in "kv"]
+    calls = []
+    real = cpu_kernels.load()
+    spy = type(
+        "Spy",
+        (),
+        {"decode_attention_bf16": lambda *a: calls.append(1) or real.decode_attention_bf16(*a)},
+    )
+    monkeypatch.setattr(attention.cpu_kernels, "load", lambda: spy)
+    got = attention.paged_attention(q, k, v, pools[0].clone(), pools[1].clone(), meta, 0.125)
+    assert calls == [1]
+    monkeypatch.setattr(attention.cpu_kernels, "load", lambda: None)
+    ref = attention.paged_attention(q, k, v, pools[0].clone(), pools[1].clone(), meta, 0.125)
+    assert torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_cpu
 def test_rms_norm_dispatch(monkeypatch):
     """layers.rms_norm: the kernel for bf16 CPU tensors, torch otherwise (float32, the env switch)."""
     from sparkrelay.models import layers
