@@ -11,8 +11,9 @@ sparkrelay's int8 kernel (models/cpu_kernels.py: activations quantized per row, 
 otherwise torch's kernel is used: it reads half the bytes of bfloat16 and wins at one row, but it is
 compute-bound and its cost grows with the rows. From DEQUANT_ROWS rows on (prefill, wide verifies),
 dequantizing the weight for the call (a temporary) and F.linear is faster. Figures: speed notes of
-docs/architecture.md. The LM head and the embeddings stay in the model dtype (packed bf16 head:
-kernels.fast_head).
+docs/architecture.md. The LM head's fast copy is quantized too (a decode step reads it whole: at
+0.6B it is a quarter of the weights), with one scale per vocabulary row; the embedding table stays
+in the model dtype (a lookup reads one row).
 """
 
 from __future__ import annotations
@@ -98,14 +99,14 @@ class Int8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def quantize_int8wo(model: nn.Module, skip: tuple[str, ...] = ("head",)) -> int:
-    """Replace every frozen linear of `model` (after `fuse`: the layers' q/k/v, o, gate/up, down; a drafter's fc and
-    context K/V) by an Int8Linear, except children named in `skip` (the LM head's fast copy). -> how many."""
+def quantize_int8wo(model: nn.Module) -> int:
+    """Replace every frozen linear of `model` (after `fuse`: the layers' q/k/v, o, gate/up, down, the
+    LM head's fast copy; a drafter's fc, context K/V and Markov W2) by an Int8Linear. -> how many."""
     found = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, (TLinear, PackedLinear, AvxLinear)) and name not in skip
+        if isinstance(child, (TLinear, PackedLinear, AvxLinear))
     ]
     for parent, name, child in found:
         setattr(parent, name, Int8Linear(child.weight, child.bias, child.dtype))

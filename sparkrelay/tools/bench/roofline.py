@@ -126,11 +126,6 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, di
         "(tools/bench/vllm_peer.py; see docs/cpu_kernels.md).",
     )
     p.add_argument(
-        "--int8-lm-head",
-        action="store_true",
-        help="Count int8wo's LM head as int8 in the roofline.",
-    )
-    p.add_argument(
         "--out", default="benchmarks/results/roofline", help="Folder for roofline.md/.json/.png."
     )
     p.add_argument(
@@ -291,7 +286,7 @@ def measure_speed(
                     "step_tok_s": r["step_tok_s"],
                     "median_step_s": r["median_step_s"],
                     "context": context,
-                    "step_bytes": bw.step_bytes(shape, dtype, b, context, args.int8_lm_head),
+                    "step_bytes": bw.step_bytes(shape, dtype, b, context, int8_lm_head=True),
                     "greedy_agreement": agree,
                     "t_new_s": r["t_new_s"],
                     "t_1_s": r["t_1_s"],

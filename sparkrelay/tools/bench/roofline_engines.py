@@ -364,7 +364,7 @@ class VllmEngine:
 
 def vllm_env() -> dict[str, str]:
     """vLLM's CPU backend on as many threads as sparkrelay's (torch's count here), bound to those
-    cores, its engine in the peer's own process (no third process competing for the cores), 4 GiB
+    cores, its engine in the peer's own process (no third process competing for the cores), 1 GiB
     of KV cache."""
     import torch
 
@@ -373,7 +373,7 @@ def vllm_env() -> dict[str, str]:
         "OMP_NUM_THREADS": str(threads),
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
 

@@ -26,7 +26,7 @@ NOTES = [
     "runs in a child process, interleaved with the others, on its own random weights; its time per call "
     "includes a JSON line each way.",
     "Roofline: tok/s(b) = b * bandwidth / (W + b * KV(L)); W = every linear weight incl. the LM head at the dtype's "
-    "width (int8wo: 1 byte + a bf16 scale per output channel, LM head bf16), embedding lookup excluded; KV(L) = the "
+    "width (int8wo: 1 byte + a bf16 scale per output channel, the LM head too), embedding lookup excluded; KV(L) = the "
     "K/V bytes of L = prompt_len + new_tokens / 2 positions. At a large batch the step may be compute-bound first.",
     "DSpark round cost at batch 1: the engine's own pieces timed while it decodes (the target forward of the plain "
     "engine's decode step, the DSpark engine's verify forward over 1 + B tokens and its proposer's draft block); "
