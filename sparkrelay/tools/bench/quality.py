@@ -179,7 +179,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ]
     notes = [
         "int8wo: `--torchao-config int8wo` on bfloat16 activations (int8 weights, one scale per output channel; "
-        "LM head and embedding bfloat16). top-1: teacher-forced argmax agreement over the loss windows. "
+        "the LM head too; the embedding bfloat16). top-1: teacher-forced argmax agreement over the loss windows. "
         "Greedy: free-running, so one early difference changes the rest of an output."
     ]
     text = table(result)
