@@ -14,8 +14,9 @@
 //
 // On a CPU with AMX (amx_bf16, amx_int8), 2 rows and more go through the tile unit instead: the
 // same packed bytes are its B operand (16 pairs or quads of one 16-column block = 16 rows of 64
-// bytes, 128 bytes apart), so 8 rows cost about what 1 costs, where the vector path's dot products
-// bound an 8-row product at about 1.4x. The vector loop finishes the K left over and the epilogue.
+// bytes, 128 bytes apart), so 8 rows cost about what 1 costs, where on the vector path the dot
+// products, not memory, bound an 8-row product. The vector loop finishes the leftover K and the
+// epilogue.
 
 #include "cpu_kernels.h"
 

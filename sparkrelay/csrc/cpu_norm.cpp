@@ -1,8 +1,8 @@
 // RMSNorm for bfloat16 activations in one pass per row, as transformers computes it: the row
 // normalized in fp32, rounded to bf16, then scaled by the weight (bf16 product):
 //   y = bf16(w * bf16(x / sqrt(mean(x^2) + eps)))
-// torch's bf16 path runs this as eight ops and four dtype conversions per call (~40 us on a
-// 1,024-wide row); a decode step of a 28-layer model calls it 85 times.
+// torch's bf16 path runs this as eight ops and four dtype conversions per call, and a decode step
+// calls it three times a layer (figures: docs/architecture.md, speed notes).
 
 #include "cpu_kernels.h"
 
