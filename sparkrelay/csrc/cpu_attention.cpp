@@ -67,7 +67,8 @@ void score(const uint16_t* q, const Pools& p, int64_t head, const int64_t* slots
 float softmax_numerators(float* scores, int64_t len) {
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < len; j += kLanes) {
-    top = _mm512_mask_max_ps(top, first(len - j), top, _mm512_loadu_ps(scores + j));
+    const __mmask16 keep = first(len - j);  // masked: never read past the scores
+    top = _mm512_mask_max_ps(top, keep, top, _mm512_maskz_loadu_ps(keep, scores + j));
   }
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
   __m512 sum = _mm512_setzero_ps();

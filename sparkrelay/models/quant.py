@@ -108,9 +108,12 @@ def quantize_int8wo(model: nn.Module) -> int:
         for name, child in parent.named_children()
         if isinstance(child, (TLinear, PackedLinear, AvxLinear))
     ]
-    for parent, name, child in found:
+    count = len(found)
+    while found:  # each bf16 layer freed as soon as its int8 one replaces it (peak memory)
+        parent, name, child = found.pop()
         setattr(parent, name, Int8Linear(child.weight, child.bias, child.dtype))
-    return len(found)
+        del parent, child
+    return count
 
 
 def apply_torchao_config(model: nn.Module, config: str) -> None:
