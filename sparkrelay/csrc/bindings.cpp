@@ -8,8 +8,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8", &linear_int8,
         "x [M, K] @ packed int8 weight (per-channel scales) -> [M, N] in x's dtype (+ bias)");
   m.def("decode_attention_bf16", &decode_attention_bf16,
-        "q [B, H, D] against paged bf16 K/V pools [S, n_kv, D] through slots [B, Lk] and "
-        "lengths [B] -> [B, H, D] bf16");
+        "q [T, H, D] against paged bf16 K/V pools [S, n_kv, D] through slots [B, Lk], the "
+        "sequence seq [T] and visible keys lengths [T] of each query -> [T, H, D] bf16");
   m.def("rms_norm_bf16", &rms_norm_bf16,
         "x [T, G, D] bf16 (D contiguous), weight [G, D] bf16 -> RMSNorm(x) [T, G, D] bf16");
 }

@@ -1,12 +1,14 @@
-// Decode attention for bfloat16 KV pools: one query per sequence against its keys, read in place
-// from the paged pool through the sequence's slot list (no gather into a padded copy), the
-// query heads that share a KV head (GQA) served by one task so the keys are read once per task.
+// Decode attention for bfloat16 KV pools: a few queries per sequence (a decode token, a DSpark
+// verify block) against their keys, read in place from the paged pool through the sequence's
+// slot list (no gather into a padded copy), the query heads that share a KV head (GQA) served by
+// one task so the keys are read once per task.
 //
-//   q [B, H, D], k_pool / v_pool [S, n_kv, D], slots [B, Lk] (pool row of each key position),
-//   lengths [B] (keys 0..lengths[b]-1 are visible) -> out [B, H, D]
+//   q [T, H, D], k_pool / v_pool [S, n_kv, D], slots [B, Lk] (pool row of each key position),
+//   seq [T] (the sequence of each query), lengths [T] (query t sees keys 0..lengths[t]-1 of its
+//   sequence: its position + 1, so a block is causal) -> out [T, H, D]
 //
 // Scores, softmax and the weighted sum are fp32 (q.k with _mm512_dpbf16_ps, exp vectorized), the
-// output is rounded to bf16 once. Tasks (sequence, KV head) are split over threads.
+// output is rounded to bf16 once. Tasks (query, KV head) are split over threads.
 
 #include "cpu_kernels.h"
 
@@ -104,25 +106,30 @@ void weigh_values(const float* w, float total, const Pools& p, int64_t head, con
 
 torch::Tensor decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_pool,
                                     const torch::Tensor& v_pool, const torch::Tensor& slots,
-                                    const torch::Tensor& lengths, double scale) {
+                                    const torch::Tensor& seq, const torch::Tensor& lengths,
+                                    double scale) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kBFloat16,
-              "decode_attention_bf16: q must be contiguous bfloat16 [B, H, D]");
-  const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
+              "decode_attention_bf16: q must be contiguous bfloat16 [T, H, D]");
+  const int64_t t = q.size(0), h = q.size(1), d = q.size(2);
   TORCH_CHECK(k_pool.dim() == 3 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
                   k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == d &&
                   k_pool.scalar_type() == torch::kBFloat16 &&
                   v_pool.scalar_type() == torch::kBFloat16,
               "decode_attention_bf16: pools must be contiguous bfloat16 [S, n_kv, D] like q");
-  const int64_t n_kv = k_pool.size(1), lk = slots.size(1);
+  const int64_t n_kv = k_pool.size(1), b = slots.size(0), lk = slots.size(1);
   TORCH_CHECK(d % 2 == 0 && d <= kMaxHeadDim && h % n_kv == 0,
               "decode_attention_bf16: D even and at most 256, H a multiple of n_kv");
-  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == b && slots.is_contiguous() &&
-                  slots.scalar_type() == torch::kLong && lengths.numel() == b &&
-                  lengths.is_contiguous() && lengths.scalar_type() == torch::kLong,
-              "decode_attention_bf16: slots [B, Lk] and lengths [B] must be int64");
+  TORCH_CHECK(slots.dim() == 2 && slots.is_contiguous() && slots.scalar_type() == torch::kLong,
+              "decode_attention_bf16: slots must be int64 [B, Lk]");
+  TORCH_CHECK(seq.numel() == t && seq.is_contiguous() && seq.scalar_type() == torch::kLong &&
+                  lengths.numel() == t && lengths.is_contiguous() &&
+                  lengths.scalar_type() == torch::kLong,
+              "decode_attention_bf16: seq [T] and lengths [T] must be int64");
   const int64_t* lens = lengths.data_ptr<int64_t>();
-  for (int64_t i = 0; i < b; ++i) {
-    TORCH_CHECK(lens[i] >= 1 && lens[i] <= lk, "decode_attention_bf16: lengths must be in 1..Lk");
+  const int64_t* rows = seq.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < b && lens[i] >= 1 && lens[i] <= lk,
+                "decode_attention_bf16: seq must be in 0..B-1 and lengths in 1..Lk");
   }
   torch::Tensor out = torch::empty_like(q);
   const Pools pools{reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>()),
@@ -132,16 +139,16 @@ torch::Tensor decode_attention_bf16(const torch::Tensor& q, const torch::Tensor&
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t group = h / n_kv;
-  at::parallel_for(0, b * n_kv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, t * n_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(lk);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / n_kv, kvh = task % n_kv;
+      const int64_t row = task / n_kv, kvh = task % n_kv, len = lens[row];
+      const int64_t* keys = sp + rows[row] * lk;
       for (int64_t i = 0; i < group; ++i) {
-        const int64_t head = kvh * group + i, at = (seq * h + head) * d;
-        score(qp + at, pools, kvh * d, sp + seq * lk, lens[seq], static_cast<float>(scale),
-              scores.data());
-        const float total = softmax_numerators(scores.data(), lens[seq]);
-        weigh_values(scores.data(), total, pools, kvh * d, sp + seq * lk, lens[seq], op + at);
+        const int64_t head = kvh * group + i, at = (row * h + head) * d;
+        score(qp + at, pools, kvh * d, keys, len, static_cast<float>(scale), scores.data());
+        const float total = softmax_numerators(scores.data(), len);
+        weigh_values(scores.data(), total, pools, kvh * d, keys, len, op + at);
       }
     }
   });

@@ -33,7 +33,8 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed,
 // cpu_attention.cpp
 torch::Tensor decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_pool,
                                     const torch::Tensor& v_pool, const torch::Tensor& slots,
-                                    const torch::Tensor& lengths, double scale);
+                                    const torch::Tensor& seq, const torch::Tensor& lengths,
+                                    double scale);
 // cpu_norm.cpp
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 

@@ -32,6 +32,9 @@ import torch.nn.functional as F
 from sparkrelay.models import cpu_kernels
 
 SPLIT_MIN_PREFIX, SPLIT_MIN_QUERIES = 512, 64  # split_prefix from here on (module docstring)
+# queries per sequence the decode-attention kernel takes: it handles blocks (seq, lengths), but an
+# 8-query verify block ran slower through it than through SDPA (speed notes), so decode only
+KERNEL_QUERIES = 1
 
 
 def slot_index(block_tables: list[list[int]], length: int, page_size: int) -> torch.Tensor:
@@ -65,13 +68,20 @@ class AttnMeta:
         False  # whole prompts of one length from position 0: SDPA's is_causal instead of `mask`
     )
     prefix: int = 0  # > 0: one sequence's chunk after this many cached keys, attended in two calls (split_prefix)
+    token_seq: torch.Tensor | None = None  # [T] the sequence of each fed token (None: all 0)
     _lengths: torch.Tensor | None = None
 
-    def decode_lengths(self) -> torch.Tensor:
-        """[B] keys each decode query sees (its position + 1), computed once per forward."""
+    def query_lengths(self) -> torch.Tensor:
+        """[T] keys each fed token's query sees (its position + 1), computed once per forward."""
         if self._lengths is None:
             self._lengths = (self.positions + 1).contiguous()
         return self._lengths
+
+    def query_seq(self) -> torch.Tensor:
+        """[T] the sequence (row of kv_index) of each fed token."""
+        if self.token_seq is None:
+            self.token_seq = torch.zeros_like(self.positions)
+        return self.token_seq
 
     @classmethod
     def build(
@@ -137,6 +147,7 @@ class AttnMeta:
             q_pad_index=pad_index.to(device),
             kv_index=kv_index.to(device),
             mask=None if mask is None else mask.to(device),
+            token_seq=seq_of_token.to(device),
             batch=batch,
             max_q=max_q,
             kv_range=kv_range,
@@ -198,7 +209,13 @@ def paged_attention(
     ext = decode_kernel(q, k_pool, meta)
     if ext is not None:
         return ext.decode_attention_bf16(
-            q.contiguous(), k_pool, v_pool, meta.kv_index, meta.decode_lengths(), scale
+            q.contiguous(),
+            k_pool,
+            v_pool,
+            meta.kv_index,
+            meta.query_seq(),
+            meta.query_lengths(),
+            scale,
         )
     if meta.max_q == 1 and n_heads > k_pool.shape[1] and not meta.prefix:
         return grouped_decode(q, k_pool, v_pool, meta, scale)
@@ -242,9 +259,12 @@ def paged_attention(
 
 
 def decode_kernel(q: torch.Tensor, k_pool: torch.Tensor, meta: AttnMeta):
-    """The extension when its decode attention can serve this call (one query per sequence, bf16
-    pools on CPU: csrc/cpu_attention.cpp reads the keys in place, no gather), else None."""
-    if meta.max_q != 1 or meta.prefix or q.device.type != "cpu" or q.dtype != torch.bfloat16:
+    """The extension when its decode attention can serve this call (at most KERNEL_QUERIES queries
+    per sequence, bf16 pools on CPU: csrc/cpu_attention.cpp reads the keys in place, no gather),
+    else None (longer chunks: SDPA's blocked kernels)."""
+    if meta.max_q > KERNEL_QUERIES or meta.prefix or q.device.type != "cpu":
+        return None
+    if q.dtype != torch.bfloat16:
         return None
     if k_pool.dtype != torch.bfloat16 or q.shape[-1] % 2 or q.shape[-1] > 256:
         return None

@@ -112,7 +112,11 @@ def test_decode_attention_kernel_equals_float64(shape):
     slots = torch.stack([torch.randperm(pool, generator=g)[:lk] for _ in range(b)])
     lengths = torch.randint(1, lk + 1, (b,), generator=g)
     lengths[0] = lk
-    out = cpu_kernels.load().decode_attention_bf16(q, k_pool, v_pool, slots, lengths, d**-0.5)
+    seq = torch.arange(b).flip(0).contiguous()  # query i reads the slots of row b - 1 - i
+    slots_of = slots.flip(0).contiguous()
+    out = cpu_kernels.load().decode_attention_bf16(
+        q, k_pool, v_pool, slots_of, seq, lengths, d**-0.5
+    )
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     for i in range(b):
         keys = slots[i, : int(lengths[i])]
@@ -126,16 +130,23 @@ def test_decode_attention_kernel_equals_float64(shape):
 
 
 @needs_cpu
+@pytest.mark.parametrize(
+    "starts, ends",
+    [([9, 13], [10, 14]), ([12], [13]), ([6], [13]), ([4, 9], [9, 10])],
+    ids=["decode batch", "one decode", "verify block", "block beside a decode"],
+)
 @torch.inference_mode()
-def test_paged_decode_takes_the_kernel_and_matches_sdpa(monkeypatch):
-    """models/attention: a bf16 decode batch goes to the kernel; with the kernels off, torch's SDPA
-    gives the same attention (to bf16 rounding) on the same metadata."""
+def test_paged_attention_takes_the_kernel_and_matches_sdpa(monkeypatch, starts, ends):
+    """models/attention: bf16 batches of up to KERNEL_QUERIES queries per sequence go to the kernel,
+    longer blocks (a DSpark verify) to SDPA; the kernel called on the same block anyway, and torch's
+    SDPA with the kernels off, give the same attention (to bf16 rounding) on the same metadata."""
     from sparkrelay.models import attention
 
     g = torch.Generator().manual_seed(3)
-    page, tables = 4, [[5, 2, 7], [1, 3, 0, 6]]
-    meta = attention.AttnMeta.build([9, 13], [10, 14], tables, page, "cpu")
-    q, k, v = (torch.randn(2, n, 64, generator=g).to(torch.bfloat16) for n in (8, 2, 2))
+    page, tables = 4, [[5, 2, 7, 4], [1, 3, 0, 6]][: len(starts)]
+    meta = attention.AttnMeta.build(starts, ends, tables, page, "cpu")
+    t = sum(e - s for s, e in zip(starts, ends))
+    q, k, v = (torch.randn(t, n, 64, generator=g).to(torch.bfloat16) for n in (8, 2, 2))
     pools = [torch.randn(32, 2, 64, generator=g).to(torch.bfloat16) for _ in "kv"]
     calls = []
     real = cpu_kernels.load()
@@ -146,7 +157,13 @@ def test_paged_decode_takes_the_kernel_and_matches_sdpa(monkeypatch):
     )
     monkeypatch.setattr(attention.cpu_kernels, "load", lambda: spy)
     got = attention.paged_attention(q, k, v, pools[0].clone(), pools[1].clone(), meta, 0.125)
-    assert calls == [1]
+    assert len(calls) == (1 if meta.max_q <= attention.KERNEL_QUERIES else 0)
+    if not calls:  # the kernel takes blocks too (causal through each query's length)
+        k_pool, v_pool = pools[0].clone(), pools[1].clone()
+        attention.paged_attention(q, k, v, k_pool, v_pool, meta, 0.125)  # writes the block's K/V
+        got = real.decode_attention_bf16(
+            q, k_pool, v_pool, meta.kv_index, meta.query_seq(), meta.query_lengths(), 0.125
+        )
     monkeypatch.setattr(attention.cpu_kernels, "load", lambda: None)
     ref = attention.paged_attention(q, k, v, pools[0].clone(), pools[1].clone(), meta, 0.125)
     assert torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
