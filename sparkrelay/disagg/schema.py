@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-SCHEMA_VERSION = 5  # 2: the metadata row carries the first token's logprobs; 3: the transfer backend; 4: streamed;
-# 5: a decode's cached prefix (TRANSFER_INFO prefix: the prefill sends only the pieces from there)
+SCHEMA_VERSION = 6  # 2: the metadata row carries the first token's logprobs; 3: the transfer backend; 4: streamed;
+# 5: a decode's cached prefix (TRANSFER_INFO prefix: the prefill sends only the pieces from there); 6: the
+# grammar backend
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class HandoffSchema:
     stream_tokens: (
         int  # positions per streamed piece (the decode plans the prefill's pieces with it)
     )
+    # --grammar-backend and its version ("llguidance==1.9.1", or "none"): the prefill samples a
+    # constrained request's first token under it, the decode every later one
+    grammar: str = "none"
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -100,6 +104,7 @@ COMPARED = (
     "tail_tokens",
     "draft",
     "stream_tokens",
+    "grammar",
 )
 
 

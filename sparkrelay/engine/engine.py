@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent import futures
 from typing import Optional
 
 from sparkrelay.config import Config
@@ -29,6 +30,7 @@ from sparkrelay.disagg.roles import (
     KVWritten,
 )
 from sparkrelay.engine import setup
+from sparkrelay.grammar.backends import Grammar
 from sparkrelay.host import reuse_freed_memory
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.decoder import load_causal_lm
@@ -50,6 +52,8 @@ from sparkrelay.scheduler.stop import StopChecker
 from sparkrelay.trace import timeline
 
 logger = logging.getLogger(__name__)
+
+COMPILE_POLL_S = 0.005  # an otherwise idle loop's wait for a grammar being compiled
 
 
 class Engine:
@@ -83,7 +87,7 @@ class Engine:
             load_format=mc.load_format,
         )
         apply_torchao_config(self.model, mc.torchao_config)
-        self.tokenizer = setup.load_tokenizer(mc.tokenizer_path or mc.model_path)
+        self.tokenizer = setup.load_tokenizer(mc.tokenizer_path or mc.model_path, mc.chat_template)
         spec = self.model.spec
         self.vocab_size = spec.vocab_size
         self.context_length = setup.context_length(config, spec.max_position_embeddings)
@@ -135,6 +139,11 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ready: list[RequestOutput] = []
         self._leaving: list[Request] = []  # first token sampled on a prefill: handed off this step
+        self.grammars = setup.build_grammars(
+            config, self.tokenizer, self.vocab_size, self.eos_token_ids
+        )
+        # (request, its PD fields, its grammar, the compile's future) until the grammar is compiled
+        self._compiling: list[tuple[Request, Optional[Bootstrap], Grammar, futures.Future]] = []
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0}
 
     def _prefix_cache(self, config: Config) -> Optional[RadixCache]:
@@ -182,6 +191,11 @@ class Engine:
             )
         if params.return_logprob and params.logprob_start_len >= 0:
             self.validate_input_logprobs(n, params.logprob_start_len)
+        if params.grammar is not None and self.grammars is None:
+            raise RequestError(
+                f"`{params.grammar[0]}`: this server runs with --grammar-backend none (no "
+                "structured outputs)"
+            )
 
     def validate_input_logprobs(self, n: int, start: int) -> None:
         """Prompt logprobs are scored where the prompt runs: this runner, a pipeline's last stage,
@@ -217,15 +231,51 @@ class Engine:
             room=bootstrap.room if bootstrap else 0,
         )
         self.counters["prompt_tokens"] += len(prompt_ids)
+        if params.grammar is not None:
+            self._compile(req, bootstrap)
+            return
+        self._admit(req, bootstrap)
+
+    def _admit(self, req: Request, bootstrap: Optional[Bootstrap]) -> None:
+        """A request ready to run (its grammar compiled): to the role or the scheduler."""
         if self.role.take(req, bootstrap):
             return  # decode: scheduled once its prompt's KV arrived
         scores_prompt = req.logprobs is not None and req.logprobs.input_start >= 0
-        if params.max_new_tokens == 0 and not scores_prompt and not self.role.sends_first_token:
+        if req.params.max_new_tokens == 0 and not scores_prompt and not self.role.sends_first_token:
             req.finish({"type": "length", "length": 0})
             self._release(req)
             return
         # max_new_tokens 0 with prompt logprobs: the prefill scores the prompt
         self.scheduler.add(req)
+
+    # -- grammars ----------------------------------------------------------------------------------
+    def _compile(self, req: Request, bootstrap: Optional[Bootstrap]) -> None:
+        """Queue the request until its grammar is compiled (on the compiler's thread, never here)."""
+        grammar = Grammar(*req.params.grammar)
+        self._compiling.append((req, bootstrap, grammar, self.grammars.submit(grammar)))
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled start, with their matcher; a refused grammar fails its
+        request with a 400."""
+        waiting = []
+        for item in self._compiling:
+            req, bootstrap, grammar, fut = item
+            if req.is_finished:
+                continue  # aborted while compiling
+            if not fut.done():
+                waiting.append(item)
+                continue
+            why = self.grammars.forget_failed(grammar, fut)
+            if why is not None:
+                self._fail(req, why, 400)
+                continue
+            req.grammar = self.grammars.matcher(fut)
+            self._admit(req, bootstrap)
+        self._compiling = waiting
+
+    def _wait_compiling(self) -> None:
+        """Nothing else to do: wait a little for a grammar instead of spinning the loop."""
+        futures.wait([f for *_, f in self._compiling], COMPILE_POLL_S, futures.FIRST_COMPLETED)
 
     def wake(self) -> None:
         """Thread safe: end the role's idle wait now (a command is waiting for the engine
@@ -243,12 +293,19 @@ class Engine:
         self.requests.pop(rid, None)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._ready) or self.role.has_work()
+        return (
+            self.scheduler.has_work()
+            or bool(self._ready)
+            or self.role.has_work()
+            or bool(self._compiling)
+        )
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         # decode: prealloc -> transferring -> running; prefill: stage reports
         self._apply(self.role.receive())
+        if self._compiling:
+            self._admit_compiled()
         # a decode's first tokens (and finished handoffs) go out now, not after the next round
         if self._ready:
             return self._take_ready()
@@ -256,7 +313,10 @@ class Engine:
         if batch is not None:
             self._postprocess(batch, self.runner.run(batch))
         self.role.send(self._take_leaving())  # prefill: requests whose first token was sampled
-        self.role.wait(idle=batch is None and not self._ready)
+        idle = batch is None and not self._ready
+        if idle and self._compiling and not self.role.has_work():
+            self._wait_compiling()
+        self.role.wait(idle=idle)
         return self._take_ready()
 
     def _postprocess(self, batch: Batch, result: RunResult) -> None:
@@ -361,9 +421,20 @@ class Engine:
             req.output_ids.append(tok)
             self.counters["generation_tokens"] += 1
             self.stop.update(req, self.context_length)
+            if req.grammar is not None and not req.is_finished:
+                self._advance_grammar(req, tok)
             if req.is_finished:
                 return i + 1
         return len(tokens)
+
+    def _advance_grammar(self, req: Request, token: int) -> None:
+        """The matcher follows every committed token; a complete grammar ends the request (stop),
+        as SGLang's does."""
+        if not req.grammar.consume(token):
+            logger.error("request %s: token %d is outside its grammar", req.rid, token)
+            req.finish({"type": "abort", "message": "a token outside the grammar was sampled"})
+        elif req.grammar.finished:
+            req.finish({"type": "stop", "matched": None})
 
     def _record_round(self, req: Request, rnd: tuple[int, int], committed: int) -> None:
         proposed, accepted = rnd
@@ -462,6 +533,8 @@ class Engine:
         Idempotent."""
         self.runner.close()
         self.role.close()
+        if self.grammars is not None:
+            self.grammars.close()
 
 
 def build_engine(config: Config) -> Engine:

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 
 from sparkrelay.config import Config, ConfigError
+from sparkrelay.grammar.backends import GrammarError
+from sparkrelay.grammar.compiler import GrammarCompiler
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.decoder import CausalLM
 from sparkrelay.models.dspark import load_dspark
@@ -42,17 +44,37 @@ def check_device(device: str) -> torch.device:
     return dev
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, chat_template: Optional[str] = None):
     """The tokenizer of a model folder, or of a GGUF file (its vocabulary, merges and chat
-    template)."""
+    template); `chat_template`: a Jinja file that replaces its template (--chat-template)."""
     from transformers import AutoTokenizer
 
     if is_gguf(path):
         try:
-            return gguf_tokenizer(path)
+            tokenizer = gguf_tokenizer(path)
         except GGUFError as e:
             raise ConfigError(f"--tokenizer-path / --model-path: {e}") from None
-    return AutoTokenizer.from_pretrained(path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer
+
+
+def read_chat_template(path: str) -> str:
+    """The text of a --chat-template file, parsed once by Jinja so that a broken one stops the
+    start, not the first chat request."""
+    import jinja2
+
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--chat-template {path}: cannot read it ({e})") from None
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"--chat-template {path}: line {e.lineno}: {e.message}") from None
+    return text
 
 
 def stage0_end(config: Config, hf_config: dict) -> int:
@@ -155,6 +177,20 @@ def build_runner(
         return ModelRunner(model, pool, device, seed), None
     runner = SpecRunner(model, pool, device, seed, proposer=proposer, context_length=context)
     return runner, SpecStats(proposer.max_drafts)
+
+
+def build_grammars(
+    config: Config, tokenizer, vocab_size: int, eos: tuple[int, ...]
+) -> Optional[GrammarCompiler]:
+    """The grammar compiler of --grammar-backend (None: structured outputs are refused); a missing
+    backend package is a start-up error naming the flag."""
+    name = config.scheduler.grammar_backend
+    if name == "none":
+        return None
+    try:
+        return GrammarCompiler(name, tokenizer, vocab_size, eos)
+    except GrammarError as e:
+        raise ConfigError(str(e)) from None
 
 
 def compile_model(model: CausalLM, proposer: Optional[DSparkProposer]) -> None:

@@ -112,7 +112,8 @@ class EngineProcess(EngineClient):
         import sparkrelay.engine.engine  # noqa: F401  torch and the model code, imported once for both processes
         from sparkrelay.engine.setup import load_tokenizer
 
-        tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.model_path)
+        mc = config.model
+        tokenizer = load_tokenizer(mc.tokenizer_path or mc.model_path, mc.chat_template)
         # 0700: only this user reaches the socket
         folder = socket_folder("sparkrelay-engine-", "cmd")
         cmd_addr = f"ipc://{folder}/cmd"

@@ -27,7 +27,14 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 SOURCES = [
-    CSRC / name for name in ("cpu_linear.cpp", "cpu_norm.cpp", "cpu_attention.cpp", "bindings.cpp")
+    CSRC / name
+    for name in (
+        "cpu_linear.cpp",
+        "cpu_norm.cpp",
+        "cpu_attention.cpp",
+        "cpu_mask.cpp",
+        "bindings.cpp",
+    )
 ]
 BUILD = Path(os.environ.get("SPARKRELAY_KERNEL_BUILD", CSRC.parents[1] / "build" / "cpu_kernels"))
 NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")

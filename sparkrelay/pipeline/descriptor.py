@@ -12,11 +12,12 @@ Wire format, rank k -> rank k+1, in this order (the sends and receives are in pi
   2. body    int64 [L]                       (sent only when L > 0)
        B rows of SEQ_FIELDS ints, one per sequence, in micro-batch order:
          req_index, room, start, end, prompt_len, sample, num_blocks, history_len, logprobs, score_first,
-         score_count, then the integer sampler fields (INT_PARAMS: top_k, then seed as (set, value): an
+         score_count, mask_len, then the integer sampler fields (INT_PARAMS: top_k, then seed as (set, value): an
          optional field takes a flag column too)
        then the B block tables concatenated (num_blocks ids each, in sequence order),
        then the B token histories concatenated (history_len ids each, in sequence order),
        then the B scored prompt tokens concatenated (score_count ids each, in sequence order),
+       then the B grammar masks concatenated (mask_len int32 words each, in sequence order),
        then R pairs (req_index, room) of requests rank 0 released since the previous descriptor
   3. floats  float64 [B, FLOAT_FIELDS]  (sent only when B > 0) the float sampler fields per sequence
        (FLOAT_PARAMS: temperature, top_p, min_p and the three penalties)
@@ -38,8 +39,11 @@ score_count: prompt logprobs (logprob_start_len >= 0): the last stage scores pro
 [score_first, score_first + score_count) of this chunk (the fed row of position p - 1 scores the
 token at p; the tokens travel in the body since the last stage sees only hidden states); count 0
 (and no ids) for every other sequence, runner/model_runner.py `prompt_rows` decides which positions
-(each scored once across chunks). Every size a receiver needs is in the header, so it posts receives
-of exactly the shapes the sender sends; nothing is ever guessed or posted twice.
+(each scored once across chunks). mask: a sampling sequence with a grammar carries the bitmask of the
+tokens its grammar allows next (grammar/bitmask.py's words; rank 0 holds the matcher, the last stage
+samples under the mask); empty for every other sequence. Every size a receiver needs is in the
+header, so it posts receives of exactly the shapes the sender sends; nothing is ever guessed or
+posted twice.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ assert set(INT_PARAMS + FLOAT_PARAMS) == set(SAMPLER_FIELDS), (
 )
 # these take a (set, value) pair
 _OPTIONAL = frozenset(n for n in INT_PARAMS if _HINTS[n] is not int)
-_FIXED = 11  # req_index .. score_count
+_FIXED = 12  # req_index .. mask_len
 HEADER_LEN, SEQ_FIELDS, FLOAT_FIELDS = (
     8,
     _FIXED + len(INT_PARAMS) + len(_OPTIONAL),
@@ -89,6 +93,8 @@ class SeqDesc:
     score_first: int = -1  # prompt logprobs: the first prompt position this chunk scores (-1: none)
     # the prompt tokens at score_first, score_first + 1, ...
     score_ids: list[int] = field(default_factory=list)
+    # a sampling sequence with a grammar: the int32 words of the tokens it may sample ([] else)
+    mask: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -110,7 +116,7 @@ class MicroBatch:
 
 def encode(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> header int64 [HEADER_LEN], body int64 [L], floats float64 [B, FLOAT_FIELDS] (CPU tensors)."""
-    rows, tables, histories, scored = [], [], [], []
+    rows, tables, histories, scored, masks = [], [], [], [], []
     for s in mb.seqs:
         rows += [
             s.req_index,
@@ -124,12 +130,14 @@ def encode(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             s.logprobs,
             s.score_first,
             len(s.score_ids),
+            len(s.mask),
         ]
         rows += _int_columns(s.params)
         tables += s.block_ids
         histories += s.history
         scored += s.score_ids
-    body = rows + tables + histories + scored + [x for pair in mb.released for x in pair]
+        masks += s.mask
+    body = rows + tables + histories + scored + masks + [x for pair in mb.released for x in pair]
     header = [
         mb.kind,
         mb.step,
@@ -180,10 +188,10 @@ def decode(header: torch.Tensor, body: torch.Tensor, floats: torch.Tensor) -> Mi
     assert len(ints) == length and len(fl) == b, (
         f"descriptor body {len(ints)}/{length}, floats {len(fl)}/{b}"
     )
-    cursor, seqs, hist_lens, score_lens = b * SEQ_FIELDS, [], [], []
+    cursor, seqs, hist_lens, score_lens, mask_lens = b * SEQ_FIELDS, [], [], [], []
     for i in range(b):
         row = ints[i * SEQ_FIELDS : (i + 1) * SEQ_FIELDS]
-        req, room, start, end, plen, smp, nb, nh, lp, sf, ns = row[:_FIXED]
+        req, room, start, end, plen, smp, nb, nh, lp, sf, ns, nm = row[:_FIXED]
         params = SamplingParams(**_int_fields(row[_FIXED:]), **dict(zip(FLOAT_PARAMS, fl[i])))
         seqs.append(
             SeqDesc(
@@ -202,12 +210,16 @@ def decode(header: torch.Tensor, body: torch.Tensor, floats: torch.Tensor) -> Mi
         cursor += nb
         hist_lens.append(nh)
         score_lens.append(ns)
+        mask_lens.append(nm)
     for s, nh in zip(seqs, hist_lens):
         s.history = ints[cursor : cursor + nh]
         cursor += nh
     for s, ns in zip(seqs, score_lens):
         s.score_ids = ints[cursor : cursor + ns]
         cursor += ns
+    for s, nm in zip(seqs, mask_lens):
+        s.mask = ints[cursor : cursor + nm]
+        cursor += nm
     released = [(ints[j], ints[j + 1]) for j in range(cursor, cursor + 2 * r, 2)]
     mb = MicroBatch(kind, step, index, count, seqs, released)
     assert mb.num_tokens == t and cursor + 2 * r == length, (

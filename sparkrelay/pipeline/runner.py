@@ -31,6 +31,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from sparkrelay.config import Config, ConfigError
+from sparkrelay.grammar.rows import masks
 from sparkrelay.host import socket_folder
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.decoder import CausalLM
@@ -119,6 +120,7 @@ class PipelineRunner:
             raise ConfigError(str(e)) from None
         sink_factory, status_address = needs.sink_factory, needs.status_address
         self.pp, self.room_of = pp, room_of
+        self.vocab_size = model.spec.vocab_size
         self.device = next(iter(pool.layers.values()))[0].device
         first = self.partition[0]
         self.stage = build_stage(
@@ -319,7 +321,13 @@ class PipelineRunner:
             p.logprobs_k,
             score_first,
             req.prompt_ids[score_first : score_first + score_count],
+            self._mask(req) if s.sample and req.grammar is not None else [],
         )
+
+    def _mask(self, req: Request) -> list[int]:
+        """The words of the tokens req's grammar allows next, for the last stage to sample under."""
+        m = masks([req.grammar], [[]], self.vocab_size)
+        return m.bitmask[0].tolist()
 
     @staticmethod
     def _result(

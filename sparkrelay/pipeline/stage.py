@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from sparkrelay.config import Config, ConfigError
+from sparkrelay.grammar.bitmask import allowing_all
+from sparkrelay.grammar.rows import Masks
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.decoder import CausalLM, StageOutput
@@ -412,4 +414,16 @@ class Stage:
             self.shared_gen,
             [s.history[: s.prompt_len] for s in rows],
             [s.history[s.prompt_len :] for s in rows],
+            self._masks(rows, logits.shape[1]),
         )
+
+    @staticmethod
+    def _masks(rows: list[SeqDesc], vocab: int) -> Optional[Masks]:
+        """The grammar masks rank 0 sent with the sampling sequences, one bitmask row each."""
+        constrained = [i for i, s in enumerate(rows) if s.mask]
+        if not constrained:
+            return None
+        bitmask = allowing_all(len(rows), vocab)
+        for i in constrained:
+            bitmask[i] = torch.tensor(rows[i].mask, dtype=torch.int64).to(torch.int32)
+        return Masks(bitmask, constrained)

@@ -7,6 +7,7 @@ from typing import Optional, Protocol
 
 import torch
 
+from sparkrelay.grammar.rows import masks
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.decoder import CausalLM, StageOutput
@@ -116,7 +117,8 @@ class ModelRunner:
         here)."""
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        """logits [R, V] (raw, left untouched) -> one token per request, drawn from the penalised logits."""
+        """logits [R, V] (raw, left untouched) -> one token per request, drawn from the penalised logits
+        under each request's grammar."""
         return draw(
             logits,
             [r.params for r in reqs],
@@ -125,6 +127,7 @@ class ModelRunner:
             self.shared_gen,
             [r.prompt_ids for r in reqs],
             [r.output_ids for r in reqs],
+            masks([r.grammar for r in reqs], [[] for _ in reqs], logits.shape[1]),
         )
 
     def sampling_batch(

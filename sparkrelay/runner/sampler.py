@@ -4,7 +4,8 @@ and speculative runners and the last pipeline stage alike: `penalize`, `Sampling
 `draw`.
 
 Penalties act on the raw logits before anything else (vLLM's rule, Hugging Face's for repetition); a
-batch whose requests all leave them at their defaults never calls `apply_penalties`.
+batch whose requests all leave them at their defaults never calls `apply_penalties`. A grammar's
+mask comes next (banned tokens at -inf), then temperature and the filters.
 
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1) is a draw from p), so a request
 with its own seed gets its noise from its own generator and draws the same tokens whatever batch it
@@ -18,6 +19,8 @@ from typing import Hashable, Optional
 
 import torch
 
+from sparkrelay.grammar.bitmask import constrain
+from sparkrelay.grammar.rows import Masks
 from sparkrelay.scheduler.request import SamplingParams
 
 
@@ -207,9 +210,13 @@ def draw(
     shared: torch.Generator,
     prompts: list[list[int]],
     outputs: list[list[int]],
+    masks: Optional[Masks] = None,
 ) -> list[int]:
-    """logits [R, V] (raw, left untouched) -> one token per row, drawn from the penalised logits."""
+    """logits [R, V] (raw, left untouched) -> one token per row, drawn from the penalised logits with
+    each grammar's banned tokens at -inf (`masks`: one row per logits row)."""
     scores = penalize(logits, params, prompts, outputs)
+    if masks is not None:
+        scores = constrain(scores, masks.bitmask, masks.rows)
     if all(p.greedy for p in params):
         return scores.argmax(-1).tolist()
     return sample(scores, SamplingBatch.build(params, keys, gens), shared).tolist()

@@ -5,7 +5,8 @@ One round for R running requests (row r: anchor = its last token, at position p_
   propose  -> drafts d_1..d_n (n_r after caps and confidence truncation) from the drafter
   verify   -> one target forward over [anchor, d_1..d_n] at positions p_r..p_r+n_r, taps captured
   accept   -> spec/verify.py: a_r drafts accepted, next token (correction or bonus), judged on the target's
-              logits penalised the way plain decoding penalises them (verify row j: history + d_1..d_j)
+              logits penalised and grammar-masked the way plain decoding treats them (verify row j: history +
+              d_1..d_j; the grammar's state after d_1..d_j)
   commit   -> target KV now valid for p_r..p_r+a_r; the drafter's context is written for those rows
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from sparkrelay.grammar.bitmask import constrain
+from sparkrelay.grammar.rows import masks
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.decoder import StageOutput
 from sparkrelay.runner.logprobs import token_logprobs
@@ -133,6 +136,10 @@ class SpecRunner(ModelRunner):
             logits = penalize(
                 logits, [r.params for r in rows], [r.prompt_ids for r in rows], outputs
             )
+        # row j of a request with a grammar: its mask after d_1..d_j (grammar/rows.py)
+        m = masks([r.grammar for r in reqs], [d[:k] for d, k in zip(drafts, n)], logits.shape[1])
+        if m is not None:
+            logits = constrain(logits, m.bitmask, m.rows)
         if all(r.params.greedy for r in reqs):
             probs = logits  # greedy verification only compares argmaxes
         else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; a PD metadata row carries this many for the first token
 # A request with this bootstrap host never contacts a peer (SGLang's FAKE_BOOTSTRAP_HOST, its
@@ -46,6 +46,11 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
+    # SGLang's structured-output fields, at most one set: the output follows this JSON schema,
+    # regular expression or EBNF grammar (sparkrelay/grammar/, --grammar-backend)
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +96,19 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise RequestError(f"`{name}` must be in [-2, 2], got {getattr(self, name)}")
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise RequestError(f"at most one of {', '.join(given)} may be set")
+        if given and not getattr(self, given[0]):
+            raise RequestError(f"`{given[0]}` must not be empty")
+
+    @property
+    def grammar(self) -> Optional[tuple[str, str]]:
+        """(field, text) of the grammar the output must follow, or None."""
+        for name in GRAMMAR_FIELDS:
+            if getattr(self, name) is not None:
+                return name, getattr(self, name)
+        return None
 
     @property
     def logprobs_k(self) -> int:
@@ -116,6 +134,8 @@ class SamplingParams:
         sample."""
         return {name: getattr(self, name) for name in SAMPLER_FIELDS}
 
+
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # grammar/backends.py KINDS
 
 # What runner/sampler.py reads of SamplingParams (penalties, filters, seed); the pipeline descriptor
 # carries exactly these columns, so a new sampling rule is a field here and its use in the sampler,
@@ -193,6 +213,9 @@ class Request:
     # logprobs (params.return_logprob): one entry per output token; per prompt position from
     # logprob_start_len
     logprobs: Optional["Logprobs"] = None
+    # a grammar-constrained request's grammar/backends.py Matcher, advanced by every committed
+    # token (the engine's _append); None without a grammar
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if self.params.return_logprob and self.logprobs is None:

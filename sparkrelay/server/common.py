@@ -98,7 +98,10 @@ class ServerState:
         self.metrics = Metrics()
         self.tokenizer = engine.tokenizer
         self.limits = P.Limits(
-            context_length=engine.info.context_length, max_n=config.scheduler.max_n
+            context_length=engine.info.context_length,
+            max_n=config.scheduler.max_n,
+            grammar_backend=config.scheduler.grammar_backend,
+            prompt_logprobs=config.disagg.disaggregation_mode != "decode",
         )
         self.model_name = config.model.served_model_name or config.model.model_path
         self._prep: Optional[concurrent.futures.ThreadPoolExecutor] = None  # started on first use

@@ -91,6 +91,29 @@ def _completion_logprobs(
     }
 
 
+def _echo_logprobs(lp: Logprobs, prompt_ids: list[int], text_of) -> dict:
+    """The prompt's part of `echo` logprobs: every prompt token, its logprob (None for the first,
+    which has none, as vLLM and OpenAI report it) and its top list."""
+    tokens = [text_of(t) for t in prompt_ids]
+    values = list(lp.input) + [None] * (len(tokens) - len(lp.input))
+    tops = list(lp.input_top) + [None] * (len(tokens) - len(lp.input_top))
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": [
+            ({text_of(t): v for v, t in top} if top is not None and lp.top else None)
+            for top in tops
+        ],
+        "text_offset": list(itertools.accumulate((len(x) for x in tokens[:-1]), initial=0))[
+            : len(tokens)
+        ],
+    }
+
+
+def _joined(first: dict, second: dict) -> dict:
+    return {k: first[k] + second[k] for k in first}
+
+
 def _chat_logprobs(lp: Logprobs, ids: list[int], a: int, b: int, text_of) -> dict:
     """OpenAI's chat logprobs of output tokens [a, b): {content: [{token, logprob, bytes,
     top_logprobs}]}."""
@@ -109,48 +132,79 @@ def _chat_logprobs(lp: Logprobs, ids: list[int], a: int, b: int, text_of) -> dic
 def _choice(
     chat: bool,
     index: int,
-    text: str,
+    text: Optional[str],
     finish: Optional[str],
     stream: bool,
     first: bool = False,
     logprobs: Optional[dict] = None,
+    calls: Optional[list[dict]] = None,
 ) -> dict:
+    """calls: the tool calls this message (or delta) carries."""
     c: dict = {"index": index, "logprobs": logprobs, "finish_reason": finish}
     if not chat:
         c["text"] = text
     elif not stream:
-        c["message"] = {"role": "assistant", "content": text}
-    else:
-        c["delta"] = (
-            ({"role": "assistant", "content": text} if first else {"content": text})
-            if text or first
-            else {}
+        c["message"] = {"role": "assistant", "content": text} | (
+            {"tool_calls": calls} if calls else {}
         )
+    else:
+        delta = ({"role": "assistant"} if first else {}) | (
+            {"content": text} if text or first else {}
+        )
+        c["delta"] = delta | ({"tool_calls": calls} if calls else {})
     return c
 
 
 async def openai_response(s: ServerState, req, request: Request, chat: bool):
     oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     # tokenizes (and renders the chat template)
-    translate = P.chat_items if chat else P.completion_items
+    tools = None
+    if chat and (req.tools or req.tool_choice is not None):
+        template = s.tokenizer.chat_template
+        tools = await s.off_loop(P.tool_plan, req, template, s.limits.grammar_backend)
+    if chat:
+        translate = functools.partial(P.chat_items, tools=tools)
+    else:
+        translate = P.completion_items
     items = P.with_bootstrap(req, await s.off_loop(translate, req, s.tokenizer, s.limits, oid))
+    parse_tools = tools is not None and tools.parse
+    echo = None
+    if not chat and req.echo:
+        echo = await s.off_loop(P.echo_texts, req, items, s.tokenizer)
     stream = await s.engine.submit(items)
     index = {it.rid: i for i, it in enumerate(items)}
     if req.stream:
-        return _openai_stream(s, req, stream, items, index, oid, chat)
+        return _openai_stream(s, req, stream, items, index, oid, chat, echo, parse_tools)
     finals = await s.collect(stream, request)
+    outs = [finals[it.rid] for it in items]
     return await s.answer(
-        lambda: _openai_answer(s, [finals[it.rid] for it in items], req.n, oid, chat)
+        lambda: _openai_answer(s, outs, req.n, oid, chat, items, echo, parse_tools)
     )
 
 
-def _openai_answer(s: ServerState, outs: list[RequestOutput], n: int, oid: str, chat: bool) -> dict:
+def _openai_answer(
+    s: ServerState,
+    outs: list[RequestOutput],
+    n: int,
+    oid: str,
+    chat: bool,
+    items: list[GenerationItem],
+    echo: Optional[list[str]],
+    parse_tools: bool = False,
+) -> dict:
     resp = _openai_head("chat.completion" if chat else "text_completion", oid, s)
     text_of = token_text(s.tokenizer)
-    resp["choices"] = [
-        _choice(chat, i, o.text, _finish(o), False, logprobs=_logprobs(chat, o, 0, text_of, 0))
-        for i, o in enumerate(outs)
-    ]
+    resp["choices"] = []
+    for i, o in enumerate(outs):
+        head = echo[i] if echo else ""
+        lp = _logprobs(chat, o, 0, text_of, len(head))
+        if echo and lp is not None:
+            lp = _joined(_echo_logprobs(o.logprobs, items[i].prompt_ids, text_of), lp)
+        text, calls, finish = head + o.text, None, _finish(o)
+        if parse_tools:
+            text, calls = P.parse_tool_calls(o.text)
+            finish = "tool_calls" if calls and finish == "stop" else finish
+        resp["choices"].append(_choice(chat, i, text, finish, False, logprobs=lp, calls=calls))
     resp["usage"] = _usage(outs, n)
     return resp
 
@@ -173,6 +227,8 @@ def _openai_stream(
     index: dict,
     oid: str,
     chat: bool,
+    echo: Optional[list[str]] = None,
+    parse_tools: bool = False,
 ) -> StreamingResponse:
     kind = "chat.completion.chunk" if chat else "text_completion"
     usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -188,21 +244,32 @@ def _openai_stream(
         c = _openai_head(kind, oid, s) | {"choices": choices}
         return c | {"usage": with_usage} if usage else c
 
+    parsers = {it.rid: P.ToolStreamParser() for it in items} if parse_tools else {}
+
     def chunks(out: RequestOutput) -> list:
         text, finish, first = deltas[out.rid].delta(out), _finish(out), out.rid not in started
         started.add(out.rid)
         if out.finished:
             finals[out.rid] = out
-        if not (text or finish or (chat and first)):
+        head = echo[index[out.rid]] if echo and first else ""  # `echo`: the prompt leads
+        calls = None
+        if parse_tools:
+            parser = parsers[out.rid]
+            text, calls = parser.feed(text, out.finished)
+            finish = "tool_calls" if parser.calls and finish == "stop" else finish
+        if not (head or text or calls or finish or (chat and first)):
             return []
-        return [
-            chunk([_choice(chat, index[out.rid], text, finish, True, first, stream_logprobs(out))])
-        ]
+        lp = stream_logprobs(out, len(head))
+        if head and lp is not None:
+            prompt_ids = items[index[out.rid]].prompt_ids
+            lp = _joined(_echo_logprobs(out.logprobs, prompt_ids, text_of), lp)
+        choice = _choice(chat, index[out.rid], head + text, finish, True, first, lp, calls)
+        return [chunk([choice])]
 
-    def stream_logprobs(out: RequestOutput) -> Optional[dict]:
+    def stream_logprobs(out: RequestOutput, head: int) -> Optional[dict]:
         """Logprobs of the tokens not yet sent in an earlier chunk (text offsets continue across
-        chunks)."""
-        sent, offset = scored.get(out.rid, (0, 0))
+        chunks, after the `head` characters of an echoed prompt)."""
+        sent, offset = scored.get(out.rid, (0, head))
         lp = _logprobs(chat, out, sent, text_of, offset)
         if lp is not None:
             scored[out.rid] = (

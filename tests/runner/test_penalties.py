@@ -39,7 +39,7 @@ from sparkrelay.spec.verify import verify
 from testkit.hf import load_hf
 from testkit.models import BUNDLED, BUNDLED_DRAFTER, PROMPT_SOURCE, code_prompts
 from testkit.pd import post
-from testkit.stats import chi2_critical
+from testkit.stats import assert_follows, chi2_critical, second_token_counts
 
 NEW_TOKENS = 24
 SOURCE = PROMPT_SOURCE  # a fixed text: the prompts (and the margins tuned on them) never change with the code
@@ -371,21 +371,9 @@ def test_sampling_with_a_penalty_stays_lossless(plain, spec, prompts):
     # the exact penalised, filtered target distribution of token 2 after the most likely token 1
     probs = target_distribution(plain, prompt, first, params[0])
     # condition on token 1 == that token: both engines, many draws (the shared generator, no seeds)
-    counts = {"plain": torch.zeros_like(probs), "spec": torch.zeros_like(probs)}
-    for name, llm in (("plain", plain), ("spec", spec)):
-        for i in range(0, samples, 250):
-            for o in llm.generate([prompt] * 250, params[i : i + 250]):
-                if o["output_ids"][0] == first[0]:
-                    counts[name][o["output_ids"][1]] += 1
-    for name, c in counts.items():
-        m = float(c.sum())
-        assert m > 100, (name, m)
-        support = probs > 0
-        assert not c[~support].any(), f"{name}: a token outside the penalised top-k was drawn"
-        chi = float(((c[support] - m * probs[support]) ** 2 / (m * probs[support])).sum())
-        df = int(support.sum()) - 1
-        print(f"\n{name}: chi-square {chi:.1f} over {m:.0f} draws, {df} degrees of freedom")
-        assert chi < chi2_critical(df), (name, chi, df)
+    engines = {"plain": plain, "spec": spec}
+    counts = second_token_counts(engines, prompt, params, first[0], probs.shape[0])
+    assert_follows(counts, probs, "penalised top-k")
 
 
 def target_distribution(

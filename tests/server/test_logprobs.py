@@ -219,6 +219,7 @@ def test_descriptor_carries_scored_prompt_tokens_only_when_asked():
     """The prompt tokens a last stage scores ride in the descriptor body; a sequence that did not
     ask adds nothing, and the reply shape grows by one row per scored position."""
     from sparkrelay.pipeline.descriptor import (
+        SEQ_FIELDS,
         STEP,
         MicroBatch,
         SeqDesc,
@@ -242,7 +243,10 @@ def test_descriptor_carries_scored_prompt_tokens_only_when_asked():
         score_ids=[11, 12, 13, 14, 15, 16, 17, 18],
     )
     header, body, floats = encode(MicroBatch(STEP, 4, 0, 1, [plain], []))
-    assert body.numel() == 14 + 2 and reply_shape([plain]) == (1, 1)  # zero-cost without logprobs
+    assert body.numel() == SEQ_FIELDS + 2 and reply_shape([plain]) == (
+        1,
+        1,
+    )  # zero-cost without logprobs
     mb = decode(*encode(MicroBatch(STEP, 5, 0, 1, [plain, asked], [(3, 9)])))
     assert mb.seqs[0].score_ids == [] and mb.seqs[0].score_first == -1 and mb.released == [(3, 9)]
     assert (mb.seqs[1].score_first, mb.seqs[1].score_ids, mb.seqs[1].logprobs) == (

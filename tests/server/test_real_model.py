@@ -89,3 +89,30 @@ def test_dspark_with_its_drafter_equals_plain_greedy(smollm2_dir, smollm2_drafte
     a, b = spec.generate(prompts, greedy), plain.generate(prompts, greedy)
     assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
     assert spec.engine.spec_stats.summary()["spec_accept_length"] > 1.5
+
+
+def test_openai_sdk_parse_fills_a_pydantic_model(served_smollm2):
+    """The SDK's structured-output call, unmodified: a pydantic model as `response_format`, the
+    answer parsed back into it."""
+    from openai import OpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str
+        country: str
+        # bounded: unbounded, this 135M model repeats a digit until max_tokens
+        population: int = Field(ge=0, le=99_999_999)
+
+    app, _ = served_smollm2
+    with UvicornThread(app) as server:
+        client = OpenAI(base_url=server.url + "/v1", api_key="none")
+        done = client.chat.completions.parse(
+            model="smollm2",
+            messages=[{"role": "user", "content": "Describe the city of Paris as JSON."}],
+            response_format=City,
+            temperature=0,
+            max_tokens=64,
+        )
+    city = done.choices[0].message.parsed
+    assert isinstance(city, City), done.choices[0].message.content
+    assert city.name == "Paris" and city.country == "France", city

@@ -7,3 +7,32 @@ def chi2_critical(df, alpha=1e-4):
     # Wilson-Hilferty approximation of the chi-square quantile
     z = 3.719  # one-sided normal quantile for 1e-4
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def second_token_counts(engines: dict, prompt: list, params: list, first: int, vocab: int) -> dict:
+    """Per engine (name -> LLM): how often each token was drawn second, over the draws whose first
+    token was `first` (the first one comes from the prefill; the second is a decode step's, or the
+    first a DSpark verify round commits)."""
+    import torch
+
+    counts = {name: torch.zeros(vocab) for name in engines}
+    for name, llm in engines.items():
+        for i in range(0, len(params), 250):
+            for o in llm.generate([prompt] * len(params[i : i + 250]), params[i : i + 250]):
+                if o["output_ids"][0] == first:
+                    counts[name][o["output_ids"][1]] += 1
+    return counts
+
+
+def assert_follows(counts: dict, probs, what: str) -> None:
+    """Chi-square of each engine's counts [V] against the exact distribution probs [V]: no draw
+    outside its support, and the statistic under the 1e-4 critical value."""
+    for name, c in counts.items():
+        m = float(c.sum())
+        assert m > 100, (name, m)
+        support = probs > 0
+        assert not c[~support].any(), f"{name}: a token outside the {what} was drawn"
+        chi = float(((c[support] - m * probs[support]) ** 2 / (m * probs[support])).sum())
+        df = int(support.sum()) - 1
+        print(f"\n{name}: chi-square {chi:.1f} over {m:.0f} draws, {df} degrees of freedom")
+        assert chi < chi2_critical(df), (name, chi, df)

@@ -21,6 +21,7 @@ RANKS = {
     "sparkrelay.transfer": 1,
     "sparkrelay.router": 1,
     "sparkrelay.spec": 2,
+    "sparkrelay.grammar": 2,
     "sparkrelay.launch_router": 2,
     "sparkrelay.runner": 3,
     "sparkrelay.pipeline": 4,

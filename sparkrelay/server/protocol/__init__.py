@@ -11,6 +11,8 @@ an aggregated engine ignores them.
     common.py     Limits, the strict base models, the checks every route shares
     generate.py   SGLang's native /generate
     openai.py     /v1/completions and /v1/chat/completions
+    structured.py structured outputs: the clients' spellings -> SGLang's grammar fields
+    tools.py      tool calls: the plan (template format, constraint), the parsers
     bootstrap.py  the PD router's bootstrap fields -> one Bootstrap per engine item
 
 The translations tokenize (and render chat templates): the HTTP layer runs them off the event loop.
@@ -36,7 +38,11 @@ from sparkrelay.server.protocol.openai import (
     chat_items,
     chat_prompt_ids,
     completion_items,
+    echo_texts,
 )
+from sparkrelay.server.protocol.tools import StreamParser as ToolStreamParser
+from sparkrelay.server.protocol.tools import parse as parse_tool_calls
+from sparkrelay.server.protocol.tools import plan as tool_plan
 
 __all__ = [
     "RequestError",
@@ -55,4 +61,8 @@ __all__ = [
     "chat_items",
     "chat_prompt_ids",
     "completion_items",
+    "echo_texts",
+    "ToolStreamParser",
+    "parse_tool_calls",
+    "tool_plan",
 ]

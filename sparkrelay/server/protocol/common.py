@@ -18,6 +18,8 @@ class Limits:
 
     context_length: int
     max_n: int
+    grammar_backend: str = "none"  # --grammar-backend: what checks a request's grammar
+    prompt_logprobs: bool = True  # False on a PD decode server: its prefill scores the prompt
 
 
 class Strict(BaseModel):

@@ -20,6 +20,7 @@ from sparkrelay.server.protocol.common import (
     check_prompt,
     tokenize,
 )
+from sparkrelay.server.protocol.structured import check_grammar
 
 # SGLang's `sampling_params` object: SamplingParams' own fields (the logprob ones sit beside it in
 # SGLang's body), with the JSON shapes SGLang accepts for `stop` and `stop_token_ids`, plus the
@@ -86,13 +87,15 @@ def _generate_params(
     if sp.seed is not None and sp.sampling_seed is not None and sp.seed != sp.sampling_seed:
         raise RequestError("`seed` and `sampling_seed` disagree")
     check_max_tokens("max_new_tokens", sp.max_new_tokens, limits)
-    return build_params(
+    params = build_params(
         sp,
         seed=sp.seed if sp.seed is not None else sp.sampling_seed,
         stop=sp.stop or (),
         stop_token_ids=sp.stop_token_ids or (),
         **logprobs,
     )
+    check_grammar(params, limits.grammar_backend)
+    return params
 
 
 def generate_items(

@@ -3,6 +3,7 @@ request models and their translation into engine items (n items per prompt, prom
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,6 +22,8 @@ from sparkrelay.server.protocol.common import (
     tokenize,
     unsupported,
 )
+from sparkrelay.server.protocol.structured import check_grammar, grammar_fields
+from sparkrelay.server.protocol.tools import ToolPlan
 
 
 class StreamOptions(Strict):
@@ -50,6 +53,15 @@ class OpenAIRequest(Routed):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     return_hidden_states: bool = False  # SGLang extension, added by sglang-router (SGLANG_EXTRAS)
+    # structured outputs (protocol/structured.py): OpenAI's, vLLM's and SGLang's spellings
+    response_format: Optional[dict[str, Any]] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
 
 class CompletionRequest(OpenAIRequest):
@@ -68,10 +80,12 @@ class ContentPart(Strict):
 
 
 class ChatMessage(BaseModel):
-    # e.g. `name`; only role and content reach the template
+    # e.g. `name`; role, content and the tool fields reach the template
     model_config = ConfigDict(extra="allow")
     role: str
     content: Union[str, list[ContentPart], None] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant turn's calls
+    tool_call_id: Optional[str] = None  # a tool turn: the call it answers
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -81,7 +95,7 @@ class ChatCompletionRequest(OpenAIRequest):
     top_logprobs: Optional[int] = None  # 0..20, with logprobs true
     tools: Optional[list[Any]] = None
     tool_choice: Any = None
-    response_format: Optional[dict[str, Any]] = None
+    parallel_tool_calls: Optional[bool] = True
     # SGLang extensions that sglang-router adds to every chat body. Without a reasoning parser (this
     # server has none) SGLang ignores both reasoning flags, so either value is served the same way.
     continue_final_message: bool = False
@@ -94,11 +108,16 @@ def _openai_common(req: OpenAIRequest, limits: Limits) -> dict[str, Any]:
     if req.logit_bias:
         raise unsupported("logit_bias")
     check_n(req.n, limits)
-    return dict(stop=req.stop or (), stop_token_ids=req.stop_token_ids or ())
+    return dict(stop=req.stop or (), stop_token_ids=req.stop_token_ids or ()) | grammar_fields(req)
 
 
 def _expand(
-    req: OpenAIRequest, prompts: list[list[int]], max_tokens: list[int], common: dict, base_id: str
+    req: OpenAIRequest,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    common: dict,
+    base_id: str,
+    limits: Limits,
 ) -> list[GenerationItem]:
     """n items per prompt, prompt-major (choice index = prompt * n + sample); seed + sample if
     seeded."""
@@ -108,6 +127,7 @@ def _expand(
             params = build_params(
                 req, **common, max_new_tokens=mt, seed=None if seed is None else seed + j
             )
+            check_grammar(params, limits.grammar_backend)
             items.append(GenerationItem(f"{base_id}-{p * n + j}", ids, params))
     return items
 
@@ -115,8 +135,6 @@ def _expand(
 def completion_items(
     req: CompletionRequest, tokenizer, limits: Limits, base_id: str
 ) -> list[GenerationItem]:
-    if req.echo:
-        raise unsupported("echo")
     if req.suffix:
         raise unsupported("suffix")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
@@ -128,6 +146,14 @@ def completion_items(
     common = _openai_common(req, limits)
     if req.logprobs is not None:
         common |= dict(return_logprob=True, top_logprobs_num=req.logprobs)
+        if req.echo:  # the prompt's logprobs too, from its second token (the first has none)
+            if not limits.prompt_logprobs:
+                raise RequestError(
+                    "`echo` with `logprobs`: a PD decode server does not score the prompt (its "
+                    "prefill does); send it to an aggregated server, or use /generate with "
+                    "`logprob_start_len`, whose prompt logprobs the router merges"
+                )
+            common |= dict(logprob_start_len=0)
     p = req.prompt
     if isinstance(p, str):
         prompts = [tokenize(tokenizer, p)]
@@ -143,19 +169,50 @@ def completion_items(
     ]
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
     check_max_tokens("max_tokens", max_tokens, limits)
-    return _expand(req, prompts, [max_tokens] * len(prompts), common, base_id)
+    return _expand(req, prompts, [max_tokens] * len(prompts), common, base_id, limits)
 
 
-def _message_dict(m: ChatMessage) -> dict[str, str]:
+def echo_texts(req: CompletionRequest, items: list[GenerationItem], tokenizer) -> list[str]:
+    """`echo`: per item, the prompt as the client sent it (a token-id prompt decoded)."""
+    p, n = req.prompt, req.n
+    texts = [p] if isinstance(p, str) else list(p) if p and isinstance(p[0], str) else None
+    if texts is not None:
+        return [texts[i // n] for i in range(len(items))]
+    return [tokenizer.decode(it.prompt_ids) for it in items]
+
+
+def _message_dict(m: ChatMessage) -> dict[str, Any]:
     content = (
         m.content
         if isinstance(m.content, str) or m.content is None
         else "".join(c.text for c in m.content)
     )
-    return {"role": m.role, "content": content or ""}
+    out: dict[str, Any] = {"role": m.role, "content": content or ""}
+    if m.tool_calls:
+        out["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if getattr(m, "name", None) is not None:
+        out["name"] = m.name
+    return out
 
 
-def chat_prompt_ids(req: ChatCompletionRequest, tokenizer) -> list[int]:
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI tool call as templates read it: `function.arguments` parsed from its JSON text."""
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            raise RequestError(
+                "a message's `tool_calls[].function.arguments` is not JSON"
+            ) from None
+    return {**call, "function": fn}
+
+
+def chat_prompt_ids(
+    req: ChatCompletionRequest, tokenizer, tools: Optional[list[dict]] = None
+) -> list[int]:
     messages = [_message_dict(m) for m in req.messages]
     # SGLang / vLLM: the reply extends the last (assistant) message
     cont = req.continue_final_message
@@ -169,6 +226,7 @@ def chat_prompt_ids(req: ChatCompletionRequest, tokenizer) -> list[int]:
             add_generation_prompt=not cont,
             tokenize=False,
             **({"continue_final_message": True} if cont else {}),
+            **({"tools": tools} if tools else {}),
         )
     except Exception as e:  # a template may raise on roles or orders it does not support
         raise RequestError(f"chat template failed on `messages`: {e}") from e
@@ -178,22 +236,29 @@ def chat_prompt_ids(req: ChatCompletionRequest, tokenizer) -> list[int]:
 
 
 def chat_items(
-    req: ChatCompletionRequest, tokenizer, limits: Limits, base_id: str
+    req: ChatCompletionRequest,
+    tokenizer,
+    limits: Limits,
+    base_id: str,
+    tools: Optional[ToolPlan] = None,
 ) -> list[GenerationItem]:
+    """`tools`: the request's tool plan (protocol/tools.py `plan`), when it has tools."""
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
         raise RequestError(
             f"`top_logprobs` must be in 0..{MAX_TOP_LOGPROBS}, got {req.top_logprobs}"
         )
     if req.top_logprobs and not req.logprobs:
         raise RequestError("`top_logprobs` needs `logprobs: true`")
-    if req.tools or req.tool_choice not in (None, "none"):
-        raise unsupported("tools")
-    if req.response_format and req.response_format.get("type") != "text":
-        raise unsupported("response_format")
     common = _openai_common(req, limits)
+    if tools is not None and tools.grammar is not None:
+        if any(k in common for k in ("json_schema", "regex", "ebnf")):
+            raise RequestError(
+                "a constrained `tool_choice` and a structured-output field exclude each other"
+            )
+        common |= {tools.grammar[0]: tools.grammar[1]}
     if req.logprobs:
         common |= dict(return_logprob=True, top_logprobs_num=req.top_logprobs or 0)
-    ids = chat_prompt_ids(req, tokenizer)
+    ids = chat_prompt_ids(req, tokenizer, tools.tools if tools is not None else None)
     if (
         None not in (req.max_tokens, req.max_completion_tokens)
         and req.max_tokens != req.max_completion_tokens
@@ -208,4 +273,4 @@ def chat_items(
         )
     # Without a limit, generate up to the context; a prompt that fills it is rejected by the engine.
     max_tokens = given if given is not None else max(limits.context_length - len(ids), 1)
-    return _expand(req, [ids], [max_tokens], common, base_id)
+    return _expand(req, [ids], [max_tokens], common, base_id, limits)

@@ -1,0 +1,299 @@
+"""Structured outputs end to end, and what a grammar costs (docs/structured_outputs.md):
+
+    python -m sparkrelay.tools.bench.structured --out-dir benchmarks/results/structured
+
+Per model (the bundled one and SmolLM2 with their drafters), the twenty JSON schemas of
+tools/bench/schemas.py as chat requests, greedy: aggregated plain, aggregated DSpark and PD (a PP = 2
+prefill without a drafter, a DSpark decode with `draft-kv`, sparkrelay's router, through
+/v1/chat/completions with `response_format`). Every answer is validated with `jsonschema`, the
+greedy tokens are compared across the three, and DSpark's acceptance is reported with and without
+the grammar. Per grammar backend: the tokenizer tables' build, a schema's compile, and the masks of a
+batch-8 DSpark verify step (8 requests x 8 rows, matchers walked along real answers) with the
+-inf fill: the work a grammar adds to one engine step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from sparkrelay import LLM, SamplingParams
+from sparkrelay.grammar.backends import BACKENDS, Grammar, backend_class, version
+from sparkrelay.grammar.bitmask import constrain
+from sparkrelay.grammar.rows import masks
+from sparkrelay.tools.bench import common as bc
+from sparkrelay.tools.bench.schemas import SCHEMAS, request_text
+from sparkrelay.tools.cluster import PDSettings, start_pd
+from sparkrelay.tools.train.chat_data import chat_ids
+
+MODELS = {
+    "tiny-qwen3": ("models/tiny-qwen3", "models/tiny-qwen3-dspark"),
+    "smollm2": ("models/smollm2-135m-instruct", "models/smollm2-135m-instruct-dspark"),
+}
+MAX_TOKENS = 160
+BATCH, ROWS = 8, 8  # the verify step whose masks are timed: 8 requests, anchor + 7 drafts each
+
+
+def _params(schema: Optional[dict]) -> SamplingParams:
+    extra = {} if schema is None else {"json_schema": json.dumps(schema)}
+    return SamplingParams(max_new_tokens=MAX_TOKENS, temperature=0, **extra)
+
+
+def offline(model: str, drafter: Optional[str], grammar: bool, backend: str) -> dict:
+    """The twenty requests one at a time (batch 1); -> ids, texts, acceptance."""
+    kw = dict(grammar_backend=backend, max_total_tokens=8192)
+    if drafter:
+        kw |= dict(speculative_algorithm="DSPARK", speculative_draft_model_path=drafter)
+    llm = LLM(model, **kw)
+    outs = [
+        llm.generate(
+            chat_ids(llm.tokenizer, request_text(what)), _params(schema if grammar else None)
+        )
+        for what, schema in SCHEMAS
+    ]
+    stats = llm.engine.spec_stats.summary() if drafter else {}
+    llm.engine.close()
+    return {
+        "ids": [o["output_ids"] for o in outs],
+        "texts": [o["text"] for o in outs],
+        "tau": stats.get("spec_accept_length"),
+    }
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def pd_texts(model: str, drafter: str, log_dir: str) -> list[str]:
+    """The twenty requests through a PD deployment's router, as chat completions."""
+    cluster = start_pd(PDSettings(model=model, drafter=drafter, handoff="draft-kv"), log_dir)
+    try:
+        texts, deadline = [], time.monotonic() + 60
+        for what, schema in SCHEMAS:
+            body = {
+                "messages": [{"role": "user", "content": request_text(what)}],
+                "temperature": 0,
+                "max_tokens": MAX_TOKENS,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": schema},
+                },
+            }
+            while True:
+                status, out = _post(cluster.url + "/v1/chat/completions", body)
+                if status != 503 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            if status != 200:
+                raise RuntimeError(
+                    f"PD answered {status}: {out}; decode log: {cluster.decode.log_tail()}"
+                )
+            texts.append(out["choices"][0]["message"]["content"])
+        return texts
+    finally:
+        cluster.stop()
+
+
+def valid(texts: list[str]) -> int:
+    import jsonschema
+
+    ok = 0
+    for text, (_, schema) in zip(texts, SCHEMAS):
+        try:
+            jsonschema.validate(json.loads(text), schema)
+            ok += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return ok
+
+
+def backend_costs(model: str, answers: list[list[int]], repeats: int) -> list[dict]:
+    """Per backend: tokenizer tables (s), compile (ms, median of the twenty), and one batch-8
+    verify step's masks + -inf fill (ms, median and max over `repeats` steps)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    eos = (tok.eos_token_id,)
+    out = []
+    for name in BACKENDS:
+        t0 = time.perf_counter()
+        be = backend_class(name)(tok, vocab, eos)
+        tables = time.perf_counter() - t0
+        compiled, compile_ms = [], []
+        for _, schema in SCHEMAS:
+            t0 = time.perf_counter()
+            compiled.append(be.compile(Grammar("json_schema", json.dumps(schema))))
+            compile_ms.append(1e3 * (time.perf_counter() - t0))
+        steps = []
+        logits = torch.randn(BATCH * ROWS, vocab)
+        for r in range(repeats):
+            picks = [(i + r) % len(SCHEMAS) for i in range(BATCH)]
+            matchers, drafts = [], []
+            for i in picks:
+                m, ids = be.matcher(compiled[i]), answers[i]
+                half = len(ids) // 2
+                for t in ids[:half]:
+                    m.consume(t)
+                matchers.append(m)
+                drafts.append(ids[half : half + ROWS - 1])
+            t0 = time.perf_counter()
+            mk = masks(matchers, drafts, vocab)
+            constrain(logits[: mk.bitmask.shape[0]], mk.bitmask, mk.rows)
+            steps.append(1e3 * (time.perf_counter() - t0))
+        out.append(
+            {
+                "backend": f"{name} {version(name)}",
+                "tables_s": tables,
+                "compile_ms": statistics.median(compile_ms),
+                "step_ms_median": statistics.median(steps),
+                "step_ms_max": max(steps),
+            }
+        )
+    return out
+
+
+def measure_model(key: str, args) -> dict:
+    model, drafter = MODELS[key]
+    plain = offline(model, None, True, args.backend)
+    spec = offline(model, drafter, True, args.backend)
+    free = offline(model, drafter, False, args.backend)
+    pd = (
+        pd_texts(model, drafter, tempfile.mkdtemp(prefix=f"structured-{key}-")) if args.pd else None
+    )
+    return {
+        "model": key,
+        "valid": {
+            "plain": valid(plain["texts"]),
+            "dspark": valid(spec["texts"]),
+            "pd": valid(pd) if pd else None,
+        },
+        "dspark_equals_plain": sum(a == b for a, b in zip(plain["ids"], spec["ids"])),
+        "pd_equals_plain": sum(a == b for a, b in zip(plain["texts"], pd)) if pd else None,
+        "tau_grammar": spec["tau"],
+        "tau_free": free["tau"],
+        "backends": backend_costs(model, plain["ids"], args.repeats),
+        "examples": plain["texts"][:3],
+    }
+
+
+def report(args, record: dict) -> None:
+    out = Path(args.out_dir)
+    n = len(SCHEMAS)
+    rows = [
+        [
+            m["model"],
+            f"{m['valid']['plain']}/{n}",
+            f"{m['valid']['dspark']}/{n}",
+            "-" if m["valid"]["pd"] is None else f"{m['valid']['pd']}/{n}",
+            f"{m['dspark_equals_plain']}/{n}",
+            "-" if m["pd_equals_plain"] is None else f"{m['pd_equals_plain']}/{n}",
+            bc.fmt(m["tau_grammar"], 2),
+            bc.fmt(m["tau_free"], 2),
+        ]
+        for m in record["models"]
+    ]
+    table = bc.markdown_table(
+        [
+            "model",
+            "valid plain",
+            "valid DSpark",
+            "valid PD",
+            "DSpark = plain",
+            "PD = plain",
+            "tau with grammar",
+            "tau without",
+        ],
+        rows,
+    )
+    cost_rows = [
+        [
+            m["model"],
+            b["backend"],
+            bc.fmt(b["tables_s"], 2),
+            bc.fmt(b["compile_ms"], 2),
+            bc.fmt(b["step_ms_median"], 2),
+            bc.fmt(b["step_ms_max"], 2),
+        ]
+        for m in record["models"]
+        for b in m["backends"]
+    ]
+    costs = bc.markdown_table(
+        [
+            "model",
+            "backend",
+            "tokenizer tables (s)",
+            "compile (ms, median)",
+            f"batch-{BATCH} verify masks (ms, median)",
+            "(ms, max)",
+        ],
+        cost_rows,
+    )
+    notes = [
+        f"Greedy, at most {MAX_TOKENS} new tokens, one request at a time; PD = PP=2 prefill without a drafter, "
+        "DSpark decode (`draft-kv`), sparkrelay's router, `/v1/chat/completions` with `response_format`. "
+        "tau: DSpark's mean acceptance length over the twenty requests (bonus token included).",
+        "",
+        f"What a grammar adds to one engine step: the masks of {BATCH} requests x {ROWS} verify rows "
+        "(matchers halfway through real answers) and the -inf fill, per backend:",
+        "",
+        costs,
+    ]
+    bc.write_markdown(
+        out / "structured.md", "Structured outputs", bc.header_lines(record), table, notes
+    )
+    bc.write_json(out / "structured.json", record)
+    groups = [
+        f"{m['model']}\n{b['backend'].split()[0]}" for m in record["models"] for b in m["backends"]
+    ]
+    bc.bar_chart(
+        out / "structured.png",
+        groups,
+        {
+            "median": [b["step_ms_median"] for m in record["models"] for b in m["backends"]],
+            "max": [b["step_ms_max"] for m in record["models"] for b in m["backends"]],
+        },
+        f"grammar masks of a batch-{BATCH} DSpark verify step",
+        "ms per step",
+    )
+    print((out / "structured.md").read_text())
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--models", default="tiny-qwen3,smollm2", help=f"comma-separated: {', '.join(MODELS)}"
+    )
+    p.add_argument(
+        "--backend", default="llguidance", choices=BACKENDS, help="the servers' grammar backend"
+    )
+    p.add_argument("--no-pd", dest="pd", action="store_false", help="skip the PD deployment")
+    p.add_argument("--repeats", type=int, default=40, help="timed verify steps per backend")
+    p.add_argument("--out-dir", default="benchmarks/results/structured")
+    args = p.parse_args(argv)
+    record = bc.provenance("sparkrelay.tools.bench.structured", argv)
+    record["models"] = [measure_model(k, args) for k in args.models.split(",")]
+    report(args, record)
+
+
+if __name__ == "__main__":
+    main()

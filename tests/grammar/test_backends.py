@@ -1,0 +1,150 @@
+"""The grammar backends and the bitmask: both backends parse SGLang's three fields and refuse bad
+ones with the field's name; the mask kernel equals torch's unpack-and-fill at odd vocabularies and
+leaves the raw logits alone; the verify rows' masks follow the drafts and every matcher ends where it
+began (grammar/rows.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sparkrelay.grammar import bitmask as bm
+from sparkrelay.grammar.backends import BACKENDS, Grammar, GrammarError, backend_class, check
+from sparkrelay.grammar.rows import masks
+from sparkrelay.models import cpu_kernels
+from sparkrelay.scheduler.request import RequestError, SamplingParams
+from testkit.models import BUNDLED
+
+SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["n", "ok"],
+        "additionalProperties": False,
+    }
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(BUNDLED))
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request, tokenizer):
+    return backend_class(request.param)(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize(
+    "kind, text",
+    [
+        ("json_schema", '{"type": "objec"}'),
+        ("json_schema", "{not json"),
+        ("regex", "(ab"),
+        ("ebnf", "root ::= undefined_rule"),
+    ],
+)
+def test_a_bad_grammar_is_refused_naming_its_field(name, kind, text):
+    with pytest.raises(GrammarError, match=f"`{kind}`"):
+        check(Grammar(kind, text), name)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_good_grammars_pass(name):
+    for g in (
+        Grammar("json_schema", SCHEMA),
+        Grammar("regex", "(yes|no)"),
+        Grammar("ebnf", 'root ::= "a" "b"*'),
+    ):
+        check(g, name)
+
+
+def test_one_grammar_field_at_most():
+    with pytest.raises(RequestError, match="at most one of json_schema, regex"):
+        SamplingParams(json_schema=SCHEMA, regex="a")
+    with pytest.raises(RequestError, match="`regex` must not be empty"):
+        SamplingParams(regex="")
+    assert SamplingParams(ebnf='root ::= "a"').grammar == ("ebnf", 'root ::= "a"')
+
+
+def test_matcher_follows_a_valid_answer(backend, tokenizer):
+    m = backend.matcher(backend.compile(Grammar("json_schema", SCHEMA)))
+    ids = tokenizer.encode('{"n": 42, "ok": true}')
+    mask = bm.allowing_all(1, len(tokenizer))
+    for t in ids:
+        m.fill(mask, 0)
+        assert (int(mask[0, t // 32]) >> (t % 32)) & 1, tokenizer.decode([t])
+        assert m.consume(t)
+    assert m.finished or m.valid_prefix([tokenizer.eos_token_id]) == 1
+    assert not backend.matcher(backend.compile(Grammar("json_schema", SCHEMA))).consume(
+        tokenizer.encode("[")[0]
+    )
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 33, 4099, 49155])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_constrain_equals_the_reference(vocab, kernel, monkeypatch):
+    if kernel and cpu_kernels.load() is None:
+        pytest.skip(f"CPU kernels off: {cpu_kernels.why_off()}")
+    if not kernel:
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=g)
+    words = torch.randint(-(2**31), 2**31 - 1, (5, bm.words(vocab)), generator=g, dtype=torch.int64)
+    mask = words.to(torch.int32)
+    raw = logits.clone()
+    out = bm.constrain(logits, mask, [0, 2, 3])
+    assert torch.equal(logits, raw), "the raw logits were written"
+    for r in range(5):
+        for t in range(vocab):
+            banned = r in (0, 2, 3) and not (int(mask[r, t // 32]) >> (t % 32)) & 1
+            assert (out[r, t] == float("-inf")) if banned else (out[r, t] == raw[r, t]), (r, t)
+
+
+def test_verify_rows_follow_the_drafts(backend, tokenizer):
+    """Row j is a fresh matcher's mask after d_1..d_j; rows after a refused draft stay open; the
+    matcher ends where it began."""
+    compiled = backend.compile(Grammar("json_schema", SCHEMA))
+    m = backend.matcher(compiled)
+    for t in tokenizer.encode('{"n": '):
+        assert m.consume(t)
+    good = tokenizer.encode('42, "ok"')
+    bad = tokenizer.encode("x")[:1]
+    drafts = good[:2] + bad + good[2:3]
+    vocab = len(tokenizer)
+    got = masks([None, m], [[5, 6], drafts], vocab)
+    assert got.rows == [3, 4, 5, 6, 7]  # request 1's rows start after request 0's 3 rows
+    assert torch.equal(got.bitmask[:3], bm.allowing_all(3, vocab))
+    assert torch.equal(got.bitmask[6:], bm.allowing_all(2, vocab))  # after the refused draft
+    for j in range(3):
+        fresh = backend.matcher(compiled)
+        for t in tokenizer.encode('{"n": ') + drafts[:j]:
+            assert fresh.consume(t)
+        want = bm.allowing_all(1, vocab)
+        fresh.fill(want, 0)
+        assert torch.equal(got.bitmask[3 + j], want[0]), j
+    # the matcher is where it was: the next token of the answer is still allowed, a refused one not
+    assert m.valid_prefix(good) == len(good) and m.valid_prefix(bad) == 0
+
+
+def test_descriptor_carries_a_sampling_sequence_mask():
+    """A pipeline's last stage samples under the mask rank 0 computed; sequences without a grammar
+    cost the wire nothing."""
+    from sparkrelay.pipeline.descriptor import SEQ_FIELDS, STEP, MicroBatch, SeqDesc, decode, encode
+
+    words = bm.allowing_all(1, 100)[0]
+    words[1] = 5  # tokens 32 and 34 of 32..63
+    free = SeqDesc(0, 0, 0, 8, 8, True, [0, 1], SamplingParams(temperature=0.0))
+    held = SeqDesc(1, 0, 0, 6, 6, True, [2], SamplingParams(), mask=words.tolist())
+    _, body, _ = encode(MicroBatch(STEP, 1, 0, 1, [free], []))
+    assert body.numel() == SEQ_FIELDS + 2
+    mb = decode(*encode(MicroBatch(STEP, 2, 0, 1, [free, held], [])))
+    assert mb.seqs[0].mask == [] and mb.seqs[1].mask == words.tolist()
