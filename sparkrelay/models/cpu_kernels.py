@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
@@ -77,6 +78,7 @@ def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
     BUILD.mkdir(parents=True, exist_ok=True)
+    _drop_stale_lock(BUILD / "lock")
     return load(
         name="sparkrelay_cpu_kernels",
         sources=[str(p) for p in SOURCES],
@@ -86,6 +88,23 @@ def _build() -> ModuleType:
         build_directory=str(BUILD),
         verbose=False,
     )
+
+
+STALE_LOCK_S = 600  # a build takes well under a minute; a lock this old was left by a killed one
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """torch's build lock, left behind by a process killed while it built, makes every later
+    process wait on it forever: remove it once it is older than any build."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning(
+            "removing %s, a build lock left %.0f s ago by a process that died", lock, age
+        )
+        lock.unlink(missing_ok=True)
 
 
 def load() -> Optional[ModuleType]:

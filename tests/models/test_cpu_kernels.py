@@ -301,3 +301,20 @@ def test_no_compiler_means_the_fallback(tmp_path):
         assert proc.stderr.count("CPU kernels off: no C++ compiler") == 1, proc.stderr[-2000:]
         assert "the linears use oneDNN" in proc.stderr
     assert "TOKENS 4" in proc.stdout
+
+
+def test_a_killed_builds_lock_is_dropped_once_stale(tmp_path):
+    """torch waits forever on a build lock its owner never released; a stale one is removed, a
+    fresh one (a build in progress) is left alone."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    cpu_kernels._drop_stale_lock(lock)
+    assert lock.exists()
+    old = time.time() - cpu_kernels.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    cpu_kernels._drop_stale_lock(lock)
+    assert not lock.exists()
+    cpu_kernels._drop_stale_lock(lock)  # no lock: nothing to do
