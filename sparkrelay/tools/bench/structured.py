@@ -63,6 +63,7 @@ def offline(model: str, drafter: Optional[str], grammar: bool, backend: str) -> 
     return {
         "ids": [o["output_ids"] for o in outs],
         "texts": [o["text"] for o in outs],
+        "stopped": [o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs],
         "tau": stats.get("spec_accept_length"),
     }
 
@@ -81,11 +82,11 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
-def pd_texts(model: str, drafter: str, log_dir: str) -> list[str]:
+def pd_texts(model: str, drafter: str, log_dir: str) -> dict:
     """The twenty requests through a PD deployment's router, as chat completions."""
     cluster = start_pd(PDSettings(model=model, drafter=drafter, handoff="draft-kv"), log_dir)
     try:
-        texts, deadline = [], time.monotonic() + 60
+        texts, stopped, deadline = [], [], time.monotonic() + 60
         for what, schema in SCHEMAS:
             body = {
                 "messages": [{"role": "user", "content": request_text(what)}],
@@ -106,22 +107,30 @@ def pd_texts(model: str, drafter: str, log_dir: str) -> list[str]:
                     f"PD answered {status}: {out}; decode log: {cluster.decode.log_tail()}"
                 )
             texts.append(out["choices"][0]["message"]["content"])
-        return texts
+            stopped.append(out["choices"][0]["finish_reason"] == "stop")
+        return {"texts": texts, "stopped": stopped}
     finally:
         cluster.stop()
 
 
-def valid(texts: list[str]) -> int:
+def valid(run: dict) -> dict:
+    """How many answers validate against their schema, and how many the grammar ended (the rest ran
+    out of tokens: a cut answer is not JSON, whatever the grammar)."""
     import jsonschema
 
-    ok = 0
-    for text, (_, schema) in zip(texts, SCHEMAS):
+    ok = []
+    for text, (_, schema) in zip(run["texts"], SCHEMAS):
         try:
             jsonschema.validate(json.loads(text), schema)
-            ok += 1
+            ok.append(True)
         except (ValueError, jsonschema.ValidationError):
-            pass
-    return ok
+            ok.append(False)
+    stopped = run["stopped"]
+    return {
+        "valid": sum(ok),
+        "stopped": sum(stopped),
+        "valid_of_stopped": sum(v for v, st in zip(ok, stopped) if st),
+    }
 
 
 def backend_costs(model: str, answers: list[list[int]], repeats: int) -> list[dict]:
@@ -172,26 +181,32 @@ def backend_costs(model: str, answers: list[list[int]], repeats: int) -> list[di
 
 def measure_model(key: str, args) -> dict:
     model, drafter = MODELS[key]
+    print(f"[{key}] plain, then DSpark with and without the grammar ...", flush=True)
     plain = offline(model, None, True, args.backend)
     spec = offline(model, drafter, True, args.backend)
     free = offline(model, drafter, False, args.backend)
+    print(f"[{key}] PD ...", flush=True)
     pd = (
         pd_texts(model, drafter, tempfile.mkdtemp(prefix=f"structured-{key}-")) if args.pd else None
     )
+    print(f"[{key}] the backends' costs ...", flush=True)
     return {
         "model": key,
-        "valid": {
-            "plain": valid(plain["texts"]),
-            "dspark": valid(spec["texts"]),
-            "pd": valid(pd) if pd else None,
-        },
+        "valid": {"plain": valid(plain), "dspark": valid(spec), "pd": valid(pd) if pd else None},
         "dspark_equals_plain": sum(a == b for a, b in zip(plain["ids"], spec["ids"])),
-        "pd_equals_plain": sum(a == b for a, b in zip(plain["texts"], pd)) if pd else None,
+        "pd_equals_plain": sum(a == b for a, b in zip(plain["texts"], pd["texts"])) if pd else None,
         "tau_grammar": spec["tau"],
         "tau_free": free["tau"],
         "backends": backend_costs(model, plain["ids"], args.repeats),
         "examples": plain["texts"][:3],
     }
+
+
+def _valid_cell(v: Optional[dict], n: int) -> str:
+    """'valid/n (valid of the stopped/stopped)'."""
+    if v is None:
+        return "-"
+    return f"{v['valid']}/{n} ({v['valid_of_stopped']}/{v['stopped']})"
 
 
 def report(args, record: dict) -> None:
@@ -200,9 +215,9 @@ def report(args, record: dict) -> None:
     rows = [
         [
             m["model"],
-            f"{m['valid']['plain']}/{n}",
-            f"{m['valid']['dspark']}/{n}",
-            "-" if m["valid"]["pd"] is None else f"{m['valid']['pd']}/{n}",
+            _valid_cell(m["valid"]["plain"], n),
+            _valid_cell(m["valid"]["dspark"], n),
+            _valid_cell(m["valid"]["pd"], n),
             f"{m['dspark_equals_plain']}/{n}",
             "-" if m["pd_equals_plain"] is None else f"{m['pd_equals_plain']}/{n}",
             bc.fmt(m["tau_grammar"], 2),
@@ -249,6 +264,8 @@ def report(args, record: dict) -> None:
     notes = [
         f"Greedy, at most {MAX_TOKENS} new tokens, one request at a time; PD = PP=2 prefill without a drafter, "
         "DSpark decode (`draft-kv`), sparkrelay's router, `/v1/chat/completions` with `response_format`. "
+        "valid: answers that validate with `jsonschema`; in brackets, of the answers the grammar ended "
+        "(finish_reason stop; the others ran out of tokens). "
         "tau: DSpark's mean acceptance length over the twenty requests (bonus token included).",
         "",
         f"What a grammar adds to one engine step: the masks of {BATCH} requests x {ROWS} verify rows "
