@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Train (or resume) the SmolLM2 DSpark drafter, models/smollm2-135m-instruct-dspark, in the background:
 #   1. the target's greedy answers to the training split of the prompt sets (resumable, appended per chunk; the
-#      committed data/smollm2-answers/*.jsonl.gz are unpacked first, so only what they lack is generated),
+#      committed data/smollm2-answers/*.jsonl.gz are unpacked first, so only what they lack is generated), and with
+#      STAGES including `sampled` its sampled answers to the same prompts (DeepSpec's regeneration: temperature 0.7,
+#      top-p 0.8, top-k 20), which the drafter then trains on beside the greedy ones,
 #   2. its answers to 8 evaluation prompts per set (the learning curve's offline acceptance; never trained on),
 #   3. the drafter: resumed from .cache/train_smollm2_dspark/ckpt.pt when there is one, else continued from the
 #      committed drafter's weights (a fresh optimizer); one cosine lr cycle over TRAIN_MINUTES (default 120), the
@@ -16,7 +18,7 @@ PROMPTS=${PROMPTS:-../shared/data/prompts}
 STAGES=${STAGES:-answers,eval,train}
 DATA=data/smollm2-answers
 mkdir -p "$WORK/answers"
-for name in greedy eval_greedy; do
+for name in greedy sample eval_greedy; do
     if [[ -f $DATA/$name.jsonl.gz && ! -f $WORK/answers/$name.jsonl ]]; then
         gzip -dc "$DATA/$name.jsonl.gz" > "$WORK/answers/$name.jsonl"
     fi
@@ -25,6 +27,12 @@ if [[ $STAGES == *answers* ]]; then
     python -m sparkrelay.tools.train.chat_data --prompts "$PROMPTS" --out "$WORK/answers" --max-new 256 \
         --batch 48 --chunk 256 >> "$WORK/answers_greedy.log" 2>&1
 fi
+if [[ $STAGES == *sampled* ]]; then
+    python -m sparkrelay.tools.train.chat_data --prompts "$PROMPTS" --out "$WORK/answers" --mode sample \
+        --max-new 256 --batch 48 --chunk 256 >> "$WORK/answers_sample.log" 2>&1
+fi
+ANSWERS=("$WORK/answers/greedy.jsonl")
+if [[ -f $WORK/answers/sample.jsonl ]]; then ANSWERS+=("$WORK/answers/sample.jsonl"); fi
 if [[ $STAGES == *eval* ]]; then
     python -m sparkrelay.tools.train.chat_data --prompts "$PROMPTS" --out "$WORK/answers" --split eval \
         --per-set 8 --max-new 256 --batch 48 --chunk 48 >> "$WORK/answers_eval.log" 2>&1
@@ -33,6 +41,7 @@ if [[ $STAGES == *train* ]]; then
     python -m sparkrelay.tools.train.drafter --data chat --target models/smollm2-135m-instruct \
         --work-dir "$WORK" --out models/smollm2-135m-instruct-dspark --layers 5 --taps 1 8 14 20 27 \
         --markov-rank 64 --anchors 64 --batch 4 --lr 1e-3 --train-minutes "${TRAIN_MINUTES:-120}" \
+        --answers "${ANSWERS[@]}" \
         --init-from models/smollm2-135m-instruct-dspark \
         --eval-every 200 --ckpt-minutes 5 --log-every 10 --max-len 1024 --mask-token "<empty_output>" \
         --target-dtype bfloat16 --autocast --no-frozen-copies --threads 2 \
@@ -40,7 +49,9 @@ if [[ $STAGES == *train* ]]; then
 fi
 if [[ $STAGES == *pack* ]]; then
     mkdir -p "$DATA"
-    for name in greedy eval_greedy; do
-        gzip -9nc "$WORK/answers/$name.jsonl" > "$DATA/$name.jsonl.gz"
+    for name in greedy sample eval_greedy; do
+        if [[ -f $WORK/answers/$name.jsonl ]]; then
+            gzip -9nc "$WORK/answers/$name.jsonl" > "$DATA/$name.jsonl.gz"
+        fi
     done
 fi

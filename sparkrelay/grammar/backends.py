@@ -46,9 +46,6 @@ class Matcher(Protocol):
     """One request's position in its grammar. Tokens it was never offered are refused, not
     raised."""
 
-    def valid_prefix(self, tokens: list[int]) -> int:
-        """How many leading `tokens` the grammar accepts from here (nothing is consumed)."""
-
     def consume(self, token: int) -> bool:
         """Advance by one token; False (and the state unchanged where the backend allows) if it is
         not allowed."""
@@ -65,10 +62,8 @@ class Matcher(Protocol):
         """The grammar is complete and accepts no further token (end of sequence only)."""
 
     @staticmethod
-    def fill_walks(walks: list[tuple["Matcher", int, list[int]]], bitmask: torch.Tensor) -> None:
-        """For each (matcher, row, drafts) of this backend: row `row` gets the mask from here, row
-        row + j the mask after drafts[:j], as far as the grammar accepts the drafts (the rows after a
-        refused draft are left as they are); every matcher ends where it began."""
+    def fill_rows(entries: list[tuple["Matcher", int]], bitmask: torch.Tensor) -> None:
+        """For each (matcher, row) of this backend: `fill(bitmask, row)`, all in one call."""
 
 
 def version(backend: str) -> str:
@@ -113,9 +108,6 @@ class _LLMatcher:
     def __init__(self, matcher) -> None:
         self._m = matcher
 
-    def valid_prefix(self, tokens: list[int]) -> int:
-        return self._m.validate_tokens(tokens)
-
     def consume(self, token: int) -> bool:
         # a refused token would leave llguidance's matcher in its error state for good
         return self._m.validate_tokens([token]) == 1 and self._m.consume_token(token)
@@ -133,16 +125,15 @@ class _LLMatcher:
         return self._m.is_stopped()
 
     @staticmethod
-    def fill_walks(walks: list[tuple["_LLMatcher", int, list[int]]], bitmask: torch.Tensor) -> None:
-        # llguidance's executor walks every matcher's drafts in Rust, on several threads at once
+    def fill_rows(entries: list[tuple["_LLMatcher", int]], bitmask: torch.Tensor) -> None:
+        # llguidance's executor computes the masks in Rust, on several threads at once
         assert bitmask.is_contiguous() and bitmask.dtype == torch.int32
-        ex, size = _ll_executor(), (bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
-        alone = [(w._m, row) for w, row, drafts in walks if not drafts]
-        drafted = [(w._m, row, list(drafts)) for w, row, drafts in walks if drafts]
-        if alone:
-            ex.unsafe_compute_mask_ptr(alone, *size)
-        if drafted:  # it refuses an empty draft list
-            ex.unsafe_compute_mask_ptr_with_draft_token(drafted, *size)
+        _ll_executor().unsafe_compute_mask_ptr(
+            [(m._m, row) for m, row in entries],
+            bitmask.data_ptr(),
+            bitmask.shape[1] * 4,
+            bitmask.shape[0],
+        )
 
 
 _EXECUTOR: list = []
@@ -198,15 +189,6 @@ class _XGMatcher:
     def __init__(self, matcher) -> None:
         self._m = matcher
 
-    def valid_prefix(self, tokens: list[int]) -> int:
-        n = 0
-        for t in tokens:
-            if not self._m.accept_token(t):
-                break
-            n += 1
-        self.rollback(n)
-        return n
-
     def consume(self, token: int) -> bool:
         return self._m.accept_token(token)
 
@@ -222,14 +204,9 @@ class _XGMatcher:
         return self._m.is_terminated()
 
     @staticmethod
-    def fill_walks(walks: list[tuple["_XGMatcher", int, list[int]]], bitmask: torch.Tensor) -> None:
-        for m, row, drafts in walks:
-            k = m.valid_prefix(drafts)
+    def fill_rows(entries: list[tuple["_XGMatcher", int]], bitmask: torch.Tensor) -> None:
+        for m, row in entries:
             m.fill(bitmask, row)
-            for j in range(k):
-                m.consume(drafts[j])
-                m.fill(bitmask, row + j + 1)
-            m.rollback(k)
 
 
 class XGrammarBackend:

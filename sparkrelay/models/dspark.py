@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -325,9 +325,11 @@ class Qwen3DSparkModel(nn.Module):
         generator: Optional[torch.Generator] = None,
         h: Optional[torch.Tensor] = None,
         generators: Optional[list[Optional[torch.Generator]]] = None,
+        constrain: Optional[Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequential sampling over the B slots (§2.2 step 3): Z_k = U_k + β(prev); prev_0 = anchor,
-        prev_k = draft k-1.
+        prev_k = draft k-1. `constrain(k, prev [R], Z_k [R, V])` -> Z_k with banned tokens at -inf
+        (a grammar's mask), before the slot is sampled.
 
         u [R, B, V]; anchors [R]; temperature [R] (ignored where greedy [R] is True); h [R, B, d] (needed by the gated
         and RNN heads); noise from `generators[row]` when given, else `generator`.
@@ -348,6 +350,8 @@ class Qwen3DSparkModel(nn.Module):
             if self.markov_head is not None:
                 beta, state = self.markov_head.step(None if h is None else h[:, k], prev, state)
                 z = z + beta.float()
+            if constrain is not None:
+                z = constrain(k, prev, z)
             prev = z.argmax(-1)
             if not bool(greedy.all()):
                 noise = torch.empty_like(z).exponential_(generator=generator)

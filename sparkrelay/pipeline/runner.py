@@ -326,7 +326,7 @@ class PipelineRunner:
 
     def _mask(self, req: Request) -> list[int]:
         """The words of the tokens req's grammar allows next, for the last stage to sample under."""
-        m = masks([req.grammar], [[]], self.vocab_size)
+        m = masks([req.grammar], self.vocab_size)
         return m.bitmask[0].tolist()
 
     @staticmethod

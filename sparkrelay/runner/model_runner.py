@@ -127,7 +127,7 @@ class ModelRunner:
             self.shared_gen,
             [r.prompt_ids for r in reqs],
             [r.output_ids for r in reqs],
-            masks([r.grammar for r in reqs], [[] for _ in reqs], logits.shape[1]),
+            masks([r.grammar for r in reqs], logits.shape[1]),
         )
 
     def sampling_batch(

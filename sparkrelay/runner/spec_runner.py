@@ -12,10 +12,12 @@ One round for R running requests (row r: anchor = its last token, at position p_
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from sparkrelay.grammar.bitmask import constrain
-from sparkrelay.grammar.rows import masks
+from sparkrelay.grammar.rows import DraftGuide, Masks
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.decoder import StageOutput
 from sparkrelay.runner.logprobs import token_logprobs
@@ -52,6 +54,8 @@ class SpecRunner(ModelRunner):
         starts = [s.start for s in seqs]
         tables = [r.block_ids for r in reqs]
         sb = self.sampling_batch(reqs)
+        vocab = self.model.spec.vocab_size
+        guide = DraftGuide.of([r.grammar for r in reqs], self.proposer.block_size, vocab)
         prop = self.proposer.propose(
             [r.all_ids[-1] for r in reqs],
             starts,
@@ -62,7 +66,10 @@ class SpecRunner(ModelRunner):
             sb.generators,
             self.shared_gen,
             [r.draft_ctx_start for r in reqs],
+            guide,
         )
+        if guide is not None:
+            guide.finish(prop.drafts)
         n = prop.num_drafts.tolist()
         meta = self.attn_meta(starts, [p + 1 + k for p, k in zip(starts, n)], tables)
         drafts = prop.drafts.tolist()
@@ -72,7 +79,9 @@ class SpecRunner(ModelRunner):
             prop.drafts,
             prop.num_drafts,
             prop.draft_probs,
-            self._target_probs(reqs, n, drafts, out.logits),
+            self._target_probs(
+                reqs, n, drafts, out.logits, guide.verify_masks(n) if guide else None
+            ),
             sb.greedy,
             sb.generators,
             self.shared_gen,
@@ -119,7 +128,12 @@ class SpecRunner(ModelRunner):
         ]
 
     def _target_probs(
-        self, reqs, n: list[int], drafts: list[list[int]], logits: torch.Tensor
+        self,
+        reqs,
+        n: list[int],
+        drafts: list[list[int]],
+        logits: torch.Tensor,
+        masks: Optional[Masks] = None,
     ) -> torch.Tensor:
         """logits [T, V] of the verify rows -> p [R, N + 1, V], penalised and filtered as each request samples
         (padded rows 0). Verify row j of request r follows d_1..d_j, so its penalty history is the request's tokens
@@ -136,10 +150,9 @@ class SpecRunner(ModelRunner):
             logits = penalize(
                 logits, [r.params for r in rows], [r.prompt_ids for r in rows], outputs
             )
-        # row j of a request with a grammar: its mask after d_1..d_j (grammar/rows.py)
-        m = masks([r.grammar for r in reqs], [d[:k] for d, k in zip(drafts, n)], logits.shape[1])
-        if m is not None:
-            logits = constrain(logits, m.bitmask, m.rows)
+        # row j of a request with a grammar: its mask after d_1..d_j (grammar/rows.py DraftGuide)
+        if masks is not None:
+            logits = constrain(logits, masks.bitmask, masks.rows)
         if all(r.params.greedy for r in reqs):
             probs = logits  # greedy verification only compares argmaxes
         else:

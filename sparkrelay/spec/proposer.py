@@ -10,7 +10,7 @@ drafts after a verify); block rows are never cached (docs/dspark.md §1.7).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -104,10 +104,12 @@ class DSparkProposer:
         generators: list[Optional[torch.Generator]],
         shared: torch.Generator,
         ctx_starts: Optional[list[int]] = None,
+        constrain: Optional[Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]] = None,
     ) -> Proposal:
         """Row r: anchor token at position starts[r], context = positions ctx_starts[r] (default 0)
         .. starts[r]-1 (a PD `tail` handoff gives the drafter only the prompt's last rows); at most
-        caps[r] drafts."""
+        caps[r] drafts. `constrain`: masks each slot's logits before it is sampled (markov_sample),
+        so the drafts and their distribution q follow the requests' grammars."""
         rows, b, dev = len(anchors), self.block_size, self.device
         # [R, Lc]: positions 0..Lc-1
         index = slot_index(block_tables, max(starts), self.page_size).to(dev)
@@ -138,7 +140,14 @@ class DSparkProposer:
         h = self.drafter.block_forward(block_ids, positions, ctx_k, ctx_v, ctx_len)  # [R, B, d]
         u = self.drafter.base_logits(h) if self.head is None else self.head.forward(h)  # [R, B, V]
         drafts, z = self.drafter.markov_sample(
-            u, anchor_t, temperature, greedy, shared, h=h, generators=generators
+            u,
+            anchor_t,
+            temperature,
+            greedy,
+            shared,
+            h=h,
+            generators=generators,
+            constrain=constrain,
         )
         if bool(greedy.all()):
             q = z  # greedy verification never reads the draft distribution

@@ -98,3 +98,15 @@ def test_decode_pp2_with_dspark_refuses_to_start():
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--pp-size 2" in proc.stderr and "DSpark" in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_mismatched_grammar_backend(tmp_path):
+    """The prefill samples a constrained request's first token under its grammar backend, the decode
+    the rest under its own: two backends (or versions) are refused before a byte moves."""
+    _mismatch(
+        tmp_path,
+        "grammar: prefill='llguidance==",
+        pp_size=1,
+        decode_args=["--grammar-backend", "xgrammar"],
+    )

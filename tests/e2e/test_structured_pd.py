@@ -2,7 +2,7 @@
 sparkrelay's router, on the bundled pair. The prefill samples the first token under the grammar, the
 decode resumes the matcher from it; chat completions with `response_format` give exactly the
 aggregated DSpark server's tokens, and every answer validates against its schema. The OpenAI SDK's
-`parse` works unmodified through the router."""
+`parse` and a required tool call work unmodified through the router."""
 
 from __future__ import annotations
 
@@ -48,7 +48,15 @@ def reference() -> list[list[int]]:
 
 
 def test_pd_pp2_draft_kv_structured_outputs_equal_aggregated(tmp_path, reference):
-    cluster = start_pd(PDSettings(model=MODEL, drafter=DRAFTER, handoff="draft-kv"), str(tmp_path))
+    template = ["--chat-template", "sparkrelay/chat_templates/chatml_tools.jinja"]
+    settings = PDSettings(
+        model=MODEL,
+        drafter=DRAFTER,
+        handoff="draft-kv",
+        prefill_args=template,
+        decode_args=template,
+    )
+    cluster = start_pd(settings, str(tmp_path))
     try:
         deadline = time.monotonic() + 30
         for (what, schema), want in zip(PICKED, reference):
@@ -63,6 +71,7 @@ def test_pd_pp2_draft_kv_structured_outputs_equal_aggregated(tmp_path, reference
             assert out["choices"][0]["finish_reason"] == "stop"
             assert text == LLMText.decode(want), (what, text)
         _sdk_parse(cluster.url)
+        _sdk_tool_call(cluster.url)
     finally:
         cluster.stop()
 
@@ -98,3 +107,30 @@ def _sdk_parse(url: str) -> None:
         max_tokens=60,
     )
     assert isinstance(done.choices[0].message.parsed, Light), done.choices[0].message.content
+
+
+def _sdk_tool_call(url: str) -> None:
+    """A required tool call through the router: the prefill samples the call's first token under
+    the tool grammar, the decode the rest; the SDK gets a call whose arguments follow the schema."""
+    from openai import OpenAI
+
+    params = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 10}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": params}}
+    client = OpenAI(base_url=url + "/v1", api_key="none")
+    done = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=60,
+    )
+    (call,) = done.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and done.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), params)

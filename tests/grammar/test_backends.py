@@ -12,7 +12,7 @@ import torch
 
 from sparkrelay.grammar import bitmask as bm
 from sparkrelay.grammar.backends import BACKENDS, Grammar, GrammarError, backend_class, check
-from sparkrelay.grammar.rows import masks
+from sparkrelay.grammar.rows import DraftGuide
 from sparkrelay.models import cpu_kernels
 from sparkrelay.scheduler.request import RequestError, SamplingParams
 from testkit.models import BUNDLED
@@ -83,7 +83,7 @@ def test_matcher_follows_a_valid_answer(backend, tokenizer):
         m.fill(mask, 0)
         assert (int(mask[0, t // 32]) >> (t % 32)) & 1, tokenizer.decode([t])
         assert m.consume(t)
-    assert m.finished or m.valid_prefix([tokenizer.eos_token_id]) == 1
+    assert m.finished or m.consume(tokenizer.eos_token_id)
     assert not backend.matcher(backend.compile(Grammar("json_schema", SCHEMA))).consume(
         tokenizer.encode("[")[0]
     )
@@ -109,30 +109,50 @@ def test_constrain_equals_the_reference(vocab, kernel, monkeypatch):
             assert (out[r, t] == float("-inf")) if banned else (out[r, t] == raw[r, t]), (r, t)
 
 
-def test_verify_rows_follow_the_drafts(backend, tokenizer):
-    """Row j is a fresh matcher's mask after d_1..d_j; rows after a refused draft stay open; the
-    matcher ends where it began."""
+def _fresh_mask(backend, compiled, tokens: list[int], vocab: int) -> torch.Tensor:
+    fresh = backend.matcher(compiled)
+    for t in tokens:
+        assert fresh.consume(t)
+    want = bm.allowing_all(1, vocab)
+    fresh.fill(want, 0)
+    return want[0]
+
+
+def test_draft_guide_masks_each_slot_and_keeps_them_for_verify(backend, tokenizer):
+    """Slot k's logits get the mask after d_1..d_k and so does verify row k; a refused draft leaves
+    the request's later rows open; a request without a grammar is left alone; every matcher ends
+    where it began."""
     compiled = backend.compile(Grammar("json_schema", SCHEMA))
     m = backend.matcher(compiled)
-    for t in tokenizer.encode('{"n": '):
+    head = tokenizer.encode('{"n": ')
+    for t in head:
         assert m.consume(t)
     good = tokenizer.encode('42, "ok"')
-    bad = tokenizer.encode("x")[:1]
-    drafts = good[:2] + bad + good[2:3]
-    vocab = len(tokenizer)
-    got = masks([None, m], [[5, 6], drafts], vocab)
-    assert got.rows == [3, 4, 5, 6, 7]  # request 1's rows start after request 0's 3 rows
-    assert torch.equal(got.bitmask[:3], bm.allowing_all(3, vocab))
-    assert torch.equal(got.bitmask[6:], bm.allowing_all(2, vocab))  # after the refused draft
+    drafts = good[:2] + tokenizer.encode("x")[:1] + good[2:3]  # the third is refused
+    vocab, slots = len(tokenizer), len(drafts)
+    guide = DraftGuide.of([None, m], slots, vocab)
+    prev = torch.tensor([0, head[-1]])
+    for k in range(slots):
+        z = torch.zeros(2, vocab)
+        out = guide(k, prev, z)
+        assert torch.equal(out[0], z[0])  # no grammar: untouched
+        if k <= 2:  # slots 0..2 follow the accepted drafts; the refused one closes the request
+            want = _fresh_mask(backend, compiled, head + drafts[:k], vocab)
+            allowed = torch.tensor([(int(want[t // 32]) >> (t % 32)) & 1 for t in range(vocab)])
+            assert torch.equal(out[1] == 0, allowed.bool()), k
+        else:
+            assert torch.equal(out[1], z[1]), k
+        prev = torch.tensor([0, drafts[k]])
+    guide.finish(torch.tensor([[0] * slots, drafts]))
+    got = guide.verify_masks([2, slots])
+    assert got.rows == list(range(3, 3 + slots + 1))  # request 1's rows follow request 0's 3
     for j in range(3):
-        fresh = backend.matcher(compiled)
-        for t in tokenizer.encode('{"n": ') + drafts[:j]:
-            assert fresh.consume(t)
-        want = bm.allowing_all(1, vocab)
-        fresh.fill(want, 0)
-        assert torch.equal(got.bitmask[3 + j], want[0]), j
-    # the matcher is where it was: the next token of the answer is still allowed, a refused one not
-    assert m.valid_prefix(good) == len(good) and m.valid_prefix(bad) == 0
+        assert torch.equal(
+            got.bitmask[3 + j], _fresh_mask(backend, compiled, head + drafts[:j], vocab)
+        )
+    # rows 3 and 4 of request 1 follow the refused draft: open
+    assert torch.equal(got.bitmask[6:], bm.allowing_all(2, vocab))
+    assert m.consume(good[0]) and m.consume(good[1])  # the matcher is where it was
 
 
 def test_descriptor_carries_a_sampling_sequence_mask():
