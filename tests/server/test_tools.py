@@ -218,3 +218,16 @@ def test_openai_sdk_round_trip_on_the_real_model(smollm2_dir):
         )
     answer = second.choices[0].message
     assert second.choices[0].finish_reason in ("stop", "length") and answer.content, answer
+
+
+def test_a_broken_chat_template_stops_the_start_naming_the_flag(tmp_path):
+    from sparkrelay.config import ConfigError
+    from sparkrelay.engine.setup import load_tokenizer
+
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }")
+    with pytest.raises(ConfigError, match=r"--chat-template .*broken.jinja: line 1"):
+        load_tokenizer(str(BUNDLED), str(broken))
+    with pytest.raises(ConfigError, match="--chat-template .*missing.jinja: cannot read"):
+        load_tokenizer(str(BUNDLED), str(tmp_path / "missing.jinja"))
+    assert "<tool_call>" in load_tokenizer(str(BUNDLED), TEMPLATE).chat_template
