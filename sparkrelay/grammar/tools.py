@@ -44,6 +44,13 @@ def _lark(schemas: list[dict], begin: str, end: str, parallel: bool) -> str:
 
 
 def _xgrammar_ebnf(schemas: list[dict], begin: str, end: str, parallel: bool) -> str:
+    try:
+        return _compose_xgrammar(schemas, begin, end, parallel)
+    except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's own parse errors
+        raise GrammarError(f"a function's `parameters`: {str(e).strip()}") from None
+
+
+def _compose_xgrammar(schemas: list[dict], begin: str, end: str, parallel: bool) -> str:
     xg = _xg()
     one = xg.Grammar.union(
         *[

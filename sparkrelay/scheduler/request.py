@@ -96,6 +96,9 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise RequestError(f"`{name}` must be in [-2, 2], got {getattr(self, name)}")
+        for name in GRAMMAR_FIELDS:
+            if not isinstance(getattr(self, name), (str, type(None))):
+                raise RequestError(f"`{name}` must be a string")
         given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             raise RequestError(f"at most one of {', '.join(given)} may be set")

@@ -1,7 +1,7 @@
 """The messages between the HTTP server and the scheduler process: every kind survives the wire, a
 bad frame is a MessageError, and nothing is pickled."""
 
-from dataclasses import astuple
+from dataclasses import astuple, fields
 
 import msgpack
 import pytest
@@ -146,6 +146,15 @@ def test_framed_messages_come_back_whatever_pieces_the_stream_cuts():
     assert reader.feed(b"") == [] and reader.feed(stream[-1:]) == frames[-1:]
 
 
+def _params_with(**bad) -> list:
+    """SamplingParams' fields as the wire carries them, with some replaced by bad values."""
+    names = [f.name for f in fields(SamplingParams)]
+    values = list(astuple(SamplingParams(temperature=2.0)))
+    for name, value in bad.items():
+        values[names.index(name)] = value
+    return values
+
+
 @pytest.mark.parametrize(
     "head,needle",
     [
@@ -162,11 +171,17 @@ def test_framed_messages_come_back_whatever_pieces_the_stream_cuts():
             {
                 "type": "AddItems",
                 "batch": 1,
-                "items": [
-                    ["a", [1], list(astuple(SamplingParams(temperature=2.0)))[:-1] + ["x"], None]
-                ],
+                "items": [["a", [1], _params_with(logprob_start_len="x"), None]],
             },
             "not a SamplingParams",
+        ),
+        (
+            {
+                "type": "AddItems",
+                "batch": 1,
+                "items": [["a", [1], _params_with(json_schema=5), None]],
+            },
+            "`json_schema` must be a string",
         ),
         (
             {"type": "Added", "batch": 1, "error": None, "status": 200},

@@ -9,11 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from testkit.http import UvicornThread, make_app
-
-lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is a test extra (bash scripts/setup.sh)")
 
 MC = [
     ("The capital of France is", [" Paris", " London", " Rome", " Berlin"], 0),
@@ -49,6 +45,7 @@ def _tasks(folder: Path) -> Path:
 
 
 def test_lm_eval_through_the_server_equals_its_hf_model(tmp_path, smollm2_dir):
+    import lm_eval  # a test extra
     from lm_eval.tasks import TaskManager
 
     tm = TaskManager(include_path=str(_tasks(tmp_path)))

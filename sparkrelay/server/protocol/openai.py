@@ -23,7 +23,7 @@ from sparkrelay.server.protocol.common import (
     unsupported,
 )
 from sparkrelay.server.protocol.structured import check_grammar, grammar_fields
-from sparkrelay.server.protocol.tools import ToolPlan
+from sparkrelay.server.protocol.tools import Tool, ToolCall, ToolPlan
 
 
 class StreamOptions(Strict):
@@ -84,7 +84,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: Union[str, list[ContentPart], None] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant turn's calls
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant turn's calls
     tool_call_id: Optional[str] = None  # a tool turn: the call it answers
 
 
@@ -93,7 +93,7 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None  # 0..20, with logprobs true
-    tools: Optional[list[Any]] = None
+    tools: Optional[list[Tool]] = None
     tool_choice: Any = None
     parallel_tool_calls: Optional[bool] = True
     # SGLang extensions that sglang-router adds to every chat body. Without a reasoning parser (this
@@ -197,17 +197,18 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+def _template_call(call: ToolCall) -> dict[str, Any]:
     """An OpenAI tool call as templates read it: `function.arguments` parsed from its JSON text."""
-    fn = dict(call.get("function") or {})
-    if isinstance(fn.get("arguments"), str):
+    out = call.model_dump(exclude_none=True)
+    fn = out["function"]
+    if isinstance(fn["arguments"], str):
         try:
             fn["arguments"] = json.loads(fn["arguments"])
         except ValueError:
             raise RequestError(
                 "a message's `tool_calls[].function.arguments` is not JSON"
             ) from None
-    return {**call, "function": fn}
+    return out
 
 
 def chat_prompt_ids(

@@ -14,7 +14,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel
 
@@ -35,6 +35,19 @@ class FunctionDef(BaseModel):
 class Tool(BaseModel):
     type: Literal["function"]
     function: FunctionDef
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: Union[str, dict[str, Any]]  # OpenAI sends JSON text
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message sent back with the conversation."""
+
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 @dataclass(frozen=True)
@@ -80,7 +93,7 @@ def plan(req, template: Optional[str], backend: str) -> Optional[ToolPlan]:
         if req.tool_choice not in (None, "none"):
             raise RequestError("`tool_choice` needs `tools`")
         return None
-    tools = [Tool.model_validate(t) for t in req.tools]
+    tools = list(req.tools)
     names = [t.function.name for t in tools]
     named = _chosen(req.tool_choice, names)
     choice = req.tool_choice or "auto"
