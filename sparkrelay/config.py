@@ -36,6 +36,13 @@ class ModelConfig:
     tokenizer_path: Optional[str] = _f(
         None, "Tokenizer folder or .gguf file (default: --model-path).", ftype=str
     )
+    tool_call_parser: Optional[str] = _f(
+        None,
+        "The format of the model's tool calls (hermes and qwen25 are the same: <tool_call> "
+        "JSON </tool_call>); default: read off the chat template, which must then show it.",
+        ("hermes", "qwen25"),
+        ftype=str,
+    )
     chat_template: Optional[str] = _f(
         None,
         "A Jinja chat template file that replaces the tokenizer's own (e.g. "
@@ -434,7 +441,6 @@ SGLANG_ONLY_FLAGS: dict[str, str] = {
             "--lora-paths",
             "--max-loras-per-batch",
             "--reasoning-parser",
-            "--tool-call-parser",
             "--speculative-num-steps",
             "--speculative-eagle-topk",
             "--speculative-token-map",

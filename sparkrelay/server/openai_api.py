@@ -161,7 +161,8 @@ async def openai_response(s: ServerState, req, request: Request, chat: bool):
     tools = None
     if chat and (req.tools or req.tool_choice is not None):
         template = s.tokenizer.chat_template
-        tools = await s.off_loop(P.tool_plan, req, template, s.limits.grammar_backend)
+        backend, parser = s.limits.grammar_backend, s.limits.tool_call_parser
+        tools = await s.off_loop(P.tool_plan, req, template, backend, parser)
     if chat:
         translate = functools.partial(P.chat_items, tools=tools)
     else:

@@ -231,3 +231,17 @@ def test_a_broken_chat_template_stops_the_start_naming_the_flag(tmp_path):
     with pytest.raises(ConfigError, match="--chat-template .*missing.jinja: cannot read"):
         load_tokenizer(str(BUNDLED), str(tmp_path / "missing.jinja"))
     assert "<tool_call>" in load_tokenizer(str(BUNDLED), TEMPLATE).chat_template
+
+
+def test_tool_call_parser_flag_serves_a_template_without_the_format():
+    """--tool-call-parser hermes (SGLang's flag; qwen25 is the same format): the template need not
+    show the format; a required call is constrained and parsed."""
+    app, _ = make_app(
+        BUNDLED, tool_call_parser="qwen25", context_length=1024, max_total_tokens=16384
+    )
+    with TestClient(app) as client:
+        r = client.post(
+            "/v1/chat/completions", json=_ask(tool_choice="required", parallel_tool_calls=False)
+        )
+    assert r.status_code == 200, r.text
+    _check_calls(r.json()["choices"][0]["message"]["tool_calls"])

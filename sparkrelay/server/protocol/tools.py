@@ -23,6 +23,7 @@ from sparkrelay.grammar.tools import tool_call_grammar
 from sparkrelay.scheduler.request import RequestError
 
 HERMES = ("<tool_call>", "</tool_call>")  # Hermes / Qwen 2.5+ / Qwen 3 templates
+PARSERS = {"hermes": HERMES, "qwen25": HERMES}  # --tool-call-parser
 
 
 class FunctionDef(BaseModel):
@@ -59,8 +60,11 @@ class ToolPlan:
     grammar: Optional[tuple[str, str]]  # (field, text) when the calls are constrained
 
 
-def call_format(template: Optional[str]) -> Optional[tuple[str, str]]:
-    """The call markers a chat template renders, or None when it has no tool-call format."""
+def call_format(template: Optional[str], parser: Optional[str] = None) -> Optional[tuple[str, str]]:
+    """The call markers of --tool-call-parser, else those the chat template renders; None when the
+    template has no tool-call format."""
+    if parser is not None:
+        return PARSERS[parser]
     return HERMES if template and HERMES[0] in template else None
 
 
@@ -80,9 +84,11 @@ def _chosen(tool_choice: Any, names: list[str]) -> Optional[str]:
     return name
 
 
-def plan(req, template: Optional[str], backend: str) -> Optional[ToolPlan]:
+def plan(
+    req, template: Optional[str], backend: str, parser: Optional[str] = None
+) -> Optional[ToolPlan]:
     """The request's tool plan (None without tools); 400s for a bad choice, a template without a
-    call format, or a grammar the backend cannot build."""
+    call format (and no --tool-call-parser), or a grammar the backend cannot build."""
     if req.tool_choice not in (None, "none", "auto", "required") and not isinstance(
         req.tool_choice, dict
     ):
@@ -99,10 +105,11 @@ def plan(req, template: Optional[str], backend: str) -> Optional[ToolPlan]:
     choice = req.tool_choice or "auto"
     if choice == "none":
         return ToolPlan([t.model_dump(exclude_none=True) for t in tools], False, None)
-    markers = call_format(template)
+    markers = call_format(template, parser)
     if markers is None:
         raise RequestError(
             "`tools`: this model's chat template has no tool-call format; start the server with "
+            "--tool-call-parser hermes if the model writes <tool_call> blocks anyway, or with "
             "--chat-template pointing at one that has (e.g. sparkrelay/chat_templates/chatml_tools.jinja)"
         )
     grammar = None
