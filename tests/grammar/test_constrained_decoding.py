@@ -129,3 +129,35 @@ def constrained_target(
         [None],
     )
     return filter_probs(bm.constrain(logits, mask), sb)[0], filter_probs(logits, sb)[0]
+
+
+def test_a_grammar_the_engine_cannot_compile_fails_only_its_request(plain):
+    """The offline API skips the HTTP layer's check: the engine's compiler refuses the grammar, the
+    request ends with a 400-style abort naming the field, and the others are served."""
+    outs = plain.generate(
+        [[5, 6, 7], [5, 6, 7]],
+        [
+            SamplingParams(max_new_tokens=4, regex="(ab"),
+            SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True),
+        ],
+    )
+    reason = outs[0]["meta_info"]["finish_reason"]
+    assert (
+        reason["type"] == "abort"
+        and reason["status_code"] == 400
+        and "`regex`" in reason["message"]
+    )
+    assert len(outs[1]["output_ids"]) == 4
+
+
+def test_aborting_while_the_grammar_compiles_leaves_nothing_behind(plain):
+    engine = plain.engine
+    schema = json.dumps({"type": "object", "properties": {"k": {"type": "string"}}})
+    engine.add_request("compiling", [5, 6, 7], SamplingParams(max_new_tokens=8, json_schema=schema))
+    engine.abort("compiling")
+    for _ in range(50):
+        engine.step()
+        if not engine.has_work():
+            break
+    assert not engine.has_work() and "compiling" not in engine.requests
+    engine.check()
