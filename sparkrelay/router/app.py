@@ -233,7 +233,8 @@ async def _route(router: Router, request: Request, start: float) -> tuple[Respon
         return JSONResponse(error_body(message, "invalid_request_error", 400), 400), 400, "router"
     failure = _failure(p, d)
     if failure is None:
-        inputs = prefill_inputs(p.body, stream) if wants_merge(path, body) else None
+        echo = body if path == "/v1/completions" else None
+        inputs = prefill_inputs(p.body, stream, echo) if wants_merge(path, body) else None
         if stream:
             status = d.status or 200
             return (

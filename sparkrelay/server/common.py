@@ -101,7 +101,6 @@ class ServerState:
             context_length=engine.info.context_length,
             max_n=config.scheduler.max_n,
             grammar_backend=config.scheduler.grammar_backend,
-            prompt_logprobs=config.disagg.disaggregation_mode != "decode",
             tool_call_parser=config.model.tool_call_parser,
         )
         self.model_name = config.model.served_model_name or config.model.model_path

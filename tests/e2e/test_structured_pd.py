@@ -2,7 +2,9 @@
 sparkrelay's router, on the bundled pair. The prefill samples the first token under the grammar, the
 decode resumes the matcher from it; chat completions with `response_format` give exactly the
 aggregated DSpark server's tokens, and every answer validates against its schema. The OpenAI SDK's
-`parse` and a required tool call work unmodified through the router."""
+`parse` and a required tool call work unmodified through the router, and `echo` with `logprobs` on
+/v1/completions carries the prefill's prompt logprobs (the router merges them into the decode's
+answer, plain and streamed)."""
 
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ def test_pd_pp2_draft_kv_structured_outputs_equal_aggregated(tmp_path, reference
             assert text == LLMText.decode(want), (what, text)
         _sdk_parse(cluster.url)
         _sdk_tool_call(cluster.url)
+        _echo_scores(cluster.url)
     finally:
         cluster.stop()
 
@@ -134,3 +137,39 @@ def _sdk_tool_call(url: str) -> None:
     (call,) = done.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and done.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(call.function.arguments), params)
+
+
+ECHO_PROMPT = "def add(a, b):"
+
+
+def _echo_scores(url: str) -> None:
+    llm = LLM(MODEL)
+    ids = llm.tokenizer.encode(ECHO_PROMPT)
+    params = SamplingParams(
+        max_new_tokens=3, temperature=0, return_logprob=True, logprob_start_len=0
+    )
+    ref = llm.generate(ids, params)["meta_info"]
+    want = [v for v, _, _ in ref["input_token_logprobs"]] + [
+        v for v, _, _ in ref["output_token_logprobs"]
+    ]
+    llm.engine.close()
+    body = {"prompt": ECHO_PROMPT, "max_tokens": 3, "echo": True, "logprobs": 1, "temperature": 0}
+    status, out = post(url + "/v1/completions", body)
+    assert status == 200, out
+    _close(out["choices"][0]["logprobs"]["token_logprobs"], want)
+    import httpx
+
+    got = []
+    with httpx.stream(
+        "POST", url + "/v1/completions", json=body | {"stream": True}, timeout=60
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:])["choices"]:
+                    got += (c.get("logprobs") or {}).get("token_logprobs") or []
+    _close(got, want)
+
+
+def _close(got: list, want: list) -> None:
+    assert len(got) == len(want) and got[0] is None and want[0] is None, (got, want)
+    assert all(abs(a - b) < 1e-4 for a, b in zip(got[1:], want[1:])), (got, want)

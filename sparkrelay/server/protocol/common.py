@@ -19,7 +19,6 @@ class Limits:
     context_length: int
     max_n: int
     grammar_backend: str = "none"  # --grammar-backend: what checks a request's grammar
-    prompt_logprobs: bool = True  # False on a PD decode server: its prefill scores the prompt
     tool_call_parser: Optional[str] = None  # --tool-call-parser (None: from the chat template)
 
 

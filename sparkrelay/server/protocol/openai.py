@@ -146,13 +146,9 @@ def completion_items(
     common = _openai_common(req, limits)
     if req.logprobs is not None:
         common |= dict(return_logprob=True, top_logprobs_num=req.logprobs)
-        if req.echo:  # the prompt's logprobs too, from its second token (the first has none)
-            if not limits.prompt_logprobs:
-                raise RequestError(
-                    "`echo` with `logprobs`: a PD decode server does not score the prompt (its "
-                    "prefill does); send it to an aggregated server, or use /generate with "
-                    "`logprob_start_len`, whose prompt logprobs the router merges"
-                )
+        # the prompt's logprobs too, from its second token (the first has none); a PD decode
+        # leaves them null and the router fills them in from the prefill's answer
+        if req.echo:
             common |= dict(logprob_start_len=0)
     p = req.prompt
     if isinstance(p, str):
