@@ -157,21 +157,8 @@ def _choice(
 
 async def openai_response(s: ServerState, req, request: Request, chat: bool):
     oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    # tokenizes (and renders the chat template)
-    tools = None
-    if chat and (req.tools or req.tool_choice is not None):
-        template = s.tokenizer.chat_template
-        backend, parser = s.limits.grammar_backend, s.limits.tool_call_parser
-        tools = await s.off_loop(P.tool_plan, req, template, backend, parser)
-    if chat:
-        translate = functools.partial(P.chat_items, tools=tools)
-    else:
-        translate = P.completion_items
-    items = P.with_bootstrap(req, await s.off_loop(translate, req, s.tokenizer, s.limits, oid))
+    items, tools, echo = await _translate(s, req, chat, oid)
     parse_tools = tools is not None and tools.parse
-    echo = None
-    if not chat and req.echo:
-        echo = await s.off_loop(P.echo_texts, req, items, s.tokenizer)
     stream = await s.engine.submit(items)
     index = {it.rid: i for i, it in enumerate(items)}
     if req.stream:
@@ -181,6 +168,31 @@ async def openai_response(s: ServerState, req, request: Request, chat: bool):
     return await s.answer(
         lambda: _openai_answer(s, outs, req.n, oid, chat, items, echo, parse_tools)
     )
+
+
+async def _translate(
+    s: ServerState, req, chat: bool, oid: str
+) -> tuple[list[GenerationItem], Optional[P.ToolPlan], Optional[list[str]]]:
+    """The engine items (tokenized, chat template rendered), the tool plan of a chat request with
+    tools, and the echoed prompts of an `echo` completion; all off the event loop."""
+    if not chat:
+        items = await s.off_loop(P.completion_items, req, s.tokenizer, s.limits, oid)
+        echo = await s.off_loop(P.echo_texts, req, items, s.tokenizer) if req.echo else None
+        return P.with_bootstrap(req, items), None, echo
+    tools = None
+    if req.tools or req.tool_choice is not None:
+        limits = s.limits
+        tools = await s.off_loop(
+            P.tool_plan,
+            req,
+            s.tokenizer.chat_template,
+            limits.grammar_backend,
+            limits.tool_call_parser,
+        )
+    items = await s.off_loop(
+        functools.partial(P.chat_items, tools=tools), req, s.tokenizer, s.limits, oid
+    )
+    return P.with_bootstrap(req, items), tools, None
 
 
 def _openai_answer(

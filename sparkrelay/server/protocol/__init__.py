@@ -41,6 +41,7 @@ from sparkrelay.server.protocol.openai import (
     echo_texts,
 )
 from sparkrelay.server.protocol.tools import StreamParser as ToolStreamParser
+from sparkrelay.server.protocol.tools import ToolPlan
 from sparkrelay.server.protocol.tools import parse as parse_tool_calls
 from sparkrelay.server.protocol.tools import plan as tool_plan
 
@@ -65,4 +66,5 @@ __all__ = [
     "ToolStreamParser",
     "parse_tool_calls",
     "tool_plan",
+    "ToolPlan",
 ]
