@@ -314,8 +314,9 @@ class Engine:
             self._postprocess(batch, self.runner.run(batch))
         self.role.send(self._take_leaving())  # prefill: requests whose first token was sampled
         idle = batch is None and not self._ready
-        if idle and self._compiling and not self.role.has_work():
+        if idle and self._compiling:  # a short wait for the grammar, not the role's 50 ms
             self._wait_compiling()
+            idle = False
         self.role.wait(idle=idle)
         return self._take_ready()
 
