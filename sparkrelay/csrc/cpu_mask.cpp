@@ -1,6 +1,6 @@
 // A grammar's token bitmask applied to float32 logits in place: every token whose bit is 0 gets
 // -inf. One 16-bit half-word of the mask is one zmm register of logits, so a row of 49,152 tokens
-// is 3,072 masked moves; torch's unpack-and-fill takes ~150 us a row (docs/structured_outputs.md).
+// is 3,072 masked moves, where torch unpacks every bit into a tensor first (docs/architecture.md).
 
 #include "cpu_kernels.h"
 

@@ -66,6 +66,11 @@ class Engine:
         self.role = build_role(config, self.dtype)
         try:
             self._build(config)
+            self.grammars = setup.build_grammars(
+                config, self.tokenizer, self.vocab_size, self.eos_token_ids
+            )
+            # (request, its PD fields, its grammar, the compile's future) until it is compiled
+            self._compiling: list[tuple[Request, Optional[Bootstrap], Grammar, futures.Future]] = []
             self.role.attach(
                 EngineParts(
                     self.scheduler, self.pool, self.proposer, self.device, self.context_length
@@ -139,11 +144,6 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ready: list[RequestOutput] = []
         self._leaving: list[Request] = []  # first token sampled on a prefill: handed off this step
-        self.grammars = setup.build_grammars(
-            config, self.tokenizer, self.vocab_size, self.eos_token_ids
-        )
-        # (request, its PD fields, its grammar, the compile's future) until the grammar is compiled
-        self._compiling: list[tuple[Request, Optional[Bootstrap], Grammar, futures.Future]] = []
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0}
 
     def _prefix_cache(self, config: Config) -> Optional[RadixCache]:

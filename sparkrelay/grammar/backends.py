@@ -125,8 +125,8 @@ class _LLMatcher:
 
     @staticmethod
     def fill_rows(entries: list[tuple["_LLMatcher", int]], bitmask: torch.Tensor) -> None:
-        # on this thread: llguidance's parallel executor stalled for 20-40 ms whenever another
-        # process held a core (a DSpark round's masks: ~1.2 ms here, 1.4-38 ms through it)
+        # on this thread: llguidance's parallel executor stalls whenever another process holds a
+        # core (docs/architecture.md, speed notes)
         for m, row in entries:
             m.fill(bitmask, row)
 
