@@ -28,20 +28,29 @@ python -m pip install --quiet -e ".[test,bench]"
 # The transfer engines (--disaggregation-transfer-backend mooncake | nixl). Mooncake needs Debian's RDMA user-space
 # library (libibverbs1) even to run over TCP: installed here when run as root, else named in a warning (the
 # Mooncake tests then fail with the same message; the rest works).
+# apt_install PKG WHAT: Debian's package PKG, installed when run as root (apt-get update once if needed);
+# non-zero with no message when it cannot be (the caller warns).
+apt_install() {
+    [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || return 1
+    step "    installing $1 ($2) ..."
+    apt-get install -y -qq "$1" >/dev/null 2>&1 ||
+        { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq "$1" >/dev/null 2>&1; }
+}
 engines="mooncake,nixl"
 if ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1"; then
     step "5/7 libibverbs1 (for Mooncake): already installed"
-elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    step "5/7 installing libibverbs1 (Debian's RDMA library, for Mooncake) ..."
-    if ! { apt-get install -y -qq libibverbs1 >/dev/null 2>&1 ||
-           { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libibverbs1 >/dev/null 2>&1; }; }; then
-        echo "[setup] WARNING: could not install libibverbs1; the mooncake backend needs it" >&2
-        engines="nixl"
-    fi
-else
+elif ! apt_install libibverbs1 "5/7 Debian's RDMA library, for Mooncake"; then
     echo "[setup] WARNING: the mooncake backend needs libibverbs.so.1: run \`sudo apt-get install libibverbs1\`" \
          "(Debian/Ubuntu), then rerun this script" >&2
     engines="nixl"
+fi
+# iproute2 (`ip`, `ss`): the multi-host tests build their hosts as network namespaces (tests/testkit/netns.py);
+# without it (or without root) they are skipped with the reason.
+if command -v ip >/dev/null && command -v ss >/dev/null; then
+    step "    iproute2 (ip, ss; for the multi-host tests): already installed"
+elif ! apt_install iproute2 "ip, ss; for the multi-host tests"; then
+    echo "[setup] WARNING: the multi-host tests need iproute2 and root: run \`sudo apt-get install iproute2\`;" \
+         "they are skipped until then" >&2
 fi
 step "    the transfer engines' pip extras ($engines) ..."
 python -m pip install --quiet -e ".[$engines]"

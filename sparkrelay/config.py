@@ -135,16 +135,52 @@ class SpecConfig:
 class ParallelConfig:
     pp_size: int = _f(
         1,
-        "Pipeline-parallel stages, one process each (ZMQ ipc:// between them; NCCL with a GPU each); each owns a "
+        "Pipeline-parallel stages, one process each (ZMQ ipc:// between them, tcp:// between hosts; NCCL with "
+        "a GPU each); each owns a "
         "contiguous layer range (pipeline/partition.py).",
     )
     dist_init_port: Optional[int] = _f(
         None,
-        "TCP port of the stages' torch.distributed rendezvous (default: a free port). The stages are processes "
-        "this server starts on its own host: the rendezvous (and NCCL's sockets) bind 127.0.0.1 "
-        "only (there is no multi-host pipeline).",
+        "TCP port of the NCCL stages' torch.distributed rendezvous on one host (default: a free port); "
+        "it binds 127.0.0.1 only. CPU stages meet over ipc:// files and listen on no TCP port; across "
+        "hosts the pipeline meets at --dist-init-addr.",
         ftype=int,
     )
+    nnodes: int = _f(
+        1,
+        "Hosts the pipeline's stages run on: --pp-size / --nnodes stages each, in order (node 0 runs "
+        "the HTTP server, the scheduler and stages 0..; node R > 0 runs only its stages).",
+    )
+    node_rank: int = _f(0, "This host's place among --nnodes (0: the server; R > 0: stages only).")
+    dist_init_addr: Optional[str] = _f(
+        None,
+        "HOST:PORT where node 0 meets the other nodes (HOST: node 0's address, which its pipeline "
+        "sockets bind; stage r's inbox listens on PORT + 1 + r of its node when its sender is on "
+        "another host). Needed with --nnodes > 1; frames are authenticated with "
+        "--disaggregation-auth-token (or SPARKRELAY_DISAGGREGATION_AUTH_TOKEN).",
+        ftype=str,
+    )
+    dist_timeout: float = _f(
+        10.0,
+        "Seconds without a heartbeat after which a pipeline node is declared lost (--nnodes > 1): "
+        "node 0 fails its requests and exits non-zero, node R stops its stages and exits.",
+    )
+
+    @property
+    def stages_per_node(self) -> int:
+        return self.pp_size // self.nnodes
+
+    def node_of(self, rank: int) -> int:
+        """The node that runs pipeline stage `rank`: stages are split over nodes in order."""
+        return rank // self.stages_per_node
+
+    def init_host_port(self) -> tuple[str, int]:
+        """--dist-init-addr as (host, port); an IPv6 host may be given in brackets."""
+        addr = self.dist_init_addr or ""
+        host, sep, port = addr.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--dist-init-addr must be HOST:PORT, got {addr!r}")
+        return host.strip("[]"), int(port)
 
 
 DISAGG_MODES = ("null", "prefill", "decode")
@@ -338,9 +374,37 @@ class Config:
             raise ConfigError(
                 f"--pp-size {pp} with --disaggregation-mode decode: the decode server runs --pp-size 1"
             )
+        self._validate_nodes()
         port = self.disagg.disaggregation_bootstrap_port
         if not 0 < port < 65536:
             raise ConfigError(f"--disaggregation-bootstrap-port must be in 1..65535, got {port}")
+
+    def _validate_nodes(self) -> None:
+        pc = self.parallel
+        _positive("--nnodes", pc.nnodes)
+        if not 0 <= pc.node_rank < pc.nnodes:
+            raise ConfigError(f"--node-rank must be in 0..{pc.nnodes - 1}, got {pc.node_rank}")
+        if pc.nnodes == 1:
+            return
+        if pc.pp_size % pc.nnodes:
+            raise ConfigError(
+                f"--pp-size {pc.pp_size} over --nnodes {pc.nnodes}: each node runs the same number "
+                "of stages, so --pp-size must be a multiple of --nnodes"
+            )
+        if pc.dist_init_addr is None:
+            raise ConfigError(f"--nnodes {pc.nnodes} needs --dist-init-addr HOST:PORT (node 0's)")
+        pc.init_host_port()
+        if pc.dist_init_port is not None:
+            raise ConfigError(
+                "--dist-init-port is the one-host rendezvous; across hosts give --dist-init-addr"
+            )
+        if self.model.device != "cpu":
+            raise ConfigError(
+                f"--nnodes {pc.nnodes} with --device {self.model.device}: the pipeline spans hosts over "
+                "ZMQ tcp:// between CPU stages only (NCCL across GPU hosts is not implemented)"
+            )
+        if pc.dist_timeout <= 0:
+            raise ConfigError(f"--dist-timeout must be positive, got {pc.dist_timeout}")
 
     def flat(self) -> dict[str, Any]:
         """All leaf settings as one flat dict (the shape of SGLang's /server_info)."""
@@ -411,9 +475,6 @@ SGLANG_ONLY_FLAGS: dict[str, str] = {
             "--data-parallel-size",
             "--ep-size",
             "--ep",
-            "--nnodes",
-            "--node-rank",
-            "--dist-init-addr",
             "--enable-dp-attention",
             "--enable-dp-lm-head",
             "--moe-a2a-backend",

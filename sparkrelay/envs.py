@@ -4,6 +4,7 @@ both are set. A malformed value is a startup error naming the variable."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
@@ -98,9 +99,42 @@ def env_int_list(name: str) -> Optional[tuple[int, ...]]:
     return tuple(int(item) for item in items)
 
 
+# a host name: dot-separated labels of letters, digits and inner hyphens (RFC 1123), not all digits
+_LABEL = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
+_HOST_NAME = re.compile(rf"{_LABEL}(\.{_LABEL})*\.?")
+
+
+def env_host(name: str) -> Optional[str]:
+    """An IP address (an IPv6 one with or without brackets, which are dropped) or a host name, as
+    peers on other hosts dial it: a wildcard (0.0.0.0, ::), a port, a scheme or a malformed name is
+    an error naming the variable actually set. Unset or blank: None."""
+    var, value = _raw(name)
+    if value is None:
+        return None
+    host = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is not None and ip.is_unspecified:
+        raise ConfigError(
+            f"{var}={value!r} is a wildcard address: give the address the peers reach this host at"
+        )
+    if ip is not None:
+        return host
+    dotted = re.fullmatch(r"[0-9.]+", host)  # 10.0.0.300 is a bad address, not a host name
+    if dotted or len(host) > 253 or not _HOST_NAME.fullmatch(host):
+        raise ConfigError(
+            f"{var}={value!r} is not an IP address or host name (give the address alone, without a "
+            "scheme or a port)"
+        )
+    return host
+
+
 CAPTURE = "SPARKRELAY_DSPARK_PD_ENABLE_PREFILL_CAPTURE"
 LAYER_IDS = "SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS"
 TAIL_TOKENS = "SPARKRELAY_DSPARK_PD_PREFILL_TAIL_TOKENS"
+HOST_IP = "SPARKRELAY_HOST_IP"
 
 # name -> (default, what it sets): the one table of the variables DisaggEnv.read() reads (--help lists it)
 ENV_VARS: dict[str, tuple[object, str]] = {
@@ -120,6 +154,11 @@ ENV_VARS: dict[str, tuple[object, str]] = {
     "SPARKRELAY_DISAGGREGATION_AUTH_TOKEN": (
         None,
         "PD shared secret when --disaggregation-auth-token is not given",
+    ),
+    HOST_IP: (
+        None,
+        "the address PD peers are told to reach this server at (needed with a wildcard "
+        "--disaggregation-bootstrap-host; set, it always wins: NAT, multi-homed hosts)",
     ),
     CAPTURE: (True, "prefill: capture the DSpark taps"),
     LAYER_IDS: (None, "comma-separated tap layers (default: the drafter config's)"),
@@ -172,6 +211,8 @@ class DisaggEnv:
     test_failure_prob: float = (
         0.0  # prefill: fail this fraction of rooms just before their data is sent (tests)
     )
+    # the address the transfer agents and the bootstrap server advertise (None: their bind address)
+    host_ip: Optional[str] = None
     # knob -> the variable actually set
     names: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -225,5 +266,6 @@ class DisaggEnv:
             tail_tokens=tail or _default(TAIL_TOKENS),
             auth_token=env_str("SPARKRELAY_DISAGGREGATION_AUTH_TOKEN"),
             test_failure_prob=failure_prob,
+            host_ip=env_host(HOST_IP),
             names={**{name: _raw(name)[0] for name in ENV_VARS}, LAYER_IDS: _set(LAYER_IDS)[0]},
         )

@@ -65,6 +65,7 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
     try:
         config = config_from_args(args)
         check_ports(config)
+        check_addresses(config)
     except ConfigError as e:
         parser.error(str(e))  # exits 2
     return config
@@ -73,6 +74,8 @@ def parse_config(argv: Optional[list[str]] = None) -> Config:
 def listened_ports(config: Config) -> list[tuple[str, str, str, int]]:
     """(port flag, host flag, host, port) of every fixed port this server listens on (the rest are
     picked free)."""
+    if config.parallel.node_rank > 0:
+        return []  # a stages-only node listens only where node 0 tells it to (pipeline/comm.py WirePlan)
     out = [("--port", "--host", config.server.host, config.server.port)]
     dc, pc = config.disagg, config.parallel
     if dc.disaggregation_mode == "prefill":
@@ -91,7 +94,21 @@ def listened_ports(config: Config) -> list[tuple[str, str, str, int]]:
         )
 
         out.append(("--dist-init-port", "", RENDEZVOUS_HOST, pc.dist_init_port))
+    if pc.nnodes > 1 and pc.node_rank == 0:
+        out.append(("--dist-init-addr", "--dist-init-addr", *pc.init_host_port()))
     return out
+
+
+def check_addresses(config: Config) -> None:
+    """A PD server must be able to tell its peers where it is (docs/pd_across_hosts.md): a wildcard
+    --disaggregation-bootstrap-host needs SPARKRELAY_HOST_IP; a ConfigError naming both before any port is
+    bound."""
+    if config.disagg.disaggregation_mode == "null":
+        return
+    from sparkrelay.envs import DisaggEnv
+    from sparkrelay.transfer.wire import check_advertised
+
+    check_advertised(config.disagg.disaggregation_bootstrap_host, DisaggEnv.read().host_ip)
 
 
 def bind(flag: str, host_flag: str, host: str, port: int) -> socket.socket:
@@ -217,6 +234,14 @@ def openmp_policy(config: Config) -> Optional[str]:
     return SHARED_CORES_SPIN
 
 
+def serve_node(config: Config) -> int:
+    """--node-rank R > 0: no HTTP server and no scheduler; this host's pipeline stages, joined to node 0
+    (pipeline/nodes.py). Its exit code: 0 when node 0 stopped the pipeline, non-zero when it was lost."""
+    from sparkrelay.pipeline.nodes import serve_node as run_node
+
+    return run_node(config)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     config = parse_config(argv)
     logging.basicConfig(
@@ -227,6 +252,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from sparkrelay.manager.process import EngineStartError
 
     try:
+        if config.parallel.node_rank > 0:
+            return serve_node(config)
         serve(config)
     except (
         ConfigError,

@@ -40,6 +40,7 @@ from sparkrelay.disagg.schema import compare
 from sparkrelay.scheduler.request import Bootstrap, Request
 from sparkrelay.transfer.backends import get_backend
 from sparkrelay.transfer.base import DecodeTransfer, KVPoll
+from sparkrelay.transfer.wire import check_advertised
 
 
 @dataclass
@@ -54,6 +55,9 @@ class DecodeRole(PDRole):
 
     def __init__(self, config: Config, dtype: torch.dtype) -> None:
         super().__init__(config, dtype)
+        # the address TRANSFER_INFO names: a wildcard bind without SPARKRELAY_HOST_IP is refused
+        # now, before the model loads (docs/pd_across_hosts.md)
+        check_advertised(config.disagg.disaggregation_bootstrap_host, self.env.host_ip)
         self.prealloc: dict[str, _Pending] = {}  # rid -> waiting for blocks, in arrival order
         self.transferring: dict[str, _Pending] = {}  # rid -> blocks reserved, parts on their way
         self.landed: dict[
@@ -85,6 +89,7 @@ class DecodeRole(PDRole):
             dc.disaggregation_bootstrap_port,
             auth_token=e.token(dc.disaggregation_auth_token),
             max_part_bytes=self._largest_part(parts.context_length),
+            host_ip=e.host_ip,
         )
         pools = Pools(parts.pool, parts.proposer, parts.scheduler.blocks.page_size, parts.device)
         self.deliveries = deliveries(self.agent, self.schema, pools)

@@ -21,6 +21,7 @@ from sparkrelay.pipeline.needs import RunnerNeeds
 from sparkrelay.scheduler.request import Bootstrap, Request
 from sparkrelay.transfer.base import SCHEMA_MISMATCH, KVPoll
 from sparkrelay.transfer.bootstrap import BootstrapServer
+from sparkrelay.transfer.wire import check_advertised
 
 SINK_FACTORY = "sparkrelay.disagg.prefill_sink:make_stage_sink"
 
@@ -33,8 +34,10 @@ class PrefillRole(PDRole):
         super().__init__(config, dtype)
         # a bad knob is a ConfigError before any socket is bound
         capture = CaptureSpec.from_config(config)
+        # so is a wildcard bootstrap host without SPARKRELAY_HOST_IP (docs/pd_across_hosts.md)
+        check_advertised(config.disagg.disaggregation_bootstrap_host, self.env.host_ip)
         self.pp_size = config.parallel.pp_size
-        self.inbox = StageReportInbox()
+        self.inbox = self._report_inbox(config)
         # stages at any --pp-size, each with the sink that sends its part and reports to the inbox;
         # in `tail` mode the rows of the last tail positions come from the request's own compute,
         # never the cache (the stages keep no tail rows beside cached pages; hidden and draft-kv
@@ -57,12 +60,22 @@ class PrefillRole(PDRole):
             config.cache.page_size,
             self.schema.dtype,
             auth_token=self.env.token(dc.disaggregation_auth_token),
+            host_ip=self.env.host_ip,
         )
         self.bootstrap.start()  # before the stages load: they register with it
         self.inflight: dict[int, set[int]] = {}  # room -> stages that reported Success
         self.local: list[
             Request
         ] = []  # fake-bootstrap requests whose first token is sampled: nothing to send
+
+    def _report_inbox(self, config: Config) -> StageReportInbox:
+        """Loopback when every stage runs here; across hosts, node 0's pipeline address with the
+        authenticated reports (pipeline/nodes.py)."""
+        pc = config.parallel
+        if pc.nnodes == 1:
+            return StageReportInbox()
+        token = self.env.token(config.disagg.disaggregation_auth_token)
+        return StageReportInbox(pc.init_host_port()[0], token)
 
     def take(self, req: Request, bootstrap: Bootstrap) -> bool:
         self._register(req, bootstrap)

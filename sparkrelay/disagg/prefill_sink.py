@@ -36,6 +36,8 @@ from sparkrelay.models.loader import read_config
 from sparkrelay.trace import timeline
 from sparkrelay.transfer.backends import get_backend
 from sparkrelay.transfer.base import KVPoll, Part, piece_name
+from sparkrelay.transfer.bootstrap import bootstrap_url as url_of
+from sparkrelay.transfer.wire import local_host
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class PrefillSink:
         status_address: str,
         schema: HandoffSchema,
         env: DisaggEnv,
+        bootstrap_url: str = "",
     ) -> None:
         self.stage, self.pool, self.schema = stage, pool, schema
         self.is_last = stage == len(partition) - 1
@@ -79,9 +82,12 @@ class PrefillSink:
             if self.is_last and schema.handoff == "draft-kv"
             else None
         )
-        self._status = StageReportOutbox(status_address)
         dc = config.disagg
-        url = f"http://{dc.disaggregation_bootstrap_host}:{dc.disaggregation_bootstrap_port}"
+        token = env.token(dc.disaggregation_auth_token)
+        self._status = StageReportOutbox(status_address, token)
+        url = bootstrap_url or url_of(
+            local_host(dc.disaggregation_bootstrap_host), dc.disaggregation_bootstrap_port
+        )
         # --disaggregation-transfer-backend
         prefill_agent = get_backend(dc.disaggregation_transfer_backend).prefill
         self.agent = prefill_agent(
@@ -94,8 +100,9 @@ class PrefillSink:
             env.bootstrap_timeout,
             self._notify,
             prefill_http_port=config.server.port,
-            auth_token=env.token(dc.disaggregation_auth_token),
+            auth_token=token,
             failure_prob=env.test_failure_prob,
+            host_ip=env.host_ip,
         )
         self.agent.start()
 
@@ -255,11 +262,16 @@ class PrefillSink:
 
 
 def make_stage_sink(
-    config: Config, stage: int, partition: list[tuple[int, int]], pool: KVPool, status_address: str
+    config: Config,
+    stage: int,
+    partition: list[tuple[int, int]],
+    pool: KVPool,
+    status_address: str,
+    bootstrap_url: str = "",
 ) -> PrefillSink:
-    """Called by each pipeline stage of a prefill server (pipeline/)."""
+    """Called by each pipeline stage of a prefill server (pipeline/); bootstrap_url "": this server's own."""
     env = DisaggEnv.read()
     spec = DecoderSpec.from_hf(read_config(config.model.model_path))
     dtype = next(iter(pool.layers.values()))[0].dtype
     schema = build_schema(config, spec, dtype, env)
-    return PrefillSink(config, stage, partition, pool, status_address, schema, env)
+    return PrefillSink(config, stage, partition, pool, status_address, schema, env, bootstrap_url)

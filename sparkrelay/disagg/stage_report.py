@@ -18,13 +18,15 @@ import zmq
 
 from sparkrelay.codec import FrameError, Message, int_in, str_max
 from sparkrelay.transfer.base import KVPoll
-from sparkrelay.transfer.protocol import room_field
+from sparkrelay.transfer.protocol import AuthError, room_field
+from sparkrelay.transfer.wire import FrameAuth, RejectLog
 from sparkrelay.transfer.wire.inbox import bind_pull, tcp_endpoint
 
 logger = logging.getLogger(__name__)
 
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
 LOOPBACK = "127.0.0.1"  # the stages of one server share its host
+REPORT_TAG_LABEL = b"sparkrelay-stage-report-v1"
 MAX_REPORT_BYTES = 1 << 16  # a report is a room, a stage, a state and a reason of at most 4 KiB
 
 
@@ -59,15 +61,17 @@ class StageReport(Message):
 
 
 class StageReportInbox:
-    """Rank 0's end: a PULL socket on a random loopback port (`address` goes to every stage), also
-    bound to an in-process address on which `wake()` posts an empty message, so a wait ends at once
-    when a request arrives."""
+    """Rank 0's end: a PULL socket on a random port of `host` (loopback: the stages share this host; across
+    hosts, node 0's pipeline address, and every report then carries a FrameAuth tag under `token`), whose
+    `address` goes to every stage; also bound to an in-process address on which `wake()` posts an empty
+    message, so a wait ends at once when a request arrives."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = LOOPBACK, token: Optional[str] = None) -> None:
         ctx = zmq.Context.instance()
+        self._auth, self._rejects = FrameAuth(token, REPORT_TAG_LABEL), RejectLog(logger)
         # the control channel's PULL socket
-        self._sock, port = bind_pull(ctx, LOOPBACK, MAX_REPORT_BYTES)
-        self.address = tcp_endpoint(LOOPBACK, port)
+        self._sock, port = bind_pull(ctx, host, MAX_REPORT_BYTES)
+        self.address = tcp_endpoint(host, port)
         wake_address = f"inproc://sparkrelay-stage-reports-{port}"
         self._sock.bind(wake_address)
         self._waker = ctx.socket(zmq.PUSH)
@@ -92,15 +96,17 @@ class StageReportInbox:
         out = []
         while True:
             try:
-                data = self._sock.recv(zmq.NOBLOCK)
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return out
-            if not data:
+            if frames == [b""]:
                 continue  # a wake-up
             try:
-                out.append(StageReport.decode([data]))
-            except FrameError as e:
-                logger.error("dropped a malformed stage report (%d bytes): %s", len(data), e)
+                out.append(StageReport.decode(self._auth.open(frames)))
+            except (AuthError, FrameError) as e:
+                self._rejects.note(
+                    "report", "dropped a stage report (%d frames): %s", len(frames), e
+                )
 
     def close(self) -> None:
         with self._wake_lock:
@@ -111,13 +117,17 @@ class StageReportInbox:
 class StageReportOutbox:
     """A stage's end: a PUSH socket connected to rank 0's inbox."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: Optional[str] = None) -> None:
+        """token: tag every report when the inbox is on another host's address (StageReportInbox)."""
+        self._auth = FrameAuth(
+            token if not address.startswith(f"tcp://{LOOPBACK}:") else None, REPORT_TAG_LABEL
+        )
         self._sock = zmq.Context.instance().socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._sock.connect(address)
 
     def send(self, report: StageReport) -> None:
-        self._sock.send_multipart(report.encode())
+        self._sock.send_multipart(self._auth.seal(report.encode()))
 
     def close(self) -> None:
         self._sock.close(0)

@@ -163,7 +163,13 @@ class EngineLoop:
         except Exception as e:
             logger.exception("engine step failed; aborting %d in-flight requests", len(self._live))
             self.num_step_failures += 1
-            self._abort_all(f"internal engine error: {type(e).__name__}: {e}", 500)
+            fatal = self.engine.fatal_error() if hasattr(self.engine, "fatal_error") else None
+            if (
+                fatal is not None
+            ):  # the pipeline is down: the server is going away, not broken by this batch
+                self._abort_all(f"the server is shutting down: {fatal}", 503)
+            else:
+                self._abort_all(f"internal engine error: {type(e).__name__}: {e}", 500)
             time.sleep(0.01)  # a persistently failing engine must not spin the CPU
             return
         finished = False

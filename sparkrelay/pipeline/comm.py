@@ -29,9 +29,11 @@ Two wires carry them (`connect`):
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -49,6 +51,11 @@ from sparkrelay.pipeline.descriptor import (
     sizes,
 )
 from sparkrelay.pipeline.launch import LOOPBACK_IFNAME
+from sparkrelay.transfer.protocol import AuthError
+from sparkrelay.transfer.wire import FrameAuth, RejectLog, tcp_endpoint
+
+logger = logging.getLogger(__name__)
+PIPELINE_TAG_LABEL = b"sparkrelay-pipeline-frame-v1"
 
 # rank 0 gives up on a step's reply after this (a hung, live peer)
 STEP_TIMEOUT = datetime.timedelta(seconds=600)
@@ -75,47 +82,119 @@ class Wire(Protocol):
     def close(self) -> None: ...
 
 
-def connect(store: dist.Store, rank: int, world: int, backend: str, ipc_dir: str) -> Wire:
+@dataclass(frozen=True)
+class WirePlan:
+    """Where each rank's inbox is. A rank binds one PULL socket, whose only sender is the rank before it (rank
+    0's: the last rank): an ipc:// file in its node's private folder when that sender runs on the same host, else
+    tcp://HOST:base_port + 1 + rank on its node's host, with every frame authenticated (a peer on the network
+    cannot inject activations). One host: node_of all 0, every inbox ipc://."""
+
+    world: int
+    ipc_dir: str
+    node_of: tuple[int, ...] = ()  # per rank: its node (empty: all on this host)
+    hosts: tuple[str, ...] = ()  # per node: the address its pipeline sockets bind
+    base_port: int = 0
+
+    def node(self, rank: int) -> int:
+        return self.node_of[rank] if self.node_of else 0
+
+    def remote_inbox(self, rank: int) -> bool:
+        """True when `rank`'s sender runs on another host (its inbox is tcp://)."""
+        sender = rank - 1 if rank else self.world - 1
+        return self.node(sender) != self.node(rank)
+
+    def inbox(self, rank: int) -> str:
+        if self.remote_inbox(rank):
+            return tcp_endpoint(self.hosts[self.node(rank)], self.base_port + 1 + rank)
+        return f"ipc://{self.ipc_dir}/rank{rank}"
+
+    def to_dict(self) -> dict:
+        return {
+            "node_of": list(self.node_of),
+            "hosts": list(self.hosts),
+            "base_port": self.base_port,
+        }
+
+    @classmethod
+    def from_dict(cls, world: int, ipc_dir: str, d: dict) -> "WirePlan":
+        return cls(world, ipc_dir, tuple(d["node_of"]), tuple(d["hosts"]), d["base_port"])
+
+
+def connect(
+    store: dist.Store, rank: int, backend: str, plan: WirePlan, token: Optional[str] = None
+) -> Wire:
     """This rank's wire (module docstring): `backend` "nccl" -> GroupWire (blocks until all ranks have joined),
-    "ipc" -> SocketWire in `ipc_dir`."""
+    "ipc" -> SocketWire by `plan` (token: the shared secret of its tcp:// links)."""
     if backend == "nccl":
         # NCCL's bootstrap and socket transport listen on the interface it picks (not the loopback)
         # unless told
         os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_IFNAME)
         return GroupWire(
-            dist.ProcessGroupNCCL(dist.PrefixStore("sparkrelay-pp", store), rank, world)
+            dist.ProcessGroupNCCL(dist.PrefixStore("sparkrelay-pp", store), rank, plan.world)
         )
-    return SocketWire(ipc_dir, rank, world)
-
-
-def ipc_address(ipc_dir: str, rank: int) -> str:
-    return f"ipc://{ipc_dir}/rank{rank}"
+    return SocketWire(plan, rank, token)
 
 
 class SocketWire:
-    def __init__(self, ipc_dir: str, rank: int, world: int) -> None:
+    """ZMQ PUSH/PULL by a WirePlan. On a tcp:// link every message is three frames, [bytes, seq u64be, tag]: the
+    tag (FrameAuth, the transfer layer's token) covers the bytes and the sender's message count, so a frame from a
+    stranger, or one replayed, is dropped and logged, never taken for a step."""
+
+    def __init__(self, plan: WirePlan, rank: int, token: Optional[str] = None) -> None:
         self._ctx = zmq.Context(1)
+        self._auth = FrameAuth(token, PIPELINE_TAG_LABEL)
+        self._rejects = RejectLog(logger)
         self._inbox = self._ctx.socket(zmq.PULL)
-        self._inbox.bind(ipc_address(ipc_dir, rank))
-        peers = {rank + 1} if rank + 1 < world else set()
-        if rank == world - 1:
+        self._tagged_in = plan.remote_inbox(rank)
+        self._bind(plan.inbox(rank))
+        self._seen = 0  # messages accepted on a tcp:// inbox
+        peers = {rank + 1} if rank + 1 < plan.world else set()
+        if rank == plan.world - 1:
             peers.add(0)  # the last rank's replies
         self._out: dict[int, zmq.Socket] = {}
+        self._sent: dict[int, int] = {}  # per tcp:// peer: messages sent
         for peer in peers:
             sock = self._ctx.socket(zmq.PUSH)
             # never blocks: a dead peer is found by the receiver's health checks
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 1000)  # the shutdown descriptor still leaves
-            sock.connect(ipc_address(ipc_dir, peer))
+            sock.connect(plan.inbox(peer))
             self._out[peer] = sock
+            if plan.remote_inbox(peer):
+                self._sent[peer] = 0
+
+    def _bind(self, address: str) -> None:
+        try:
+            self._inbox.bind(address)
+        except zmq.ZMQError as e:
+            self._ctx.destroy(linger=0)
+            raise OSError(f"pipeline inbox {address}: cannot bind ({e})") from None
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         # copied now: the tensor may change once this returns
-        self._out[peer].send(_bytes_of(tensor), copy=True)
+        if peer not in self._sent:
+            self._out[peer].send(_bytes_of(tensor), copy=True)
+            return
+        self._sent[peer] += 1
+        frames = [bytes(_bytes_of(tensor)), self._sent[peer].to_bytes(8, "big")]
+        self._out[peer].send_multipart(self._auth.seal(frames), copy=True)
 
     def recv(
         self, buf: torch.Tensor, peer: int, health: Callable[[], None], deadline: Optional[float]
     ) -> None:
+        while True:
+            self._wait(peer, health, deadline)
+            if not self._tagged_in:
+                got = self._recv_into(buf)
+                break
+            got = self._recv_tagged(buf, peer)
+            if got is not None:
+                break
+        want = buf.numel() * buf.element_size()
+        if got != want:
+            raise PeerLost(f"rank {peer} sent {got} bytes where {want} were due")
+
+    def _wait(self, peer: int, health: Callable[[], None], deadline: Optional[float]) -> None:
         while not self._inbox.poll(POLL_S * 1000):
             try:
                 health()
@@ -125,10 +204,32 @@ class SocketWire:
                 raise PeerLost(
                     f"no message from rank {peer} in {STEP_TIMEOUT.total_seconds():.0f} s"
                 )
+
+    def _recv_into(self, buf: torch.Tensor) -> int:
         want = buf.numel() * buf.element_size()
-        got = self._inbox.recv_into(_bytes_of(buf)) if want else len(self._inbox.recv())
-        if got != want:
-            raise PeerLost(f"rank {peer} sent {got} bytes where {want} were due")
+        return self._inbox.recv_into(_bytes_of(buf)) if want else len(self._inbox.recv())
+
+    def _recv_tagged(self, buf: torch.Tensor, peer: int) -> Optional[int]:
+        """One tcp:// message into `buf`: its size, or None when it was dropped (no valid tag, or not the next
+        message of the sender's count: a replay)."""
+        frames = self._inbox.recv_multipart(copy=True)
+        try:
+            data, seq = self._auth.open(frames)
+        except (AuthError, ValueError) as e:
+            self._rejects.note(
+                "auth", "pipeline inbox: dropped a message from rank %d's link: %s", peer, e
+            )
+            return None
+        if len(seq) != 8 or int.from_bytes(seq, "big") != self._seen + 1:
+            self._rejects.note(
+                "replay", "pipeline inbox: dropped a message out of sequence (a replay?)"
+            )
+            return None
+        self._seen += 1
+        mine = _bytes_of(buf)
+        if len(data) == len(mine):
+            mine[:] = data
+        return len(data)
 
     def close(self) -> None:
         self._ctx.destroy(linger=1000)

@@ -1,34 +1,41 @@
-"""Starting, watching and stopping the processes of stages 1..N-1 (stage 0 runs in the engine's own
-process).
+"""Starting, watching and stopping the stage processes of this host (stage 0 runs in the engine's own
+process; with --nnodes > 1, pipeline/nodes.py runs this on every node for its stages).
 
-    rank 0: TCPStore server on 127.0.0.1:PORT (rendezvous_store) -> spawn `python -m sparkrelay.pipeline.worker
-            --rank r ...` for r = 1..N-1 -> wait for `ready/r` in the store (a load error arrives as `error/r`; a
-            process that exits is noticed too) -> join the process group -> start the watchdog
+    launcher: a LoadBoard on an ipc:// file in the pipeline's private folder (and, for NCCL stages only, a
+              TCPStore on 127.0.0.1:PORT, rendezvous_store) -> spawn `python -m sparkrelay.pipeline.worker
+              --rank r ...` for each of its ranks -> wait for each stage's StageLoaded (a load error names the
+              stage; a process that exits is noticed too) -> the wire (pipeline/comm.py) -> the watchdog
     worker: see pipeline/worker.py
 
-The launch record (config, dtype, partition, KV blocks, capture, sink factory, backend, threads,
-parent pid) goes in the SPARKRELAY_PP_LAUNCH environment variable as JSON, not on argv, so the
-config's api_key is not shown by `ps`. Every stage runs on this host, so every socket of the
-pipeline binds the loopback (RENDEZVOUS_HOST): the store's listening socket (torch's TCPStore server
-would listen on every interface whatever host it is given, so rank 0 binds the socket itself and
-hands it over) and NCCL's bootstrap (NCCL_SOCKET_IFNAME defaults to the loopback interface); without
-NCCL the stages' sockets are ipc:// files in a private folder (pipeline/comm.py). The watchdog polls
-the processes; when one exits unasked it records "pipeline stage r (pid N) exited with code X" and
-kills the others, so every blocked send or receive on every rank fails at once instead of hanging.
+The launch record (config, dtype, partition, KV blocks, capture, sink factory, backend, wire plan, threads,
+parent pid, token) goes in the SPARKRELAY_PP_LAUNCH environment variable as JSON, not on argv, so the
+config's api_key is not shown by `ps`. CPU stages on one host listen on no TCP port at all: the load reports
+and the stage wire are ipc:// files in a 0700 folder. NCCL stages need torch's TCPStore: its listening socket is
+bound on the loopback (RENDEZVOUS_HOST) here and handed over (torch's TCPStore server would listen on every
+interface whatever host it is given), and NCCL's bootstrap uses the loopback interface (NCCL_SOCKET_IFNAME).
+The watchdog polls the processes; when one exits unasked it records "pipeline stage r (pid N) exited with code
+X" and kills the others, so every blocked send or receive on every rank fails at once instead of hanging.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch.distributed as dist
+import zmq
+
+from sparkrelay.codec import FrameError, Message, int_in, str_max
+
+logger = logging.getLogger(__name__)
 
 LAUNCH_ENV = "SPARKRELAY_PP_LAUNCH"
 LOAD_TIMEOUT_S = 300.0  # a stage that has not loaded its layers by then fails the engine start
@@ -89,12 +96,62 @@ def worker_env(launch_json: str) -> dict[str, str]:
     return env
 
 
+@dataclass(frozen=True)
+class StageLoaded(Message):
+    """stage -> its launcher: the stage loaded its layers (error "") or why it could not."""
+
+    TYPE: ClassVar[str] = "STAGE_LOADED"
+    KEY: ClassVar[str] = "rank"
+    RULES: ClassVar[tuple] = (("rank", int_in(1, 1 << 16)), ("error", str_max(8192)))
+    rank: int
+    error: str = ""
+
+
+def board_address(ipc_dir: str) -> str:
+    return f"ipc://{ipc_dir}/loaded"
+
+
+class LoadBoard:
+    """Where the stage processes of this host report their load (StageLoaded): a PULL socket on an ipc:// file
+    in the pipeline's private folder, so the pipeline listens on no TCP port for it."""
+
+    def __init__(self, ipc_dir: str) -> None:
+        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(board_address(ipc_dir))
+
+    def take(self, timeout_s: float) -> list[StageLoaded]:
+        out = []
+        while self._sock.poll(timeout_s * 1000 if not out else 0):
+            frames = self._sock.recv_multipart()
+            try:
+                out.append(StageLoaded.decode(frames))
+            except FrameError as e:
+                logger.error("dropped a malformed stage load report: %s", e)
+        return out
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+
+def report_loaded(ipc_dir: str, rank: int, error: str = "") -> None:
+    """A stage's one report to its launcher's LoadBoard (sent before this returns)."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 5000)
+    sock.connect(board_address(ipc_dir))
+    sock.send_multipart(StageLoaded(rank, error[:8192]).encode())
+    sock.close()
+
+
 class Workers:
-    def __init__(self, world: int, port: int, launch_json: str) -> None:
-        self.world, self.port = world, port
+    """The stage processes of this host: `ranks` (rank 0's host: 1..k-1; node R's: its k stages)."""
+
+    def __init__(self, ranks: list[int], world: int, port: Optional[int], launch_json: str) -> None:
+        """port: the NCCL stages' TCPStore (None: CPU stages, which meet over ipc:// only)."""
+        self.ranks, self.world, self.port = ranks, world, port
         env = worker_env(launch_json)
-        self.procs = [
-            subprocess.Popen(
+        self.procs = {
+            r: subprocess.Popen(
                 [
                     sys.executable,
                     "-m",
@@ -103,36 +160,37 @@ class Workers:
                     str(r),
                     "--world-size",
                     str(world),
-                    "--port",
-                    str(port),
+                    *(["--port", str(port)] if port is not None else []),
                 ],
                 env=env,
                 stdin=subprocess.DEVNULL,
             )
-            for r in range(1, world)
-        ]
+            for r in ranks
+        }
         self.failure: Optional[str] = None
         self._stopping = threading.Event()
         self._watchdog: Optional[threading.Thread] = None
 
     @property
     def pids(self) -> list[int]:
-        """pids[r - 1] is stage r's process."""
-        return [p.pid for p in self.procs]
+        """The stages' pids in rank order."""
+        return [self.procs[r].pid for r in self.ranks]
 
-    def wait_ready(self, store: dist.Store, timeout: float = LOAD_TIMEOUT_S) -> None:
+    def wait_ready(self, board: "LoadBoard", timeout: float = LOAD_TIMEOUT_S) -> None:
         """Block until every stage has loaded; raise RuntimeError naming the first stage that
         failed."""
-        deadline, waiting = time.monotonic() + timeout, set(range(1, self.world))
+        deadline, waiting = time.monotonic() + timeout, set(self.ranks)
         while waiting:
+            for msg in board.take(0.02):
+                if msg.error:
+                    pid = self.procs[msg.rank].pid if msg.rank in self.procs else "?"
+                    raise RuntimeError(
+                        f"pipeline stage {msg.rank} (pid {pid}) failed to load: {msg.error}"
+                    )
+                waiting.discard(msg.rank)
             for r in sorted(waiting):
-                proc = self.procs[r - 1]
-                if store.check([f"error/{r}"]):
-                    msg = store.get(f"error/{r}").decode()
-                    raise RuntimeError(f"pipeline stage {r} (pid {proc.pid}) failed to load: {msg}")
-                if store.check([f"ready/{r}"]):
-                    waiting.discard(r)
-                elif proc.poll() is not None:
+                proc = self.procs[r]
+                if proc.poll() is not None:
                     raise RuntimeError(
                         f"pipeline stage {r} (pid {proc.pid}) exited with code {proc.returncode} "
                         "while loading"
@@ -141,7 +199,6 @@ class Workers:
                 raise RuntimeError(
                     f"pipeline stage(s) {sorted(waiting)} not loaded after {timeout:.0f} s"
                 )
-            time.sleep(0.02)
 
     def watch(self) -> None:
         self._watchdog = threading.Thread(
@@ -151,7 +208,8 @@ class Workers:
 
     def _watch(self) -> None:
         while not self._stopping.wait(0.05):
-            dead = [(r, p) for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
+            # code 0 is a stage that passed a shutdown descriptor on: not a failure
+            dead = [(r, p) for r, p in self.procs.items() if p.poll() not in (None, 0)]
             if dead and not self._stopping.is_set():
                 # neighbours of a dead stage follow it out with PEER_LOST_EXIT: name the root cause
                 r, proc = next(((r, p) for r, p in dead if p.returncode != PEER_LOST_EXIT), dead[0])
@@ -176,7 +234,7 @@ class Workers:
         return self.failure or f"pipeline communication failed: {error}"
 
     def kill(self) -> None:
-        for proc in self.procs:
+        for proc in self.procs.values():
             if proc.poll() is None:
                 proc.kill()
 
@@ -185,7 +243,7 @@ class Workers:
         everything."""
         self._stopping.set()
         deadline = time.monotonic() + timeout
-        for proc in self.procs:
+        for proc in self.procs.values():
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -31,20 +31,24 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from sparkrelay.config import Config, ConfigError
+from sparkrelay.envs import DisaggEnv
 from sparkrelay.grammar.rows import masks
 from sparkrelay.host import socket_folder
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.decoder import CausalLM
-from sparkrelay.pipeline.comm import Channel, PeerLost, connect
+from sparkrelay.pipeline.comm import Channel, PeerLost, WirePlan, connect
 from sparkrelay.pipeline.descriptor import SHUTDOWN, STEP, MicroBatch, SeqDesc, reply_shape
-from sparkrelay.pipeline.launch import Workers, rendezvous_store
+from sparkrelay.pipeline.launch import LoadBoard, Workers, rendezvous_store
 from sparkrelay.pipeline.needs import RunnerNeeds
+from sparkrelay.pipeline.nodes import NodeHub, node_token
 from sparkrelay.pipeline.partition import pp_partition
 from sparkrelay.pipeline.stage import build_stage, model_view, pool_view
 from sparkrelay.runner.logprobs import from_rows
 from sparkrelay.runner.model_runner import RunResult, prompt_rows
 from sparkrelay.scheduler.request import Request
 from sparkrelay.scheduler.scheduler import Batch, ScheduledSeq
+from sparkrelay.transfer.bootstrap import bootstrap_url as url_of
+from sparkrelay.transfer.wire import check_advertised, local_host
 
 # Chunk pipelining (PipelineRunner._plan): a cut prefill step's chunks hold at least CHUNK_TOKENS
 # tokens, and there are at most CHUNKS_PER_STAGE per stage. Each chunk pays a fixed cost on every
@@ -52,6 +56,17 @@ from sparkrelay.scheduler.scheduler import Batch, ScheduledSeq
 # one chunk: too small a chunk pays the fixed cost too often, too large a one fills and drains
 # slowly; 256 gave the lowest PD TTFT measured (speed notes of docs/architecture.md).
 CHUNK_TOKENS, CHUNKS_PER_STAGE = 256, 4
+
+
+def bootstrap_url(config: Config) -> str:
+    """Where the stage sinks reach the prefill's bootstrap server: on one host its local address (a wildcard:
+    loopback); across hosts the address it advertises (SPARKRELAY_HOST_IP, else --disaggregation-bootstrap-host),
+    which every node reaches."""
+    dc = config.disagg
+    host = local_host(dc.disaggregation_bootstrap_host)
+    if config.parallel.nnodes > 1:
+        host = check_advertised(dc.disaggregation_bootstrap_host, DisaggEnv.read().host_ip)
+    return url_of(host, dc.disaggregation_bootstrap_port)
 
 
 def shared_threads(pp: int) -> int:
@@ -135,6 +150,7 @@ class PipelineRunner:
             status_address,
         )
         self.workers: Optional[Workers] = None
+        self.hub: Optional[NodeHub] = None
         self.channel: Optional[Channel] = None
         self._ids: dict[str, tuple[int, int]] = {}  # rid -> (req_index, room)
         self._released: list[tuple[int, int]] = []
@@ -143,7 +159,9 @@ class PipelineRunner:
         self._closed, self._broken = False, None
         self.stats = {"steps": 0, "micro_batches": 0}
         if pp > 1:
-            self.stage.share_cores(torch.get_num_threads(), shared_threads(pp))
+            self.stage.share_cores(
+                torch.get_num_threads(), shared_threads(config.parallel.stages_per_node)
+            )
             self._start_workers(config, model, pool, sink_factory, status_address)
         self._atexit = functools.partial(_close_ref, weakref.ref(self))
         atexit.register(self._atexit)
@@ -157,40 +175,84 @@ class PipelineRunner:
         sink_factory: Optional[str],
         status_address: str,
     ) -> None:
+        """Stages 1..k-1 as processes of this host; with --nnodes > 1 the other nodes' stages too, through the
+        NodeHub (pipeline/nodes.py)."""
         cuda = self.device.type == "cuda"
         backend = (
             "nccl"
             if cuda and config.model.device == "cuda" and torch.cuda.device_count() >= self.pp
             else "ipc"
         )
-        self._store = rendezvous_store(config.parallel.dist_init_port, self.pp)  # on 127.0.0.1 only
-        # 0700: the stages' sockets (comm.py)
+        self._store = (  # NCCL's rendezvous, on 127.0.0.1 only; CPU stages need no TCP port
+            rendezvous_store(config.parallel.dist_init_port, self.pp) if backend == "nccl" else None
+        )
+        # 0700: the stages' sockets (comm.py) and the load board
         self._ipc_dir = socket_folder("sparkrelay-pp-", f"rank{self.pp - 1}")
-        launch = {
-            "config": config.flat(),
-            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "partition": self.partition,
-            "num_blocks": pool.num_blocks,
-            "capture": self.capture.to_dict(),
-            "sink_factory": sink_factory,
-            "status_address": status_address,
-            "backend": backend,
-            "ipc_dir": self._ipc_dir,
-            "parent_pid": os.getpid(),
-            "threads": shared_threads(self.pp),
-            "alone_threads": torch.get_num_threads(),
-        }
-        self.workers = Workers(self.pp, self._store.port, json.dumps(launch))
+        self._board = LoadBoard(self._ipc_dir)
         try:
-            self.workers.wait_ready(self._store)
-            wire = connect(self._store, 0, self.pp, backend, self._ipc_dir)
+            plan, token = self._plan_wire(config)
+            launch = {
+                "config": config.flat(),
+                "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                "partition": self.partition,
+                "num_blocks": pool.num_blocks,
+                "capture": self.capture.to_dict(),
+                "sink_factory": sink_factory,
+                "status_address": status_address,
+                "bootstrap_url": bootstrap_url(config),
+                "backend": backend,
+                "ipc_dir": self._ipc_dir,
+                "wire": plan.to_dict(),
+                "parent_pid": os.getpid(),
+                "threads": shared_threads(config.parallel.stages_per_node),
+                "alone_threads": torch.get_num_threads(),
+            }
+            if self.hub is not None:
+                self.hub.launch(launch)
+            local = [r for r in range(1, self.pp) if config.parallel.node_of(r) == 0]
+            port = None if self._store is None else self._store.port
+            self.workers = Workers(local, self.pp, port, json.dumps(dict(launch, token=token)))
+            self.workers.wait_ready(self._board)
+            if self.hub is not None:
+                self.hub.wait_ready()
+            wire = connect(self._store, 0, backend, plan, token)
         except BaseException:
-            self.workers.stop(timeout=0)
-            self.stage.close()
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._abandon()
             raise
         self.workers.watch()
-        self.channel = Channel(wire, 0, self.pp, backend, self.device, health=self.workers.check)
+        if self.hub is not None:
+            self.hub.start()
+        self.channel = Channel(wire, 0, self.pp, backend, self.device, health=self._health)
+
+    def _plan_wire(self, config: Config) -> tuple[WirePlan, Optional[str]]:
+        """One host: every inbox an ipc:// file. Several: wait for every node to join (its address), and
+        authenticate the tcp:// links with the transfer token."""
+        pc = config.parallel
+        if pc.nnodes == 1:
+            return WirePlan(self.pp, self._ipc_dir), None
+        token = node_token(config)
+        self.hub = NodeHub(config, token)
+        hosts = self.hub.gather()
+        node_of = tuple(pc.node_of(r) for r in range(self.pp))
+        return WirePlan(
+            self.pp, self._ipc_dir, node_of, tuple(hosts), pc.init_host_port()[1]
+        ), token
+
+    def _abandon(self) -> None:
+        """A failed start: stop what was started."""
+        if self.workers is not None:
+            self.workers.stop(timeout=0)
+        if self.hub is not None:
+            self.hub.stop()
+        self.stage.close()
+        self._board.close()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    def _health(self) -> None:
+        """Raises RuntimeError once a local stage process died or a node is lost (every wait polls it)."""
+        self.workers.check()
+        if self.hub is not None:
+            self.hub.check()
 
     @property
     def worker_pids(self) -> list[int]:
@@ -209,14 +271,15 @@ class PipelineRunner:
 
     @property
     def rendezvous_port(self) -> Optional[int]:
+        """The NCCL stages' TCPStore port (None: no pipeline, or CPU stages, which listen on no TCP port)."""
         return None if self.workers is None else self.workers.port
 
     @property
     def failure(self) -> Optional[str]:
         """Why the pipeline is down (a stage died or a send/receive failed), or None while it is
         up."""
-        if self._broken is None and self.workers is not None and self.workers.failure is not None:
-            self._broken = self.workers.failure
+        if self._broken is None:
+            self._broken = self._down()
         return self._broken
 
     @torch.inference_mode()
@@ -285,7 +348,7 @@ class PipelineRunner:
             self.stage.close()
             if self.workers is None:
                 return
-            if self._broken is None and self.workers.failure is None:
+            if self._down() is None:
                 try:
                     self.channel.send_step(
                         MicroBatch(SHUTDOWN, next(self._steps), 0, 1, [], released), None
@@ -294,7 +357,10 @@ class PipelineRunner:
                 except PeerLost:
                     pass  # a stage died meanwhile: stop() below kills and reaps the rest
             self.workers.stop()
+            if self.hub is not None:
+                self.hub.stop()
             self.channel.close()
+            self._board.close()
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self.channel = self._store = None
 
@@ -376,10 +442,16 @@ class PipelineRunner:
     def _check_up(self) -> None:
         if self._closed:
             raise RuntimeError("the pipeline is closed")
-        if self._broken is None and self.workers is not None and self.workers.failure is not None:
-            self._broken = self.workers.failure
+        if self._broken is None:
+            self._broken = self._down()
         if self._broken is not None:
             raise RuntimeError(self._broken)
+
+    def _down(self) -> Optional[str]:
+        """A local stage's death or a lost node, as recorded by their watchers."""
+        if self.hub is not None and self.hub.failure is not None:
+            return self.hub.failure
+        return None if self.workers is None else self.workers.failure
 
     @contextmanager
     def _comm(self) -> Iterator[None]:
@@ -388,7 +460,12 @@ class PipelineRunner:
         try:
             yield
         except PeerLost as e:
-            self._broken = self.workers.down_message(e)
+            self._broken = (
+                self.hub.failure
+                if self.hub is not None and self.hub.failure
+                else self.workers.down_message(e)
+            )
+            self.workers.kill()
             raise RuntimeError(self._broken) from e
 
 

@@ -42,7 +42,8 @@ from sparkrelay.trace import timeline
 
 class StageSink(Protocol):
     """Per-stage hook of the PD prefill role (sparkrelay/disagg/prefill_sink.py:
-    `make_stage_sink(config, stage, partition, pool, status_address)`). Called on the stage's own
+    `make_stage_sink(config, stage, partition, pool, status_address, bootstrap_url)`; bootstrap_url "": the
+    prefill's own --disaggregation-bootstrap-host and port). Called on the stage's own
     thread, in micro-batch order."""
 
     def after_forward(
@@ -82,6 +83,7 @@ def make_sink(
     partition: list[tuple[int, int]],
     pool: KVPool,
     status_address: str = "",
+    bootstrap_url: str = "",
 ) -> Optional[StageSink]:
     """`factory` = "module:function" with make_stage_sink's signature, imported here (lazily), or
     None."""
@@ -95,7 +97,7 @@ def make_sink(
             f"--disaggregation-mode prefill: the stage sink factory {factory} cannot be loaded ({e}); "
             "the prefill role provides it in sparkrelay/disagg/prefill_sink.py"
         ) from e
-    return fn(config, stage, partition, pool, status_address)
+    return fn(config, stage, partition, pool, status_address, bootstrap_url)
 
 
 def model_view(full: CausalLM, start: int, end: int) -> CausalLM:
@@ -126,6 +128,7 @@ def build_stage(
     sink_factory: Optional[str],
     device: torch.device,
     status_address: str = "",
+    bootstrap_url: str = "",
 ) -> Stage:
     """A stage around a loaded model range: the drafter's context weights when it owns taps or
     finishes the partial projection (mode partial), and its sink."""
@@ -143,7 +146,7 @@ def build_stage(
                 f"capture target layer ids {list(capture.target_layer_ids)} != the drafter's "
                 f"target_layer_ids {list(projector.spec.target_layer_ids)} (its fc columns)"
             )
-    sink = make_sink(sink_factory, config, index, partition, pool, status_address)
+    sink = make_sink(sink_factory, config, index, partition, pool, status_address, bootstrap_url)
     return Stage(index, partition, model, pool, capture, projector, sink, config.model.seed, device)
 
 

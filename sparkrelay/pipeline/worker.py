@@ -1,12 +1,13 @@
-"""`python -m sparkrelay.pipeline.worker --rank R --world-size N --port P`: pipeline stage R (1 <= R
+"""`python -m sparkrelay.pipeline.worker --rank R --world-size N [--port P]`: pipeline stage R (1 <= R
 < N).
 
 Started by rank 0 (pipeline/launch.py), with its launch record, JSON, in SPARKRELAY_PP_LAUNCH:
     config (Config.flat()), dtype, partition, num_blocks, capture (CaptureSpec.to_dict()),
     sink_factory, status_address, backend, threads, alone_threads, parent_pid.
-Life: connect to rank 0's TCPStore on 127.0.0.1:P -> load layers [start, end) of the target (load_causal_lm) and a
-KVPool for them with rank 0's num_blocks and page size (block tables come in each descriptor) -> set `ready/R`
-(or `error/R` with the message) -> join the process group -> serve micro-batches until a SHUTDOWN descriptor
+Life: (NCCL only: connect to the launcher's TCPStore on 127.0.0.1:P) -> load layers [start, end) of
+the target (load_causal_lm) and a KVPool for them with rank 0's num_blocks and page size (block tables
+come in each descriptor) -> report StageLoaded to the launcher's LoadBoard (or the error) -> connect
+the wire (WirePlan) -> serve micro-batches until a SHUTDOWN descriptor
 (passed on first). An error of its own exits with code 1 (rank 0's watchdog names the stage); losing a peer
 exits with PEER_LOST_EXIT (3), which the watchdog does not take for the root cause; the parent's death exits too.
 Threads: threads = cpu_count // pp_size (at least 1) while other stages may be busy, and
@@ -34,9 +35,15 @@ from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.decoder import load_causal_lm
 from sparkrelay.models.quant import apply_torchao_config
 from sparkrelay.pipeline.capture import CaptureSpec, PayloadShape
-from sparkrelay.pipeline.comm import Channel, PeerLost, connect
+from sparkrelay.pipeline.comm import Channel, PeerLost, WirePlan, connect
 from sparkrelay.pipeline.descriptor import SHUTDOWN
-from sparkrelay.pipeline.launch import LAUNCH_ENV, LOAD_TIMEOUT_S, PEER_LOST_EXIT, RENDEZVOUS_HOST
+from sparkrelay.pipeline.launch import (
+    LAUNCH_ENV,
+    LOAD_TIMEOUT_S,
+    PEER_LOST_EXIT,
+    RENDEZVOUS_HOST,
+    report_loaded,
+)
 from sparkrelay.pipeline.stage import Stage, build_stage
 
 
@@ -84,6 +91,7 @@ def load(rank: int, launch: dict) -> tuple[Stage, PayloadShape, torch.device]:
         launch["sink_factory"],
         device,
         launch["status_address"],
+        launch.get("bootstrap_url", ""),
     )
     return stage, PayloadShape.into_stage(rank, capture, partition, s.hidden_size, dtype), device
 
@@ -115,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world-size", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument(
+        "--port", type=int, default=None, help="the NCCL stages' TCPStore (CPU stages: none)"
+    )
     args = ap.parse_args(argv)
     launch = json.loads(os.environ[LAUNCH_ENV])
     level = str(launch["config"].get("log_level", "info")).upper()
@@ -125,21 +135,24 @@ def main(argv: list[str] | None = None) -> int:
     watch_parent(launch["parent_pid"])
     reuse_freed_memory()
     torch.set_num_threads(launch["threads"])
-    store = dist.TCPStore(
-        RENDEZVOUS_HOST,
-        args.port,
-        args.world_size,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=LOAD_TIMEOUT_S),
-    )
+    store = None
+    if launch["backend"] == "nccl":
+        store = dist.TCPStore(
+            RENDEZVOUS_HOST,
+            args.port,
+            args.world_size,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=LOAD_TIMEOUT_S),
+        )
     try:
         stage, shape, device = load(args.rank, launch)
     except BaseException as e:
-        store.set(f"error/{args.rank}", f"{type(e).__name__}: {e}")
+        report_loaded(launch["ipc_dir"], args.rank, f"{type(e).__name__}: {e}" or "failed")
         raise
     stage.share_cores(launch["alone_threads"], launch["threads"])
-    store.set(f"ready/{args.rank}", "1")
-    wire = connect(store, args.rank, args.world_size, launch["backend"], launch["ipc_dir"])
+    report_loaded(launch["ipc_dir"], args.rank)
+    plan = WirePlan.from_dict(args.world_size, launch["ipc_dir"], launch["wire"])
+    wire = connect(store, args.rank, launch["backend"], plan, launch.get("token"))
     channel = Channel(wire, args.rank, args.world_size, launch["backend"], device, shape)
     try:
         serve(stage, channel)

@@ -190,7 +190,8 @@ class TransferAgent(ABC):
 class PrefillTransfer(TransferAgent):
     """One per prefill pipeline stage. Constructor: (pp_rank, pp_size, schema, compare,
     bootstrap_url, bind_host, bootstrap_timeout, on_status, prefill_http_port=None, auth_token=None,
-    failure_prob=0.0).
+    failure_prob=0.0, host_ip=None); host_ip (SPARKRELAY_HOST_IP): the address it registers, when
+    not its bind address.
 
     Room: Bootstrapping -> WaitingForInput (the decode's TRANSFER_INFO, schema and prompt_len agree) -> Transferring
     (the parts are going out) -> Success (the last of them, then STATUS success, left this process), or Failed.
@@ -216,7 +217,9 @@ class DecodeTransfer(TransferAgent):
     one_sided = False  # True: the prefill writes the parts into registered memory named by begin()'s landing
     """One per decode server. Constructor: (schema, compare, expected_parts, bind_host,
     bootstrap_timeout, waiting_timeout, heartbeat_interval, heartbeat_max_failures,
-    default_bootstrap_port, max_part_bytes=2^31, auth_token=None).
+    default_bootstrap_port, max_part_bytes=2^31, auth_token=None, host_ip=None); host_ip
+    (SPARKRELAY_HOST_IP): the address its TRANSFER_INFO names, when not its bind address (a
+    wildcard bind needs it: ConfigError otherwise).
 
     Room: Bootstrapping (reading the prefill's /route) -> WaitingForInput (TRANSFER_INFO sent to every stage) ->
     Transferring (the first part arrived) -> Success (every stage's STATUS success, every expected part present),

@@ -19,6 +19,12 @@ carry `Authorization: Bearer`, every message carries an HMAC tag (wire.FrameAuth
 without a valid tag is dropped and counted before it is parsed, never failing a room. A duplicate of
 a part already received (a replay: a real prefill sends each part once) is dropped too. Without a
 token a bad frame for a live room fails that room.
+
+The address in its TRANSFER_INFO (and its one-sided engine's name) is wire.check_advertised's:
+host_ip (SPARKRELAY_HOST_IP) when set, else the bind address; a wildcard bind without host_ip is a
+ConfigError. A room whose bootstrap host is remote but whose prefill published loopback stage
+endpoints fails without dialing them (bootstrap/prefill_book.py finds it): this decode would reach
+itself.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from sparkrelay.transfer.decode_room import LIVE, DecodeRoom, DecodeRooms, plan
 from sparkrelay.transfer.frames import FramesCarrier
 from sparkrelay.transfer.landing import Landing
 from sparkrelay.transfer.protocol import Abort, Data, FrameError, Status, TransferInfo
-from sparkrelay.transfer.wire import MAX_QUEUED, Outbox, advertise_host
+from sparkrelay.transfer.wire import MAX_QUEUED, Outbox, check_advertised
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +101,11 @@ class DecodeAgent(Agent, DecodeTransfer):
         max_part_bytes: int = 1 << 31,
         auth_token: Optional[str] = None,
         carrier=None,
+        host_ip: Optional[str] = None,
     ) -> None:
         super().__init__(schema, bind_host, auth_token, logger)
         self._compare, self._expected_parts = compare, expected_parts
-        self.host = advertise_host(bind_host)
+        self.host = check_advertised(bind_host, host_ip)  # what TRANSFER_INFO tells the prefill
         self.bootstrap_timeout, self.waiting_timeout = bootstrap_timeout, waiting_timeout
         self.default_bootstrap_port, self.max_part_bytes = default_bootstrap_port, max_part_bytes
         self._table = DecodeRooms()
@@ -137,6 +144,14 @@ class DecodeAgent(Agent, DecodeTransfer):
 
     def _unknown(self, room: int) -> str:
         return f"room {room} is not known to the decode (never begun, or cleared)"
+
+    def _started(self) -> None:
+        self._log.info(
+            "decode: transfer agent on %s:%d, advertised as %s",
+            self.bind_host,
+            self.port,
+            self.host,
+        )
 
     # ---- engine-facing API ----
 
@@ -226,7 +241,7 @@ class DecodeAgent(Agent, DecodeTransfer):
         self._news()
         if notify and not endpoints:
             known = self._book.cached(rec.addr)
-            endpoints = {} if known is None else known.endpoints
+            endpoints = {} if known is None or known.unreachable else known.endpoints
         if notify and endpoints:
             rec.told = True
             self._send_abort(room, [d for d in endpoints.values() if d != skip], reason)
@@ -272,10 +287,13 @@ class DecodeAgent(Agent, DecodeTransfer):
 
     def bootstrapped(self, room: int, rec: DecodeRoom, known: PrefillRecord) -> None:
         """The prefill's record is known: the room waits for its parts (TRANSFER_INFO to every
-        stage), or fails with the reason this decode refuses that prefill."""
-        refusal, expected = self._refusal(known.info, rec)
+        stage), or fails with the reason this decode refuses that prefill (stage endpoints it cannot
+        reach are never dialed, not even for an ABORT)."""
+        refusal, expected = self._refusal(known, rec)
+        reachable = not known.unreachable
         with self._lock:
-            rec.endpoints = dict(known.endpoints)
+            if reachable:
+                rec.endpoints = dict(known.endpoints)
             current, failed = self._table.current(room, rec), rec.state == KVPoll.Failed
             if current and not failed and not refusal:
                 self._table.ready(room, rec, expected, time.monotonic())
@@ -285,8 +303,8 @@ class DecodeAgent(Agent, DecodeTransfer):
         # a mismatch: read /route again next time (the prefill may be fixed)
         elif refusal and current:
             self._boot.forget(rec.addr, dead=False)
-            # with an ABORT naming both values to every stage
-            self.fail_room(room, rec, refusal, permanent=True)
+            # with an ABORT naming both values to every stage it can reach
+            self.fail_room(room, rec, refusal, permanent=True, notify=reachable)
         elif current:
             msg = TransferInfo(
                 room, self.host, self.port, rec.prompt_len, self._schema, rec.landing, rec.prefix
@@ -295,8 +313,13 @@ class DecodeAgent(Agent, DecodeTransfer):
                 if not self._enqueue(Send(rec.endpoints[pp], msg, (room, rec))):
                     self.fail_room(room, rec, "decode send queue is full")
 
-    def _refusal(self, info: dict, rec: DecodeRoom) -> tuple[str, dict[int, dict[str, PartSpec]]]:
+    def _refusal(
+        self, known: PrefillRecord, rec: DecodeRoom
+    ) -> tuple[str, dict[int, dict[str, PartSpec]]]:
         """(why this decode refuses the prefill's rooms, or "", pp_rank -> name -> PartSpec)."""
+        info = known.info
+        if known.unreachable:
+            return known.unreachable, {}
         if self._auth.enabled and info.get("auth_required") is not True:
             host, port = rec.addr
             return (

@@ -23,6 +23,12 @@ forged message is dropped and counted (rejected()) before it is parsed. failure_
 through the ordinary failure path. The draw is a function of the room id, so every stage of a room
 makes the same one: a room fails with probability failure_prob whatever the PP size, and a retry
 under a new room id draws again.
+
+A stage registers (rank_ip) and names its one-sided engine with host_ip (SPARKRELAY_HOST_IP) when
+given, else its bind address; a wildcard bind registers as is and the bootstrap server stores the
+address peers reach it at (bootstrap/server.py). A stage bound beyond loopback refuses a
+TRANSFER_INFO whose decode address is loopback (or a wildcard): sending there would reach this
+host, not the decode; the room fails and nothing is sent to that address.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from sparkrelay.transfer.decode_room import schema_mismatches
 from sparkrelay.transfer.frames import FramesCarrier
 from sparkrelay.transfer.prefill_room import PrefillRoom, PrefillRooms
 from sparkrelay.transfer.protocol import Abort, FrameError, Status, TransferInfo
-from sparkrelay.transfer.wire import Outbox
+from sparkrelay.transfer.wire import Outbox, advertised_host, dials_itself, resolves_to_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +126,7 @@ class PrefillAgent(Agent, PrefillTransfer):
         auth_token: Optional[str] = None,
         failure_prob: float = 0.0,
         carrier=None,
+        host_ip: Optional[str] = None,
     ) -> None:
         if not 0 <= pp_rank < pp_size:
             raise ValueError(f"pp_rank {pp_rank} is outside 0..{pp_size - 1}")
@@ -138,12 +145,15 @@ class PrefillAgent(Agent, PrefillTransfer):
         self.bootstrap_timeout, self.failure_prob = bootstrap_timeout, failure_prob
         self._table = PrefillRooms(self.who)
         self._carrier = FramesCarrier() if carrier is None else carrier
+        # what this stage registers: a wildcard without host_ip is the bootstrap server's to resolve
+        self.host = advertised_host(bind_host, host_ip) or bind_host
+        self._exposed = not resolves_to_loopback(bind_host)  # peers on other hosts may reach it
 
     # ---- lifecycle ----
 
     def start(self) -> None:
         # a one-sided engine first (EngineMissing names what to install)
-        self._carrier.open(self.bind_host)
+        self._carrier.open(self.host)
         super().start()
 
     def close(self) -> None:
@@ -169,7 +179,13 @@ class PrefillAgent(Agent, PrefillTransfer):
         except Exception:
             self.close()
             raise
-        super()._started()
+        self._log.info(
+            "%s: transfer agent on %s:%d, registered as %s",
+            self.who,
+            self.bind_host,
+            self.port,
+            self.host,
+        )
 
     def _registration(self) -> dict:
         return {
@@ -183,7 +199,7 @@ class PrefillAgent(Agent, PrefillTransfer):
             "pp_rank": self.pp_rank,
             "system_dp_size": 1,
             "system_dp_rank": 0,
-            "rank_ip": self.bind_host,
+            "rank_ip": self.host,
             "rank_port": self.port,
             "page_size": self._schema["page_size"],
             "kv_cache_dtype": self._schema["dtype"],
@@ -263,7 +279,23 @@ class PrefillAgent(Agent, PrefillTransfer):
         full."""
         return rec.take_push() and not self._enqueue(Push(room, rec))
 
+    def _unreachable(self, info: TransferInfo) -> str:
+        """Why this stage must not send to the decode named in info ("" when it may): a loopback or
+        wildcard address while this stage is bound beyond loopback is this host, not the decode."""
+        if not self._exposed or not dials_itself(info.decode_host):
+            return ""
+        return (
+            f"the decode advertised {info.decode_host}:{info.decode_port}, a loopback address, and "
+            f"this prefill stage is bound to {self.bind_host}: sending there would reach this host, "
+            "not the decode. Start the decode with SPARKRELAY_HOST_IP (or "
+            "--disaggregation-bootstrap-host) set to the address the prefill reaches it at"
+        )
+
     def _apply_info(self, info: TransferInfo, defer: bool = False) -> None:
+        unreachable = self._unreachable(info)
+        if unreachable:  # the room fails here only: telling the decode would dial this host
+            self._fail(info.room, unreachable, tell_decode=False, defer=defer)
+            return
         room, full, reply, reason = info.room, False, None, ""
         mismatches = schema_mismatches(self._compare, self._schema, info.schema)
         with self._lock:

@@ -9,13 +9,14 @@ is sampled.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
 import pytest
 import torch
 
-from sparkrelay.config import Config
+from sparkrelay.config import Config, ConfigError
 from sparkrelay.disagg.decode_role import DecodeRole
 from sparkrelay.disagg.handoff import part_of
 from sparkrelay.disagg.metadata import MetadataLayout, MetadataRow, pack
@@ -315,3 +316,45 @@ def test_prefill_wait_ends_on_wake_or_report(prefill):
         time.sleep(0.02)
     finally:
         out.close()
+
+
+# ---- the address a PD server advertises (docs/pd_across_hosts.md) -------------------------------
+
+
+@pytest.fixture
+def no_host_ip(monkeypatch):
+    for var in ("SPARKRELAY_HOST_IP", "SGLANG_HOST_IP"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_a_wildcard_bootstrap_host_without_host_ip_refuses_to_start(no_host_ip, mode):
+    """Bound to every interface, a server cannot know which address its peers reach: it refuses to
+    start (before the model loads and before it binds anything) rather than advertise loopback."""
+    cfg = config(mode, disaggregation_bootstrap_host="0.0.0.0")
+    with pytest.raises(ConfigError) as e:
+        (PrefillRole if mode == "prefill" else DecodeRole)(cfg, torch.float32)
+    msg = str(e.value)
+    assert msg.startswith("--disaggregation-bootstrap-host 0.0.0.0 is a wildcard address"), msg
+    assert "Set SPARKRELAY_HOST_IP (or SGLANG_HOST_IP)" in msg, msg
+    with socket.socket() as s:  # the bootstrap port was never bound
+        s.bind(("0.0.0.0", cfg.disagg.disaggregation_bootstrap_port))
+
+
+@pytest.mark.parametrize("var", ["SPARKRELAY_HOST_IP", "SGLANG_HOST_IP"])
+def test_a_wildcard_bootstrap_host_advertises_host_ip(no_host_ip, var):
+    no_host_ip.setenv(var, "10.0.0.1")
+    prefill = PrefillRole(config("prefill", disaggregation_bootstrap_host="0.0.0.0"), torch.float32)
+    try:
+        assert prefill.bootstrap.advertised == "10.0.0.1"
+    finally:
+        prefill.close()
+    decode = DecodeRole(config("decode", disaggregation_bootstrap_host="0.0.0.0"), torch.float32)
+    sched = Scheduler(BlockManager(4, PAGE), max_running=4, token_budget=64)
+    pool = KVPool(range(2), 4, PAGE, 2, 8, torch.float32, "cpu")
+    try:
+        decode.attach(EngineParts(sched, pool, None, torch.device("cpu"), 4096))
+        assert decode.agent.host == "10.0.0.1"  # what its TRANSFER_INFO names
+    finally:
+        decode.close()

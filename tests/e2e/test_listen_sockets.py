@@ -148,7 +148,7 @@ def test_rendezvous_store_listens_on_loopback_only():
 
 def test_no_process_listens_beyond_loopback(tmp_path):
     # the aggregated PP=2 server starts alongside the PD deployment (the stages load in parallel)
-    agg_port = free_port()  # its rendezvous port is left to the server (/server_info tells which)
+    agg_port = free_port()
     agg_log = open(tmp_path / "aggregated.log", "w")
     agg = subprocess.Popen(
         server_argv(MODEL, agg_port, ["--pp-size", "2"]),
@@ -194,10 +194,11 @@ def test_no_process_listens_beyond_loopback(tmp_path):
         assert {
             int(cluster.prefill.url.rsplit(":", 1)[1]),
             cluster.bootstrap_port,
-            pd_dist,
         } <= ports(trees["prefill"])
+        # CPU stages meet over ipc:// files: --dist-init-port is NCCL's alone, no TCP rendezvous listens
+        assert pd_dist not in ports(trees["prefill"]) and agg_dist is None
         assert int(cluster.decode.url.rsplit(":", 1)[1]) in ports(trees["decode"])
-        assert {agg_port, agg_dist} <= ports(trees["aggregated"])
+        assert agg_port in ports(trees["aggregated"])
         assert len(trees["prefill"]) >= 2 and len(trees["aggregated"]) >= 2, trees
         for name, tree in trees.items():
             assert_loopback_only(name, tree)

@@ -22,37 +22,27 @@ import urllib.request
 
 import pytest
 
-from sparkrelay.llm import LLM
-from sparkrelay.scheduler.request import SamplingParams
 from sparkrelay.tools.cluster import PDSettings, start_pd
-from testkit.pd import DRAFTER, MAX_NEW, MODEL, generate, post  # noqa: F401
+from testkit.pd import (  # noqa: F401
+    DRAFTER,
+    MAX_NEW,
+    MODEL,
+    check_against,
+    dspark_reference,
+    generate,
+    pd_prompts,
+    post,
+)
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(MODEL)
-    text = (
-        open("sparkrelay/scheduler/scheduler.py").read()
-        + open("sparkrelay/models/decoder.py").read()
-    )
-    ids = tok.encode(text)
-    out = [ids[40 * i : 40 * i + 9 + (i * 13) % 90] for i in range(18)]
-    out.append(ids[500:505])  # shorter than the default tail (8)
-    out.append(ids[1000:2100])  # longer than 1,000 tokens
-    assert len(out[-1]) > 1000 and len(out[-2]) < 8
-    return out
+    return pd_prompts()
 
 
 @pytest.fixture(scope="module")
 def reference(prompts) -> list[dict]:
-    """Aggregated DSpark, one prompt at a time (batch 1, as the PD requests are sent)."""
-    llm = LLM(MODEL, speculative_algorithm="DSPARK", speculative_draft_model_path=DRAFTER)
-    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
-    out = [llm.generate(p, params) for p in prompts]
-    llm.engine.close()
-    return out
+    return dspark_reference(prompts)
 
 
 def run_pd(tmp_path, prompts, also=None, decode_info=None, **settings) -> list[dict]:
@@ -79,28 +69,6 @@ def run_pd(tmp_path, prompts, also=None, decode_info=None, **settings) -> list[d
         return results
     finally:
         cluster.stop()
-
-
-def check_against(
-    reference: list[dict], results: list[dict], exact_acceptance: bool
-) -> list[float]:
-    taus = []
-    for i, (ref, got) in enumerate(zip(reference, results)):
-        assert got["output_ids"] == ref["output_ids"], (
-            f"prompt {i}: PD tokens differ from aggregated DSpark"
-        )
-        m, r = got["meta_info"], ref["meta_info"]
-        assert m["spec_verify_ct"] >= 1 and m["spec_accept_length"] >= 1.0
-        if exact_acceptance:
-            assert (m["spec_verify_ct"], m["spec_accept_length"]) == (
-                r["spec_verify_ct"],
-                r["spec_accept_length"],
-            ), (
-                f"prompt {i}: acceptance {m['spec_verify_ct']}/{m['spec_accept_length']} vs aggregated "
-                f"{r['spec_verify_ct']}/{r['spec_accept_length']}"
-            )
-        taus.append(m["spec_accept_length"])
-    return taus
 
 
 def traced(tmp_path) -> dict:

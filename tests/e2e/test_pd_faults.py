@@ -26,7 +26,7 @@ import pytest
 from sparkrelay.llm import LLM
 from sparkrelay.scheduler.request import SamplingParams
 from sparkrelay.tools.cluster import PDSettings, free_port, server_argv, start, start_pd
-from testkit.pd import DRAFTER, MODEL, post
+from testkit.pd import DRAFTER, MODEL, assert_drained, post
 
 FAST = {
     "SPARKRELAY_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.5",
@@ -55,29 +55,6 @@ def reference(prompts) -> list[list[int]]:
     ]
     llm.engine.close()
     return out
-
-
-def state(url: str) -> dict:
-    with urllib.request.urlopen(url + "/server_info", timeout=10) as r:
-        return json.loads(r.read())["internal_states"][0]
-
-
-def assert_drained(url: str, timeout: float = 20.0) -> None:
-    """No KV block in use, nothing in flight, and the idle invariant check clean."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = state(url)
-        busy = (
-            s["kv_used_tokens"]
-            or s.get("num_transfers_inflight", 0)
-            or s.get("num_prealloc", 0)
-            or s.get("num_quarantined", 0)
-            or s["num_running"]
-        )
-        if not busy and s.get("check_error") is None:
-            return
-        assert time.monotonic() < deadline, f"{url} did not drain: {s}"
-        time.sleep(0.25)
 
 
 def body(ids: list[int], boot_port: int, **extra) -> dict:

@@ -154,7 +154,7 @@ class RecordingSink:
             f.write("".join(f"{r}\n" for r in rooms))
 
 
-def recording_sink(config, stage, partition, pool, status_address):
+def recording_sink(config, stage, partition, pool, status_address, bootstrap_url=""):
     assert status_address == "" and sorted(pool.layers) == list(range(*partition[stage]))
     return RecordingSink(stage, stage == len(partition) - 1)
 

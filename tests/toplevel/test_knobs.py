@@ -1,8 +1,9 @@
 """The DSpark PD knobs and the SGLang flags, in process:
 SPARKRELAY_/SGLANG_DSPARK_PD_TARGET_LAYER_IDS parsing (errors name the variable the user set), one
 resolution of the taps for the handshake record and the stages' capture, the tail length bounded by
-the context, an explicit --dspark-pd-handoff without taps refused, and the radix-cache and
-SGLang-only flags of the command line."""
+the context, an explicit --dspark-pd-handoff without taps refused, SPARKRELAY_/SGLANG_HOST_IP (an
+address or host name, never a wildcard), and the radix-cache and SGLang-only flags of the command
+line."""
 
 from __future__ import annotations
 
@@ -16,18 +17,28 @@ from sparkrelay.config import Config, ConfigError, add_cli_args, config_from_arg
 from sparkrelay.disagg.handoff import HandoffError, build_schema, inject_context
 from sparkrelay.disagg.metadata import MetadataRow, build_tail
 from sparkrelay.disagg.schema import SCHEMA_VERSION, HandoffSchema
-from sparkrelay.envs import DisaggEnv
+from sparkrelay.envs import ENV_VARS, DisaggEnv, env_help
 from sparkrelay.models.decoder import DecoderSpec
 from sparkrelay.pipeline.capture import CaptureSpec
 
 IDS, SG_IDS = "SPARKRELAY_DSPARK_PD_TARGET_LAYER_IDS", "SGLANG_DSPARK_PD_TARGET_LAYER_IDS"
 TAIL, SG_TAIL = "SPARKRELAY_DSPARK_PD_PREFILL_TAIL_TOKENS", "SGLANG_DSPARK_PD_PREFILL_TAIL_TOKENS"
 CAPTURE = "SPARKRELAY_DSPARK_PD_ENABLE_PREFILL_CAPTURE"
+HOST_IP, SG_HOST_IP = "SPARKRELAY_HOST_IP", "SGLANG_HOST_IP"
 
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    for name in (IDS, SG_IDS, TAIL, SG_TAIL, CAPTURE, "SGLANG_DSPARK_PD_ENABLE_PREFILL_CAPTURE"):
+    for name in (
+        IDS,
+        SG_IDS,
+        TAIL,
+        SG_TAIL,
+        CAPTURE,
+        "SGLANG_DSPARK_PD_ENABLE_PREFILL_CAPTURE",
+        HOST_IP,
+        SG_HOST_IP,
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -72,6 +83,59 @@ def test_sparkrelay_name_wins_over_the_alias(monkeypatch):
     monkeypatch.setenv(SG_IDS, "1 3")  # malformed, but not the one read
     monkeypatch.setenv(IDS, "2,4")
     assert DisaggEnv.read().target_layer_ids == (2, 4)
+
+
+# ---------------------------------------------------------------- *_HOST_IP
+
+
+@pytest.mark.parametrize(
+    "value,host",
+    [
+        ("10.0.0.1", "10.0.0.1"),
+        (" 10.0.0.1 ", "10.0.0.1"),
+        ("fd00::1", "fd00::1"),
+        ("[fd00::1]", "fd00::1"),  # brackets dropped: they are added where a URL needs them
+        ("prefill-a.example.com", "prefill-a.example.com"),
+        ("localhost", "localhost"),  # one host, said explicitly
+    ],
+)
+@pytest.mark.parametrize("var", [HOST_IP, SG_HOST_IP])
+def test_host_ip_is_an_address_or_a_host_name(monkeypatch, var, value, host):
+    monkeypatch.setenv(var, value)
+    assert DisaggEnv.read().host_ip == host
+
+
+def test_host_ip_unset_and_which_name_wins(monkeypatch):
+    assert DisaggEnv.read().host_ip is None
+    monkeypatch.setenv(SG_HOST_IP, "")  # blank reads as unset
+    assert DisaggEnv.read().host_ip is None
+    monkeypatch.setenv(SG_HOST_IP, "0.0.0.0")  # malformed, but not the one read
+    monkeypatch.setenv(HOST_IP, "10.0.0.2")
+    assert DisaggEnv.read().host_ip == "10.0.0.2"
+    assert HOST_IP in ENV_VARS and f"{HOST_IP}, {SG_HOST_IP} (default unset)" in env_help()
+
+
+@pytest.mark.parametrize(
+    "value,says",
+    [
+        ("0.0.0.0", "is a wildcard address"),
+        ("::", "is a wildcard address"),
+        ("[::]", "is a wildcard address"),
+        ("10.0.0.1:8998", "is not an IP address or host name"),  # a port
+        ("http://10.0.0.1", "is not an IP address or host name"),
+        ("10.0.0.300", "is not an IP address or host name"),
+        ("10.0.0", "is not an IP address or host name"),
+        ("prefill_a", "is not an IP address or host name"),
+        ("-prefill", "is not an IP address or host name"),
+        ("a b", "is not an IP address or host name"),
+    ],
+)
+@pytest.mark.parametrize("var", [HOST_IP, SG_HOST_IP])
+def test_bad_host_ip_names_the_variable_set(monkeypatch, var, value, says):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError) as e:
+        DisaggEnv.read()
+    assert str(e.value).startswith(f"{var}={value!r} {says}"), str(e.value)
 
 
 # ---------------------------------------------------------------- one resolution: record == capture

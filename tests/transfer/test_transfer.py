@@ -149,7 +149,7 @@ def test_route_errors_and_dp_rank_table(make_cluster):
     assert http_request("PUT", f"{s.url}/route", None)[0] == 400
     with pytest.raises(BootstrapError, match="pp_rank"):
         register_rank(s.url, {**good, "pp_rank": -1})
-    # a wildcard rank_ip is rewritten to loopback
+    # a wildcard rank_ip from this host is stored as the server's advertised address (loopback here)
     assert http_request(
         "PUT", f"{s.url}/route", {**good, "rank_ip": "0.0.0.0", "rank_port": 4242}
     ) == (200, b"OK")

@@ -663,11 +663,24 @@ def test_non_loopback_bind_without_token_warns(caplog):
     caplog.set_level(logging.WARNING, logger="sparkrelay.transfer")
     for token, warned in [(None, True), (TOKEN, False)]:
         caplog.clear()
-        server = BootstrapServer("0.0.0.0", 0, 1, SCHEMA, None, 16, "bfloat16", token)
+        # a wildcard bind needs the address to advertise (SPARKRELAY_HOST_IP)
+        server = BootstrapServer(
+            "0.0.0.0", 0, 1, SCHEMA, None, 16, "bfloat16", token, host_ip="10.0.0.1"
+        )
         server.start()
         server.stop()
         decode = DecodeAgent(
-            SCHEMA, compare, expected_parts, "0.0.0.0", 1.0, 1.0, 1.0, 2, 1, auth_token=token
+            SCHEMA,
+            compare,
+            expected_parts,
+            "0.0.0.0",
+            1.0,
+            1.0,
+            1.0,
+            2,
+            1,
+            auth_token=token,
+            host_ip="10.0.0.2",
         )
         decode.start()
         assert decode.threads_alive()

@@ -11,6 +11,10 @@ again.
 
 A retired endpoint is dead: nothing more is sent there, and the caller closes its socket (linger 0)
 and drops what was queued for it. Thread safe; never calls back into the agent.
+
+A record says when its stages are unreachable from here: the prefill is remote (its bootstrap host
+is not loopback) but published a loopback (or wildcard) stage endpoint, which would reach this
+decode's own host; its rooms fail with that reason, and nothing is ever sent to those endpoints.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Callable, Optional
 
 from sparkrelay.transfer.base import Addr, Dest
 from sparkrelay.transfer.bootstrap.client import bootstrap_url, fetch_prefill_info, fetch_rank
+from sparkrelay.transfer.wire import dials_itself
 
 MAX_PREFILLS = 1024  # cached records (and kept-aside endpoint lists)
 MAX_DEAD = 4096  # retired endpoints remembered
@@ -35,6 +40,23 @@ class PrefillRecord:
     info: dict  # the server info, with "schema" and "pp_size"
     # pp_rank -> PULL endpoint, every stage
     endpoints: dict[int, Dest] = field(default_factory=dict)
+    unreachable: str = ""  # why its stages must not be dialed from here ("": they may)
+
+
+def stages_unreachable(addr: Addr, endpoints: dict[int, Dest]) -> str:
+    """Why a prefill reached at addr (its bootstrap host, port) cannot be sent to: a stage endpoint
+    that would reach this decode's own host while the prefill is on another one; "" otherwise. Once
+    per fetch: it may ask the resolver."""
+    looped = {pp: dest for pp, dest in endpoints.items() if dials_itself(dest[0], resolve=True)}
+    if not looped or dials_itself(addr[0], resolve=True):
+        return ""  # loopback to loopback: one host
+    pp, (ip, port) = min(looped.items())
+    return (
+        f"the prefill at {addr[0]}:{addr[1]} advertised {ip}:{port} for pp_rank {pp}, a loopback "
+        "address, which from this host is the decode itself: start the prefill with "
+        "SPARKRELAY_HOST_IP (or --disaggregation-bootstrap-host) set to the address this host "
+        "reaches it at"
+    )
 
 
 class PrefillBook:
@@ -91,7 +113,8 @@ class PrefillBook:
             pp: fetch_rank(url, pp, deadline, self._token, wanted)
             for pp in reversed(range(info["pp_size"]))
         }
-        known, fresh = PrefillRecord(info, endpoints), set(endpoints.values())
+        known = PrefillRecord(info, endpoints, stages_unreachable(addr, endpoints))
+        fresh = set(endpoints.values())
         with self._lock:
             old = self._aside.pop(addr, [])
             self._records[addr] = known

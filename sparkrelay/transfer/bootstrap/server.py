@@ -13,11 +13,18 @@ With an auth token every route but GET /health needs `Authorization: Bearer TOKE
 message otherwise), and the server info says "auth_required": true. Request bodies over
 MAX_BODY_BYTES get a 413. Every refusal is logged with its reason (rate limited) and counted
 (rejected()).
+
+The server advertises wire.check_advertised(host, host_ip): SPARKRELAY_HOST_IP when set, else its
+bind address (a wildcard without it is a ConfigError). A stage that registers a wildcard rank_ip,
+or this server's own bind address, is stored at the address peers reach it at: from this host
+(its registration came over loopback) the server's advertised address, from another host the
+address it registered from.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import logging
 import re
@@ -33,7 +40,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from sparkrelay.transfer.base import check_room
 from sparkrelay.transfer.bootstrap.client import bootstrap_url, is_int
-from sparkrelay.transfer.wire import RejectLog, advertise_host, check_token, warn_if_exposed
+from sparkrelay.transfer.wire import (
+    RejectLog,
+    check_advertised,
+    check_token,
+    is_loopback,
+    is_wildcard,
+    local_host,
+    warn_if_exposed,
+)
 
 logger = logging.getLogger(__name__)
 _HOST_CHARS = re.compile(r"[A-Za-z0-9.:\-\[\]%_]+")  # names, IPv4, IPv6 (+ zone)
@@ -80,9 +95,11 @@ class BootstrapServer:
         page_size: int,
         kv_cache_dtype: str,
         auth_token: Optional[str] = None,
+        host_ip: Optional[str] = None,
     ) -> None:
         if pp_size < 1:
             raise ValueError(f"pp_size must be >= 1, got {pp_size}")
+        self.advertised = check_advertised(host, host_ip)
         token = check_token(auth_token)
         self._expected_auth = None if token is None else f"Bearer {token}".encode()
         self._rejects = RejectLog(logger)
@@ -150,7 +167,11 @@ class BootstrapServer:
             time.sleep(0.01)
         warn_if_exposed(self.host, self._expected_auth is not None, "the bootstrap server")
         logger.info(
-            "bootstrap server listening on %s:%d (pp_size %d)", self.host, self.port, self.pp_size
+            "bootstrap server listening on %s:%d, advertising %s (pp_size %d)",
+            self.host,
+            self.port,
+            self.advertised,
+            self.pp_size,
         )
 
     def threads_alive(self) -> bool:
@@ -181,16 +202,17 @@ class BootstrapServer:
 
     @property
     def url(self) -> str:
-        return bootstrap_url(advertise_host(self.host), self.port)
+        """Where a process on this host reaches the server (a wildcard bind: loopback)."""
+        return bootstrap_url(local_host(self.host), self.port)
 
     # ---- routes ----
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-        handlers = {
+        handlers = {  # (body, the address it came from) -> response
             "/route": self._register,
-            "/register_dp_rank": self._register_dp_rank,
-            "/query_dp_ranks": self._query_dp_ranks,
+            "/register_dp_rank": lambda body, _: self._register_dp_rank(body),
+            "/query_dp_ranks": lambda body, _: self._query_dp_ranks(body),
         }
 
         async def with_body(request: Request):
@@ -198,7 +220,7 @@ class BootstrapServer:
                 body = await _json_body(request)
             except _Refusal as e:
                 return self._refuse("size" if e.code == 413 else "request", request, e.msg, e.code)
-            return self._logged(request, handlers[request.url.path](body))
+            return self._logged(request, handlers[request.url.path](body, _peer(request)))
 
         app.put("/route")(with_body)
         app.post("/register_dp_rank")(with_body)
@@ -241,7 +263,7 @@ class BootstrapServer:
         return asgi
 
     def _refuse(self, kind: str, request: Request, msg: str, code: int) -> JSONResponse:
-        peer = request.client.host if request.client else "?"
+        peer = _peer(request)
         self._rejects.note(
             kind,
             "bootstrap: refused %s %s from %s: %d %s",
@@ -257,7 +279,7 @@ class BootstrapServer:
     def _logged(self, request: Request, response):
         """Log and count a 4xx refusal (503 "not registered yet" is routine, not a refusal)."""
         if 400 <= response.status_code < 500:
-            peer = request.client.host if request.client else "?"
+            peer = _peer(request)
             self._rejects.note(
                 "request",
                 "bootstrap: refused %s %s from %s: %d %s",
@@ -269,7 +291,7 @@ class BootstrapServer:
             )
         return response
 
-    def _register(self, body: dict):
+    def _register(self, body: dict, peer: str):
         for name in REG_INT_FIELDS:
             if not is_int(body.get(name)):
                 return _bad(f"{name}: must be an integer, got {body.get(name)!r}")
@@ -305,12 +327,29 @@ class BootstrapServer:
             0,
             body["pp_rank"],
         )  # (dp group, cp, tp, pp); dp group = attn_dp_rank as system_dp_size == 1
+        stored = self._stage_host(rank_ip, peer)
         with self._lock:
-            self._table[key] = {"rank_ip": advertise_host(rank_ip), "rank_port": body["rank_port"]}
+            self._table[key] = {"rank_ip": stored, "rank_port": body["rank_port"]}
             if self.prefill_http_port is None and body.get("prefill_http_port") is not None:
                 self.prefill_http_port = body["prefill_http_port"]
-        logger.info("bootstrap: registered pp_rank %d at %s:%d", key[3], rank_ip, body["rank_port"])
+        logger.info(
+            "bootstrap: registered pp_rank %d at %s:%d (it sent %s)",
+            key[3],
+            stored,
+            body["rank_port"],
+            rank_ip,
+        )
         return PlainTextResponse("OK")
+
+    def _stage_host(self, rank_ip: str, peer: str) -> str:
+        """What the decodes are told for a stage that registered rank_ip from peer: a wildcard or
+        this server's bind address is where the stage's host is reached (this server's advertised
+        address when the stage is on this host, i.e. it came over loopback or from the bind
+        address, else the address it registered from); any other address as given."""
+        own = self.host.strip("[]")
+        if not is_wildcard(rank_ip) and rank_ip.strip("[]") != own:
+            return rank_ip
+        return self.advertised if is_loopback(peer) or peer in ("?", own) else peer
 
     def _check_optional(self, body: dict) -> Optional[str]:
         page_size, dtype = body.get("page_size"), body.get("kv_cache_dtype")
@@ -406,6 +445,16 @@ class BootstrapServer:
             if now - t < DP_RANK_TTL_S:
                 break
             del self._dp_ranks[room]
+
+
+def _peer(request: Request) -> str:
+    """The address a request came from, an IPv4-mapped IPv6 one as IPv4 ("?" when unknown)."""
+    host = request.client.host if request.client else "?"
+    try:
+        mapped = getattr(ipaddress.ip_address(host), "ipv4_mapped", None)
+    except ValueError:
+        return host
+    return host if mapped is None else str(mapped)
 
 
 async def _json_body(request: Request) -> dict:

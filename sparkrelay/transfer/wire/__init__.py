@@ -1,6 +1,15 @@
 """The control channel's wire layer: frame authentication (auth), the receiving PULL socket (inbox),
-the non-blocking per-destination PUSH pool (outbox) and the rate-limited reject log."""
+the non-blocking per-destination PUSH pool (outbox), the rate-limited reject log, and which address
+a server advertises to its peers (address)."""
 
+from sparkrelay.transfer.wire.address import (
+    advertised_host,
+    check_advertised,
+    dials_itself,
+    is_wildcard,
+    local_host,
+    resolves_to_loopback,
+)
 from sparkrelay.transfer.wire.auth import (
     TAG_BYTES,
     TAG_LABEL,
@@ -11,7 +20,7 @@ from sparkrelay.transfer.wire.auth import (
     is_loopback,
     warn_if_exposed,
 )
-from sparkrelay.transfer.wire.inbox import Inbox, advertise_host, bind_pull, tcp_endpoint
+from sparkrelay.transfer.wire.inbox import Inbox, bind_pull, tcp_endpoint
 from sparkrelay.transfer.wire.outbox import MAX_QUEUED, Outbox
 
 __all__ = [
@@ -23,10 +32,15 @@ __all__ = [
     "Inbox",
     "Outbox",
     "RejectLog",
-    "advertise_host",
+    "advertised_host",
     "bind_pull",
+    "check_advertised",
     "check_token",
+    "dials_itself",
     "is_loopback",
+    "is_wildcard",
+    "local_host",
+    "resolves_to_loopback",
     "tcp_endpoint",
     "warn_if_exposed",
 ]

@@ -54,9 +54,10 @@ class FrameAuth:
     """HMAC-SHA256 tags on every message when a token is set; a no-op without one. Thread safe
     (stateless)."""
 
-    def __init__(self, token: Optional[str]) -> None:
+    def __init__(self, token: Optional[str], label: bytes = TAG_LABEL) -> None:
+        """label: what the frames are (a tag made for one protocol is never valid in another)."""
         token = check_token(token)
-        self._key = None if token is None else token.encode()
+        self._key, self._label = (None if token is None else token.encode()), label
 
     @property
     def enabled(self) -> bool:
@@ -68,7 +69,7 @@ class FrameAuth:
         return "" if self.enabled else f" ({TOKEN_HINT})"
 
     def tag(self, frames: list) -> bytes:
-        h = hmac.new(self._key, TAG_LABEL, hashlib.sha256)
+        h = hmac.new(self._key, self._label, hashlib.sha256)
         for f in frames:
             # lengths make the frame split unambiguous
             h.update(memoryview(f).nbytes.to_bytes(8, "big"))

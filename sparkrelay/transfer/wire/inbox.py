@@ -1,5 +1,5 @@
-"""The receiving end of the control channel: a bound PULL socket and its monitor, and the address
-helpers."""
+"""The receiving end of the control channel: a bound PULL socket and its monitor, and its tcp://
+endpoint (which address to advertise for it: address.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,6 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from sparkrelay.transfer.wire.auth import RejectLog
-
-WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
-
-
-def advertise_host(host: str) -> str:
-    """The address peers should dial for a socket bound on `host` (a wildcard becomes loopback)."""
-    return WILDCARD_HOSTS.get(host, host)
 
 
 def tcp_endpoint(host: str, port: int | str) -> str:
