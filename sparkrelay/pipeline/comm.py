@@ -52,7 +52,7 @@ from sparkrelay.pipeline.descriptor import (
 )
 from sparkrelay.pipeline.launch import LOOPBACK_IFNAME
 from sparkrelay.transfer.protocol import AuthError
-from sparkrelay.transfer.wire import FrameAuth, RejectLog, tcp_endpoint
+from sparkrelay.transfer.wire import FrameAuth, RejectLog, recv_with_peer, tcp_endpoint
 
 logger = logging.getLogger(__name__)
 PIPELINE_TAG_LABEL = b"sparkrelay-pipeline-frame-v1"
@@ -212,17 +212,23 @@ class SocketWire:
     def _recv_tagged(self, buf: torch.Tensor, peer: int) -> Optional[int]:
         """One tcp:// message into `buf`: its size, or None when it was dropped (no valid tag, or not the next
         message of the sender's count: a replay)."""
-        frames = self._inbox.recv_multipart(copy=True)
+        frames, sender = recv_with_peer(self._inbox)
         try:
             data, seq = self._auth.open(frames)
         except (AuthError, ValueError) as e:
             self._rejects.note(
-                "auth", "pipeline inbox: dropped a message from rank %d's link: %s", peer, e
+                "auth",
+                "pipeline inbox: dropped a message on rank %d's link: %s",
+                peer,
+                e,
+                peer=sender,
             )
             return None
         if len(seq) != 8 or int.from_bytes(seq, "big") != self._seen + 1:
             self._rejects.note(
-                "replay", "pipeline inbox: dropped a message out of sequence (a replay?)"
+                "replay",
+                "pipeline inbox: dropped a message out of sequence (a replay?)",
+                peer=sender,
             )
             return None
         self._seen += 1

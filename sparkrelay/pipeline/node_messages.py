@@ -16,7 +16,7 @@ import zmq
 
 from sparkrelay.codec import FrameError, Message, int_in, read_message, str_max
 from sparkrelay.transfer.protocol import AuthError
-from sparkrelay.transfer.wire import FrameAuth, RejectLog
+from sparkrelay.transfer.wire import FrameAuth, RejectLog, recv_with_peer
 
 logger = logging.getLogger(__name__)
 
@@ -124,24 +124,28 @@ class NodeLink:
         """(the sender's identity on a ROUTER, the message), or None when nothing valid came in time."""
         deadline = time.monotonic() + timeout_s
         while self.sock.poll(max(0.0, deadline - time.monotonic()) * 1000):
-            frames = self.sock.recv_multipart()
+            frames, sender = recv_with_peer(self.sock)
             ident = frames.pop(0) if self.router else None
-            msg = self._open(frames)
+            msg = self._open(frames, sender)
             if msg is not None:
                 return ident, msg
         return None
 
-    def _open(self, frames: list) -> Optional[Message]:
+    def _open(self, frames: list, sender: Optional[str] = None) -> Optional[Message]:
         try:
             msg = read_message(self._auth.open(frames), KINDS, MAX_NODE_BYTES, 4096)
         except (AuthError, FrameError) as e:
-            self._rejects.note("node-frame", "pipeline node link: dropped a message: %s", e)
+            self._rejects.note(
+                "node-frame", "pipeline node link: dropped a message: %s", e, peer=sender
+            )
             return None
         if msg.seq <= self._seen.get(msg.node, 0):
-            self._rejects.note("replay", "pipeline node link: dropped a replayed message")
+            self._rejects.note(
+                "replay", "pipeline node link: dropped a replayed message", peer=sender
+            )
             return None
         if isinstance(msg, NodeJoin) and abs(msg.sent_at - time.time()) > JOIN_FRESH_S:
-            self._rejects.note("stale", "pipeline node link: dropped a stale NodeJoin")
+            self._rejects.note("stale", "pipeline node link: dropped a stale NodeJoin", peer=sender)
             return None
         self._seen[msg.node] = msg.seq
         return msg

@@ -157,11 +157,15 @@ class Agent:
     # ---- listener thread ----
 
     def _listen_step(self, inbox: Inbox) -> None:
-        for msg in inbox.poll(50):
+        for msg, peer in inbox.poll(50):
             try:
                 self._receive(self._auth.open(msg))
+            except AuthError as e:  # never names a room; one line per stranger
+                self._rejects.note(
+                    "auth", "%s: dropped a message: %s", self.who, e.reason, peer=peer
+                )
             except FrameError as e:
-                self._bad_message(e, "auth" if isinstance(e, AuthError) else "protocol")
+                self._bad_message(e, "protocol")
             except Exception:
                 self._log.exception(
                     "%s: error while handling a message (the listener keeps running)", self.who

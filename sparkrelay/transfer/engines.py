@@ -28,6 +28,8 @@ from typing import Protocol
 
 import numpy as np
 
+from sparkrelay.transfer.wire import interface_of
+
 Write = tuple[int, int, int]  # (local source address, peer destination address, bytes)
 MOONCAKE_BATCH = (
     1024  # Mooncake refuses larger batches (4096 failed with -1 in a probe; 1024 works)
@@ -190,9 +192,11 @@ class NixlEngine:
 
     def __init__(self, host: str) -> None:
         with self._env_lock:
-            # UCX reads it when the agent starts: keep its sockets on the loopback device
-            if _loopback(host):
-                os.environ.setdefault("UCX_NET_DEVICES", "lo")
+            # UCX reads it when the agent starts: keep its sockets on the device that holds `host`
+            # (else it listens on every device, loopback included); a user's UCX_NET_DEVICES wins
+            device = "lo" if _loopback(host) else interface_of(host)
+            if device is not None:
+                os.environ.setdefault("UCX_NET_DEVICES", device)
             self._name = f"sparkrelay-{os.getpid()}-{secrets.token_hex(4)}"
             self._agent = _paced_agent(self._name)
         self._regs: dict[int, object] = {}

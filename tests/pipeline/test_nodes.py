@@ -5,6 +5,7 @@ tests/e2e/test_multihost.py."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -99,6 +100,33 @@ def test_tcp_link_carries_tagged_frames_and_drops_forged_and_replayed(tmp_path):
         assert rx._rejects.counts() == {"auth": 1, "replay": 1}
         stranger.close()
     finally:
+        rx.close()
+        tx.close()
+
+
+def test_a_stranger_on_the_stage_wire_is_logged_once(tmp_path, caplog):
+    """20 frames from a process without the token: all dropped and counted, one log line naming its
+    address; the genuine frame after them is taken."""
+    caplog.set_level(logging.WARNING, logger="sparkrelay.pipeline")
+    rx, tx, plan = _tcp_pair(tmp_path)
+    stranger = zmq.Context.instance().socket(zmq.PUSH)
+    stranger.setsockopt(zmq.LINGER, 1000)
+    try:
+        stranger.connect(plan.inbox(1))
+        for i in range(20):
+            stranger.send_multipart([b"x" * 8, (i + 1).to_bytes(8, "big"), b"\1" * 32])
+        sent = torch.arange(8, dtype=torch.int64)
+        tx.send(sent, 1)
+        got = torch.empty(8, dtype=torch.int64)
+        rx.recv(got, 0, lambda: None, time.monotonic() + 10)
+        assert torch.equal(got, sent)
+        with pytest.raises(PeerLost):  # ZMQ fair-queues connections: drain the stranger's rest
+            rx.recv(got, 0, lambda: None, time.monotonic() + 0.5)
+        assert rx._rejects.counts() == {"auth": 20}
+        lines = [r.getMessage() for r in caplog.records if "pipeline inbox" in r.getMessage()]
+        assert len(lines) == 1 and "from 127.0.0.1" in lines[0], lines
+    finally:
+        stranger.close()
         rx.close()
         tx.close()
 

@@ -261,3 +261,11 @@ def test_loopback_checks():
     assert not wire.resolves_to_loopback("no-such-host.invalid")
     assert wire.local_host("0.0.0.0") == "127.0.0.1" and wire.local_host("[::]") == "::1"
     assert wire.local_host("10.0.0.1") == "10.0.0.1"
+
+
+def test_interface_of_names_the_device_that_holds_an_address():
+    """NIXL pins UCX to this device (engines.NixlEngine), so UCX listens only on the given address."""
+    assert wire.interface_of("127.0.0.1") == "lo"
+    assert wire.interface_of("[::1]") in ("lo", None)  # None where IPv6 is off
+    assert wire.interface_of("192.0.2.77") is None  # TEST-NET-1: not on this host
+    assert wire.interface_of("decode.example") is None  # a name: the user pins UCX_NET_DEVICES

@@ -6,6 +6,7 @@ from sparkrelay.transfer.wire.address import (
     advertised_host,
     check_advertised,
     dials_itself,
+    interface_of,
     is_wildcard,
     local_host,
     resolves_to_loopback,
@@ -20,7 +21,7 @@ from sparkrelay.transfer.wire.auth import (
     is_loopback,
     warn_if_exposed,
 )
-from sparkrelay.transfer.wire.inbox import Inbox, bind_pull, tcp_endpoint
+from sparkrelay.transfer.wire.inbox import Inbox, bind_pull, recv_with_peer, tcp_endpoint
 from sparkrelay.transfer.wire.outbox import MAX_QUEUED, Outbox
 
 __all__ = [
@@ -37,9 +38,11 @@ __all__ = [
     "check_advertised",
     "check_token",
     "dials_itself",
+    "interface_of",
     "is_loopback",
     "is_wildcard",
     "local_host",
+    "recv_with_peer",
     "resolves_to_loopback",
     "tcp_endpoint",
     "warn_if_exposed",

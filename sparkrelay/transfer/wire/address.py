@@ -13,8 +13,10 @@ told a loopback or wildcard address: it would dial itself (dials_itself).
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import socket
+import struct
 from typing import Optional
 
 from sparkrelay.config import ConfigError
@@ -85,3 +87,39 @@ def dials_itself(host: str, resolve: bool = False) -> bool:
     """A peer told `host` would reach its own host: a wildcard or loopback address (resolve: or a
     name that resolves only to loopback)."""
     return is_wildcard(host) or (resolves_to_loopback(host) if resolve else is_loopback(host))
+
+
+SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+def interface_of(host: str) -> Optional[str]:
+    """The name of this host's network interface that holds `host` (an IP address), or None (a name, an
+    address of another host, a NAT address, not Linux). Transfer engines that pick interfaces themselves
+    (UCX) are pinned to it, so they listen on the address they were given, not on every device."""
+    try:
+        want = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    for _, name in socket.if_nameindex():
+        if want in _addresses_of(name):
+            return name
+    return None
+
+
+def _addresses_of(name: str) -> set:
+    found = set()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            found.add(ipaddress.ip_address(raw[20:24]))
+        except OSError:
+            pass  # no IPv4 address on it
+    try:
+        with open("/proc/net/if_inet6") as f:  # hex address, index, prefix, scope, flags, name
+            for line in f:
+                cols = line.split()
+                if len(cols) == 6 and cols[5] == name:
+                    found.add(ipaddress.ip_address(bytes.fromhex(cols[0])))
+    except OSError:
+        pass
+    return found

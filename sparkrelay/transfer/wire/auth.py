@@ -118,20 +118,34 @@ def warn_if_exposed(host: str, auth: bool, what: str) -> None:
         )
 
 
+MAX_PEERS_NAMED = 1024
+
+
 class RejectLog:
     """Counts rejected inputs by kind and logs each reason, rate limited (a burst of `burst` lines,
     then `per_s` lines a second; the next line that gets through says how many were suppressed) so a
-    flood cannot fill disks."""
+    flood cannot fill disks. A reject that names its peer (`peer=`, the sender's address) is logged
+    once per peer and kind, then only counted: one stranger or one misconfigured server is one line,
+    not one per frame (past MAX_PEERS_NAMED peers, the rate limit alone applies)."""
 
     def __init__(self, log: logging.Logger, burst: int = 50, per_s: float = 10.0) -> None:
         self._log, self._burst, self._per_s = log, burst, per_s
         self._lock = threading.Lock()
         self._counts: Counter = Counter()
         self._allowance, self._last, self._suppressed = float(burst), time.monotonic(), 0
+        self._named: set[tuple[str, str]] = set()  # (kind, peer) already logged
 
-    def note(self, kind: str, fmt: str, *args, level: int = logging.WARNING) -> None:
+    def note(
+        self, kind: str, fmt: str, *args, level: int = logging.WARNING, peer: Optional[str] = None
+    ) -> None:
         with self._lock:
             self._counts[kind] += 1
+            if peer is not None and len(self._named) < MAX_PEERS_NAMED:
+                if (kind, peer) in self._named:
+                    return
+                self._named.add((kind, peer))
+                fmt = fmt + " (from %s; more from this peer are counted, not logged)"
+                args = (*args, peer)
             now = time.monotonic()
             self._allowance = min(self._burst, self._allowance + (now - self._last) * self._per_s)
             self._last = now

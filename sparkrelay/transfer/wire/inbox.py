@@ -4,6 +4,7 @@ endpoint (which address to advertise for it: address.py)."""
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -42,6 +43,17 @@ _PEER_EVENTS = {
 }
 
 
+def recv_with_peer(sock: zmq.Socket, flags: int = 0) -> tuple[list[bytes], Optional[str]]:
+    """One whole message and the address of the connection it came over (zmq's Peer-Address: the IP on
+    tcp://, the process's credentials on ipc://; None where the transport gives none)."""
+    frames = sock.recv_multipart(flags, copy=False)
+    try:
+        peer = frames[0].get("Peer-Address") or None
+    except zmq.ZMQError:
+        peer = None
+    return [f.bytes for f in frames], peer
+
+
 class Inbox:
     """A bound PULL socket and its zmq monitor, owned by one listener thread. What zmq refuses on
     its own (a frame over MAXMSGSIZE, a connection that is not ZMTP) never reaches recv; the
@@ -58,7 +70,8 @@ class Inbox:
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
 
-    def poll(self, timeout_ms: int, limit: int = 256) -> list[list[bytes]]:
+    def poll(self, timeout_ms: int, limit: int = 256) -> list[tuple[list[bytes], Optional[str]]]:
+        """Up to `limit` messages: (frames, the sender's address, for the reject log)."""
         ready = dict(self.poller.poll(timeout_ms))
         if self.monitor in ready:
             self._drain_events()
@@ -66,7 +79,7 @@ class Inbox:
         if self.sock in ready:
             for _ in range(limit):
                 try:
-                    out.append(self.sock.recv_multipart(zmq.NOBLOCK))
+                    out.append(recv_with_peer(self.sock, zmq.NOBLOCK))
                 except zmq.Again:
                     break
         return out
