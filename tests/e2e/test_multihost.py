@@ -33,6 +33,7 @@ from testkit.pd import (
     generate,
     pd_prompts,
     post,
+    server_state,
 )
 
 pytestmark = [
@@ -46,7 +47,7 @@ FAST = {
     "SPARKRELAY_DISAGGREGATION_AUTH_TOKEN": TOKEN,
     "SPARKRELAY_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.5",
     "SPARKRELAY_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
-    "SPARKRELAY_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "6",
+    "SPARKRELAY_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "15",  # > --dist-timeout: a lost node is what fails
     "SPARKRELAY_DISAGGREGATION_WAITING_TIMEOUT": "8",
 }
 DIST_TIMEOUT = 3.0
@@ -245,6 +246,17 @@ def partition_pd_link(d: Deployment, prompt: list[int]) -> None:
         h.link_up("d")
 
 
+def wait_running(url: str, timeout: float = 20.0) -> None:
+    """Until `url` holds a request (running, or its KV waiting for a transfer)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = server_state(url)
+        if s["num_running"] or s["kv_used_tokens"] or s.get("num_transfers_inflight"):
+            return
+        assert time.monotonic() < deadline, f"{url}: the request never started"
+        time.sleep(0.05)
+
+
 def run_all(d: Deployment, prompts: list[list[int]]) -> list[dict]:
     out = []
     for i, ids in enumerate(prompts):
@@ -257,23 +269,25 @@ def run_all(d: Deployment, prompts: list[list[int]]) -> list[dict]:
 
 
 def lose_stage_host(d: Deployment, prompt: list[int]) -> None:
-    """The link between the prefill's hosts goes down: its request fails within --dist-timeout (plus a beat),
-    the server names node 1 and exits non-zero; node 1 stops its stages and exits non-zero too."""
-    d.hosts.link_down("p1")
-    start = time.monotonic()
-    status, out = post(
-        d.urls["prefill"] + "/generate",
-        {
-            "input_ids": prompt,
-            "sampling_params": {"max_new_tokens": 4},
-            "bootstrap_host": d.hosts.ip("d"),
-            "bootstrap_port": BOOT,
-            "bootstrap_room": random.randrange(1, 1 << 62),
-        },
-        60,
-    )
+    """The link between the prefill's hosts goes down mid-request (a prefill room waiting for its decode, which
+    never comes): the request fails within --dist-timeout (plus a beat), with a 5xx naming node 1, long before
+    its bootstrap timeout; the server exits non-zero, and node 1 stops its stages and exits non-zero too."""
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 4},
+        "bootstrap_host": d.hosts.ip("p0"),
+        "bootstrap_port": BOOT,
+        "bootstrap_room": random.randrange(1, 1 << 62),
+    }
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(post, d.urls["prefill"] + "/generate", body, 60)
+        wait_running(d.urls["prefill"])
+        d.hosts.link_down("p1")
+        start = time.monotonic()
+        status, out = pending.result()
+    took = time.monotonic() - start
     assert status >= 500 and "pipeline node 1" in str(out), (status, out)
-    assert time.monotonic() - start < DIST_TIMEOUT + 10
+    assert took < DIST_TIMEOUT + 10, f"the request failed {took:.1f} s after the link went down"
     for name in ("prefill", "prefill1"):
         code = d.procs[name].wait(30)
         assert code != 0, f"{name} exited 0: {d.log(name)}"
@@ -288,8 +302,13 @@ def test_pp2_prefill_across_hosts_dspark_decode_router(tmp_path, prompts, refere
         check_against(reference, results, exact_acceptance=True)
         assert_bound_as_given(h)
         partition_pd_link(d, prompts[3])
+        start = time.monotonic()  # the link is up again: served at once, nothing restarted
         status, out = generate(d.urls["router"], prompts[5])
+        took = time.monotonic() - start
         assert status == 200 and out["output_ids"] == reference[5]["output_ids"], (status, out)
+        assert took < 10, f"the first request after the link came back took {took:.1f} s"
+        assert_drained(d.urls["prefill"])
+        assert_drained(d.urls["decode"])
         lose_stage_host(d, prompts[2])
 
 
