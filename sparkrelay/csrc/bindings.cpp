@@ -10,6 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention_bf16", &decode_attention_bf16,
         "q [T, H, D] against paged bf16 K/V pools [S, n_kv, D] through slots [B, Lk], the "
         "sequence seq [T] and visible keys lengths [T] of each query -> [T, H, D] bf16");
+  m.def("argmax_rows", &argmax_rows,
+        "x [R, V] float32 or bf16 (V contiguous) -> int64 [R], as torch.argmax(x, -1)");
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "logits [R, V] float32, in place: -inf where bitmask int32 [R, ceil(V / 32)] has a 0 bit");
   m.def("rms_norm_bf16", &rms_norm_bf16,

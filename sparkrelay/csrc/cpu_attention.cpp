@@ -1,14 +1,15 @@
 // Decode attention for bfloat16 KV pools: a few queries per sequence (a decode token, a DSpark
 // verify block) against their keys, read in place from the paged pool through the sequence's
-// slot list (no gather into a padded copy), the query heads that share a KV head (GQA) served by
-// one task so the keys are read once per task.
+// slot list (no gather into a padded copy). One task serves a chunk of up to four queries of one
+// sequence and the query heads that share a KV head (GQA): each key and value is read and converted
+// once for all the task's rows, and four keys' scores share one shuffle tree.
 //
 //   q [T, H, D], k_pool / v_pool [S, n_kv, D], slots [B, Lk] (pool row of each key position),
 //   seq [T] (the sequence of each query), lengths [T] (query t sees keys 0..lengths[t]-1 of its
 //   sequence: its position + 1, so a block is causal) -> out [T, H, D]
 //
 // Scores, softmax and the weighted sum are fp32 (q.k with _mm512_dpbf16_ps, exp vectorized), the
-// output is rounded to bf16 once. Tasks (query, KV head) are split over threads.
+// output is rounded to bf16 once. Tasks (sequence, query chunk, KV head) are split over threads.
 
 #include "cpu_kernels.h"
 
@@ -46,27 +47,51 @@ struct Pools {  // the layer's pools and how to find a key of one KV head
   int64_t d;
 };
 
-// scores[j] = scale * q . k_j for the len keys of one KV head (offset `head` in a slot)
-void score(const uint16_t* q, const Pools& p, int64_t head, const int64_t* slots, int64_t len,
-           float scale, float* scores) {
-  const int64_t chunks = (p.d + 31) / 32;
-  __m512bh qv[kMaxHeadDim / 32];
-  for (int64_t c = 0; c < chunks; ++c) {
-    qv[c] = (__m512bh)_mm512_maskz_loadu_epi32(first((p.d - 32 * c) / 2), q + 32 * c);
+constexpr int64_t kChunkQueries = 4;  // queries of one sequence per task (K, V read once for them)
+constexpr int64_t kValueRows = 4;     // score rows weighed together per pass over the values
+
+// the sums of four 16-lane vectors, in lanes 0..3 of the result (one shuffle tree for four scores)
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 x = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+  const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x), hi);
+  return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+}
+
+// q . k over D (bf16 pairs), as 16 partial sums
+inline __m512 dot16(const uint16_t* q, const uint16_t* k, int64_t d) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 32) {
+    const __mmask16 keep = first((d - c) / 2);
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi32(keep, q + c),
+                           (__m512bh)_mm512_maskz_loadu_epi32(keep, k + c));
   }
-  for (int64_t j = 0; j < len; ++j) {
-    const uint16_t* kj = p.k + slots[j] * p.row + head;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __mmask16 keep = first((p.d - 32 * c) / 2);
-      acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_maskz_loadu_epi32(keep, kj + 32 * c));
+  return acc;
+}
+
+// scores[r][j] = scale * q_r . k_j for rows r < n (q_r at q[r]) and keys j < len (row stride ld),
+// four keys at a time through one shuffle tree; the last group repeats its last key, so every score
+// is summed in the same order whatever the chunk (a verify row equals that decode row, bit for bit)
+void score_rows(const uint16_t* const* q, int64_t n, const Pools& p, int64_t head,
+                const int64_t* slots, int64_t len, float scale, float* scores, int64_t ld) {
+  for (int64_t j = 0; j < len; j += 4) {
+    const uint16_t* k[4];
+    for (int64_t i = 0; i < 4; ++i) k[i] = p.k + slots[std::min(j + i, len - 1)] * p.row + head;
+    const __mmask8 keep = static_cast<__mmask8>((1u << std::min<int64_t>(4, len - j)) - 1);
+    for (int64_t r = 0; r < n; ++r) {
+      const __m128 s = sum4(dot16(q[r], k[0], p.d), dot16(q[r], k[1], p.d),
+                            dot16(q[r], k[2], p.d), dot16(q[r], k[3], p.d));
+      _mm_mask_storeu_ps(scores + r * ld + j, keep, _mm_mul_ps(s, _mm_set1_ps(scale)));
     }
-    scores[j] = scale * _mm512_reduce_add_ps(acc);
   }
 }
 
-// scores [len] -> e^(s - max) in place; returns their sum
-float softmax_numerators(float* scores, int64_t len) {
+// scores [len] -> e^(s - max) in place, zeros from len to width; returns the sum
+float softmax_numerators(float* scores, int64_t len, int64_t width) {
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < len; j += kLanes) {
     const __mmask16 keep = first(len - j);  // masked: never read past the scores
@@ -80,27 +105,39 @@ float softmax_numerators(float* scores, int64_t len) {
     _mm512_mask_storeu_ps(scores + j, keep, e);
     sum = _mm512_mask_add_ps(sum, keep, sum, e);
   }
+  std::fill(scores + len, scores + width, 0.f);  // keys this row may not see weigh nothing
   return _mm512_reduce_add_ps(sum);
 }
 
-// out [D] = sum_j w[j] v_j / total (bf16)
-void weigh_values(const float* w, float total, const Pools& p, int64_t head, const int64_t* slots,
-                  int64_t len, uint16_t* out) {
+// out[r] [D] = sum_j w[r][j] v_j / total[r] (bf16), rows r < n (at most kValueRows), keys j < len:
+// each value is converted to fp32 once for the n rows
+void weigh_values(const float* w, int64_t ld, const float* total, int64_t n, const Pools& p,
+                  int64_t head, const int64_t* slots, int64_t len, uint16_t* const* out) {
   const int64_t blocks = (p.d + kLanes - 1) / kLanes;
-  __m512 acc[kMaxHeadDim / kLanes];
-  for (int64_t c = 0; c < blocks; ++c) acc[c] = _mm512_setzero_ps();
+  __m512 acc[kValueRows][kMaxHeadDim / kLanes];
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t c = 0; c < blocks; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
   for (int64_t j = 0; j < len; ++j) {
     const uint16_t* vj = p.v + slots[j] * p.row + head;
-    const __m512 wj = _mm512_set1_ps(w[j]);
     for (int64_t c = 0; c < blocks; ++c) {
-      acc[c] = _mm512_fmadd_ps(load16(vj + kLanes * c, first(p.d - kLanes * c)), wj, acc[c]);
+      const __m512 v = load16(vj + kLanes * c, first(p.d - kLanes * c));
+      for (int64_t r = 0; r < n; ++r) {
+        acc[r][c] = _mm512_fmadd_ps(v, _mm512_set1_ps(w[r * ld + j]), acc[r][c]);
+      }
     }
   }
-  const __m512 inv = _mm512_set1_ps(1.f / total);
-  for (int64_t c = 0; c < blocks; ++c) {
-    store16(out + kLanes * c, first(p.d - kLanes * c), _mm512_mul_ps(acc[c], inv));
+  for (int64_t r = 0; r < n; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / total[r]);
+    for (int64_t c = 0; c < blocks; ++c) {
+      store16(out[r] + kLanes * c, first(p.d - kLanes * c), _mm512_mul_ps(acc[r][c], inv));
+    }
   }
 }
+
+struct Task {  // one sequence's queries first..first+count-1 (in `order`) against one KV head
+  int64_t first, count, kv_head;
+};
 
 }  // namespace
 
@@ -139,16 +176,45 @@ torch::Tensor decode_attention_bf16(const torch::Tensor& q, const torch::Tensor&
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t group = h / n_kv;
-  at::parallel_for(0, t * n_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(lk);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / n_kv, kvh = task % n_kv, len = lens[row];
-      const int64_t* keys = sp + rows[row] * lk;
-      for (int64_t i = 0; i < group; ++i) {
-        const int64_t head = kvh * group + i, at = (row * h + head) * d;
-        score(qp + at, pools, kvh * d, keys, len, static_cast<float>(scale), scores.data());
-        const float total = softmax_numerators(scores.data(), len);
-        weigh_values(scores.data(), total, pools, kvh * d, keys, len, op + at);
+  // queries grouped by sequence (stable), cut into chunks of kChunkQueries: a task per chunk and
+  // KV head
+  std::vector<int64_t> order(t);
+  for (int64_t i = 0; i < t; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return rows[x] < rows[y]; });
+  std::vector<Task> tasks;
+  for (int64_t i = 0; i < t;) {
+    int64_t n = 1;
+    while (i + n < t && n < kChunkQueries && rows[order[i + n]] == rows[order[i]]) ++n;
+    for (int64_t kvh = 0; kvh < n_kv; ++kvh) tasks.push_back({i, n, kvh});
+    i += n;
+  }
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    const int64_t width = (lk + kLanes - 1) / kLanes * kLanes;
+    std::vector<float> scores(kChunkQueries * group * width), totals(kChunkQueries * group);
+    std::vector<const uint16_t*> qs(kChunkQueries * group);
+    std::vector<uint16_t*> outs(kChunkQueries * group);
+    for (int64_t ti = begin; ti < end; ++ti) {
+      const Task& task = tasks[ti];
+      const int64_t* keys = sp + rows[order[task.first]] * lk;
+      const int64_t n = task.count * group, kv = task.kv_head * d;
+      int64_t longest = 0;
+      for (int64_t r = 0; r < n; ++r) {  // row r: query r / group, head kv_head * group + r % group
+        const int64_t query = order[task.first + r / group];
+        const int64_t at = (query * h + task.kv_head * group + r % group) * d;
+        qs[r] = qp + at;
+        outs[r] = op + at;
+        longest = std::max(longest, lens[query]);
+      }
+      score_rows(qs.data(), n, pools, kv, keys, longest, static_cast<float>(scale),
+                 scores.data(), width);
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t len = lens[order[task.first + r / group]];
+        totals[r] = softmax_numerators(scores.data() + r * width, len, longest);
+      }
+      for (int64_t r = 0; r < n; r += kValueRows) {
+        weigh_values(scores.data() + r * width, width, totals.data() + r,
+                     std::min(kValueRows, n - r), pools, kv, keys, longest, outs.data() + r);
       }
     }
   });

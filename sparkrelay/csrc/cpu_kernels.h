@@ -35,6 +35,8 @@ torch::Tensor decode_attention_bf16(const torch::Tensor& q, const torch::Tensor&
                                     const torch::Tensor& v_pool, const torch::Tensor& slots,
                                     const torch::Tensor& seq, const torch::Tensor& lengths,
                                     double scale);
+// cpu_argmax.cpp
+torch::Tensor argmax_rows(const torch::Tensor& x);
 // cpu_mask.cpp
 void apply_token_bitmask(torch::Tensor& logits, const torch::Tensor& bitmask);
 // cpu_norm.cpp

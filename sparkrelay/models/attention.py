@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from sparkrelay.models import cpu_kernels
 
 SPLIT_MIN_PREFIX, SPLIT_MIN_QUERIES = 512, 64  # split_prefix from here on (module docstring)
-# queries per sequence the decode-attention kernel takes: it handles blocks (seq, lengths), but an
-# 8-query verify block ran slower through it than through SDPA (speed notes), so decode only
-KERNEL_QUERIES = 1
+# queries per sequence the decode-attention kernel takes: a decode token and a DSpark verify block
+# (block 7 + its anchor); longer chunks go to SDPA's blocked kernels (speed notes)
+KERNEL_QUERIES = 8
 
 
 def slot_index(block_tables: list[list[int]], length: int, page_size: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ SOURCES = [
         "cpu_norm.cpp",
         "cpu_attention.cpp",
         "cpu_mask.cpp",
+        "cpu_argmax.cpp",
         "bindings.cpp",
     )
 ]

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparkrelay.models.argmax import argmax
 from sparkrelay.models.decoder import DecoderLayer, DecoderSpec
 from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
 from sparkrelay.models.kernels import fast_head, frozen_linear
@@ -352,14 +353,14 @@ class Qwen3DSparkModel(nn.Module):
                 z = z + beta.float()
             if constrain is not None:
                 z = constrain(k, prev, z)
-            prev = z.argmax(-1)
+            prev = argmax(z)
             if not bool(greedy.all()):
                 noise = torch.empty_like(z).exponential_(generator=generator)
                 for row, gen in enumerate(generators or []):
                     if gen is not None:
                         noise[row].exponential_(generator=gen)
                 # exponential race: a draw from softmax
-                drawn = (torch.softmax(z / temp, dim=-1) / noise).argmax(-1)
+                drawn = argmax(torch.softmax(z / temp, dim=-1) / noise)
                 prev = torch.where(greedy, prev, drawn)
             drafts.append(prev)
             zs.append(z)

@@ -21,6 +21,7 @@ import torch
 
 from sparkrelay.grammar.bitmask import constrain
 from sparkrelay.grammar.rows import Masks
+from sparkrelay.models.argmax import argmax
 from sparkrelay.scheduler.request import SamplingParams
 
 
@@ -193,12 +194,12 @@ def exponential_noise(
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, shared: torch.Generator) -> torch.Tensor:
     """logits [R, V] -> token ids [R]."""
-    greedy_ids = logits.argmax(-1)
+    greedy_ids = argmax(logits)
     if sb.all_greedy:
         return greedy_ids
     probs = filter_probs(logits, sb)
     noise = exponential_noise(tuple(probs.shape), sb.generators, shared, probs.device)
-    drawn = (probs / noise).argmax(-1)
+    drawn = argmax(probs / noise)
     return torch.where(sb.greedy, greedy_ids, drawn)
 
 
@@ -218,5 +219,5 @@ def draw(
     if masks is not None:
         scores = constrain(scores, masks.bitmask, masks.rows)
     if all(p.greedy for p in params):
-        return scores.argmax(-1).tolist()
+        return argmax(scores).tolist()
     return sample(scores, SamplingBatch.build(params, keys, gens), shared).tolist()

@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from sparkrelay.models.argmax import argmax
+
 
 @dataclass
 class VerifyResult:
@@ -61,7 +63,7 @@ def verify(
     valid = slot < num_drafts.unsqueeze(1)  # [R, N]
     # no randomness: compare with the target's argmax (draft_probs are not read)
     if bool(greedy.all()):
-        target_ids = target_probs.argmax(-1)  # [R, N + 1]
+        target_ids = argmax(target_probs)  # [R, N + 1]
         accepted = ((draft_ids == target_ids[:, :n_max]) & valid).int().cumprod(dim=1).sum(dim=1)
         return VerifyResult(accepted, target_ids.gather(1, accepted.unsqueeze(1)).squeeze(1))
     # [R, N] p_i(d_{i+1})
@@ -69,7 +71,7 @@ def verify(
     q_d = draft_probs.gather(2, draft_ids.unsqueeze(2)).squeeze(2)  # [R, N] q_i(d_{i+1})
     u = _row_noise((n_max,), "uniform", generators, shared, dev)
     ok_sampled = u < torch.clamp(p_d / q_d.clamp(min=1e-8), max=1.0)
-    ok_greedy = draft_ids == target_probs[:, :n_max].argmax(-1)
+    ok_greedy = draft_ids == argmax(target_probs[:, :n_max])
     ok = torch.where(greedy.unsqueeze(1), ok_greedy, ok_sampled) & valid
     accepted = ok.int().cumprod(dim=1).sum(dim=1)  # [R] a
     next_ids = _next_tokens(
@@ -96,5 +98,5 @@ def _next_tokens(
     use_residual = rejected & (mass > 1e-8)
     dist = torch.where(use_residual, residual / mass.clamp(min=1e-30), p_a)
     noise = _row_noise((dist.shape[1],), "exponential", generators, shared, dist.device)
-    drawn = (dist / noise).argmax(dim=1)  # exponential race: a draw from `dist`
-    return torch.where(greedy, p_a.argmax(dim=1), drawn)
+    drawn = argmax(dist / noise)  # exponential race: a draw from `dist`
+    return torch.where(greedy, argmax(p_a), drawn)

@@ -130,6 +130,80 @@ def test_decode_attention_kernel_equals_float64(shape):
 
 
 @needs_cpu
+@pytest.mark.parametrize("group, d", [(3, 64), (2, 128), (1, 34)])
+@torch.inference_mode()
+def test_decode_attention_kernel_serves_blocks_exactly_as_single_queries(group, d):
+    """Blocks of 1 to 9 queries per sequence (chunks of four and their remainders, causal through
+    each query's visible count, keys past a multiple of four): each row within bf16 rounding of
+    float64, and bit-equal to the same query run alone (a DSpark verify row equals its decode row)."""
+    g = torch.Generator().manual_seed(group * d)
+    n_kv, lk = 2, 41
+    h, pool = group * n_kv, 3 * lk
+    k_pool, v_pool = (torch.randn(pool, n_kv, d, generator=g).to(torch.bfloat16) for _ in "kv")
+    slots = torch.stack([torch.randperm(pool, generator=g)[:lk] for _ in range(3)])
+    blocks = [(0, 9, 41), (1, 1, 30), (2, 5, 23)]  # (sequence, queries, keys of its last query)
+    seq = torch.tensor([b for b, n, _ in blocks for _ in range(n)])
+    lengths = torch.tensor([last - n + 1 + i for _, n, last in blocks for i in range(n)])
+    q = torch.randn(len(seq), h, d, generator=g).to(torch.bfloat16)
+    ext = cpu_kernels.load()
+    out = ext.decode_attention_bf16(q, k_pool, v_pool, slots, seq, lengths, d**-0.5)
+    for t in range(len(seq)):
+        alone = ext.decode_attention_bf16(
+            q[t : t + 1].contiguous(),
+            k_pool,
+            v_pool,
+            slots,
+            seq[t : t + 1],
+            lengths[t : t + 1],
+            d**-0.5,
+        )
+        assert torch.equal(out[t], alone[0])
+        keys = slots[int(seq[t]), : int(lengths[t])]
+        k, v = k_pool[keys].double(), v_pool[keys].double()
+        for head in range(h):
+            p = torch.softmax(k[:, head // group] @ q[t, head].double() * d**-0.5, 0)
+            ref = p @ v[:, head // group]
+            err = (out[t, head].double() - ref).abs()
+            assert bool((err <= 2.0**-8 * ref.abs() + 1e-3).all()), float(err.max())
+
+
+@needs_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 49152), (8, 49157), (2, 9, 37), (5, 16)])
+def test_argmax_kernel_equals_torch(shape, dtype):
+    """models/argmax: torch.argmax(x, -1) for every shape (V odd, below and above a vector), the
+    first of tied maxima, the first NaN, rows of -inf, and strided rows."""
+    from sparkrelay.models.argmax import argmax
+
+    g = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(*shape, generator=g).to(dtype)
+    assert torch.equal(argmax(x), x.argmax(-1))
+    flat = x.view(-1, shape[-1])
+    v = shape[-1]
+    flat[0] = 0.5  # a tie across the whole row: index 0
+    if flat.shape[0] > 1:
+        flat[1] = float("-inf")
+        flat[1, v // 2 :] = float("nan") if v > 1 else flat[1, v // 2 :]
+    if flat.shape[0] > 2:
+        flat[2, v - 1] = 100.0
+        flat[2, max(v - 17, 0)] = 100.0  # tied maxima a vector apart: the first
+    assert torch.equal(argmax(x), x.argmax(-1))
+    wide = torch.randn(shape[0], 2 * shape[-1], generator=g).to(dtype)[:, ::2]  # stride 2
+    assert torch.equal(argmax(wide), wide.argmax(-1))
+    assert torch.equal(argmax(wide[:, :1].t()), wide[:, :1].t().argmax(-1))
+
+
+def test_argmax_falls_back_to_torch(cpu_kernels_off):
+    """Kernels off (or an int tensor): torch's argmax, same answer."""
+    from sparkrelay.models.argmax import argmax
+
+    assert cpu_kernels.load() is None
+    x = torch.randn(3, 100)
+    assert torch.equal(argmax(x), x.argmax(-1))
+    assert torch.equal(argmax(torch.tensor([[1, 5, 5]])), torch.tensor([1]))
+
+
+@needs_cpu
 @pytest.mark.parametrize(
     "starts, ends",
     [([9, 13], [10, 14]), ([12], [13]), ([6], [13]), ([4, 9], [9, 10])],
