@@ -345,16 +345,20 @@ class Qwen3DSparkModel(nn.Module):
             .clamp_min(1e-5)[:, None]
             .float()
         )
-        prev, state, drafts, zs = anchors, None, [], []
+        all_greedy = bool(greedy.all())
+        zs = torch.empty(
+            u.shape, dtype=torch.float32, device=u.device
+        )  # [R, B, V], filled per slot
+        prev, state, drafts = anchors, None, []
         for k in range(u.shape[1]):
-            z = u[:, k].float()  # [R, V]
+            z = zs[:, k].copy_(u[:, k])  # [R, V]
             if self.markov_head is not None:
                 beta, state = self.markov_head.step(None if h is None else h[:, k], prev, state)
-                z = z + beta.float()
+                z.add_(beta)  # in float32, as beta.float() would
             if constrain is not None:
-                z = constrain(k, prev, z)
+                z = zs[:, k].copy_(constrain(k, prev, z))
             prev = argmax(z)
-            if not bool(greedy.all()):
+            if not all_greedy:
                 noise = torch.empty_like(z).exponential_(generator=generator)
                 for row, gen in enumerate(generators or []):
                     if gen is not None:
@@ -363,8 +367,7 @@ class Qwen3DSparkModel(nn.Module):
                 drawn = argmax(torch.softmax(z / temp, dim=-1) / noise)
                 prev = torch.where(greedy, prev, drawn)
             drafts.append(prev)
-            zs.append(z)
-        return torch.stack(drafts, dim=1), torch.stack(zs, dim=1)
+        return torch.stack(drafts, dim=1), zs
 
     def confidence(self, h: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
         """h [R, B, d], prev_tokens [R, B] (anchor, then drafts 0..B-2) -> logits [R, B];

@@ -207,42 +207,46 @@ def decode_rate(outs: list[dict]) -> float:
     return tokens / max(sum(o["end"] - o["first"] for o in outs), 1e-9)
 
 
+def timed_wave(llm, wave: list[list[int]], params) -> dict:
+    """One wave of concurrent requests (batch 1: a single prompt) -> its decode tokens and span as one
+    decode_rate record."""
+    outs = run_timed(llm, wave, params)
+    return {
+        "ids": [0] * (sum(len(o["ids"]) - 1 for o in outs) + 1),
+        "first": min(o["first"] for o in outs),
+        "end": max(o["end"] for o in outs),
+    }
+
+
 def speed_runs(args, prompts: list[list[int]]) -> list[dict]:
-    """Every (dtype, batch, mode), interleaved round by round; min and median tok/s over the
-    rounds."""
+    """Per (dtype, batch): plain and DSpark alternate wave by wave (batch 1: prompt by prompt), so
+    that the shared machine's load falls on both alike, after one untimed warm-up wave each (the
+    first products of a shape build oneDNN's primitives); min and median tok/s over the rounds."""
     from sparkrelay import SamplingParams
 
     greedy = SamplingParams(max_new_tokens=args.max_new, temperature=0.0)
-    cells = [
-        (dt, b, m) for dt in ("bfloat16", "float32") for b in (1, 8) for m in ("plain", "dspark")
-    ]
+    warm = SamplingParams(max_new_tokens=min(32, args.max_new), temperature=0.0)
     engines = {}
-    rates: dict[tuple, list[float]] = {c: [] for c in cells}
+    rates: dict[tuple, list[float]] = {}
     for r in range(args.rounds):
-        for dt, b, m in cells:
-            key = (dt, m)
-            if key not in engines:
-                engines[key] = engine(args, dt, m == "dspark", 8)
-            llm = engines[key]
-            if b == 1:
-                outs = [run_timed(llm, [p], greedy)[0] for p in prompts]
-            else:
-                outs = []
-                for i in range(0, len(prompts), 8):
-                    wave = run_timed(llm, prompts[i : i + 8], greedy)
-                    start = min(o["first"] for o in wave)
-                    end = max(o["end"] for o in wave)
-                    outs.append(
-                        {
-                            "ids": [0] * (sum(len(o["ids"]) - 1 for o in wave) + 1),
-                            "first": start,
-                            "end": end,
-                        }
+        for dt in ("bfloat16", "float32"):
+            for m in ("plain", "dspark"):
+                if (dt, m) not in engines:
+                    engines[(dt, m)] = engine(args, dt, m == "dspark", 8)
+                    for b in (1, 8):
+                        run_timed(engines[(dt, m)], prompts[:b], warm)
+            for b in (1, 8):
+                waves = [prompts[i : i + b] for i in range(0, len(prompts), b)]
+                outs: dict[str, list[dict]] = {"plain": [], "dspark": []}
+                for wave in waves:
+                    for m in ("plain", "dspark"):
+                        outs[m].append(timed_wave(engines[(dt, m)], wave, greedy))
+                for m in ("plain", "dspark"):
+                    rates.setdefault((dt, b, m), []).append(decode_rate(outs[m]))
+                    print(
+                        f"round {r + 1}: {dt} batch {b} {m} {rates[(dt, b, m)][-1]:.1f} tok/s",
+                        flush=True,
                     )
-            rates[(dt, b, m)].append(decode_rate(outs))
-            print(
-                f"round {r + 1}: {dt} batch {b} {m} {rates[(dt, b, m)][-1]:.1f} tok/s", flush=True
-            )
     rows = []
     for dt in ("bfloat16", "float32"):
         for b in (1, 8):
