@@ -91,6 +91,30 @@ def test_dspark_with_its_drafter_equals_plain_greedy(smollm2_dir, smollm2_drafte
     assert spec.engine.spec_stats.summary()["spec_accept_length"] > 1.5
 
 
+def test_bf16_dspark_equals_plain_greedy_at_batch_one(smollm2_dir, smollm2_drafter_dir):
+    """bfloat16, one request at a time: a verify row goes through the same kernels as the decode
+    row it stands for (linears of up to 8 rows, the attention kernel's chunks summed in one order),
+    so DSpark's greedy answers are plain greedy's token for token, not only in float32."""
+    from sparkrelay.models import cpu_kernels
+
+    if cpu_kernels.load() is None or cpu_kernels.amx_on():
+        pytest.skip("bit-equal rows need sparkrelay's vector kernels (built, AMX off)")
+    settings = dict(max_total_tokens=4096, dtype="bfloat16")
+    plain = LLM(str(smollm2_dir), **settings)
+    spec = LLM(
+        str(smollm2_dir),
+        speculative_algorithm="DSPARK",
+        speculative_draft_model_path=str(smollm2_drafter_dir),
+        **settings,
+    )
+    greedy = SamplingParams(max_new_tokens=48, temperature=0)
+    for q in QUESTIONS:
+        prompt = chat(plain.tokenizer, q)
+        a, b = spec.generate(prompt, greedy), plain.generate(prompt, greedy)
+        assert a["output_ids"] == b["output_ids"], q
+    assert spec.engine.spec_stats.summary()["spec_accept_length"] > 1.5
+
+
 def test_openai_sdk_parse_fills_a_pydantic_model(served_smollm2):
     """The SDK's structured-output call, unmodified: a pydantic model as `response_format`, the
     answer parsed back into it."""
