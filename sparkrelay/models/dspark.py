@@ -346,9 +346,8 @@ class Qwen3DSparkModel(nn.Module):
             .float()
         )
         all_greedy = bool(greedy.all())
-        zs = torch.empty(
-            u.shape, dtype=torch.float32, device=u.device
-        )  # [R, B, V], filled per slot
+        # [R, B, V]: Z, filled slot by slot
+        zs = torch.empty(u.shape, dtype=torch.float32, device=u.device)
         prev, state, drafts = anchors, None, []
         for k in range(u.shape[1]):
             z = zs[:, k].copy_(u[:, k])  # [R, V]
@@ -356,7 +355,9 @@ class Qwen3DSparkModel(nn.Module):
                 beta, state = self.markov_head.step(None if h is None else h[:, k], prev, state)
                 z.add_(beta)  # in float32, as beta.float() would
             if constrain is not None:
-                z = zs[:, k].copy_(constrain(k, prev, z))
+                masked = constrain(k, prev, z)  # z itself when no row of this slot is constrained
+                if masked is not z:
+                    z.copy_(masked)
             prev = argmax(z)
             if not all_greedy:
                 noise = torch.empty_like(z).exponential_(generator=generator)
