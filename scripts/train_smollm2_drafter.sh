@@ -5,7 +5,7 @@
 #      STAGES including `sampled` its sampled answers to the same prompts (DeepSpec's regeneration: temperature 0.7,
 #      top-p 0.8, top-k 20), which the drafter then trains on beside the greedy ones,
 #   2. its answers to 8 evaluation prompts per set (the learning curve's offline acceptance; never trained on),
-#   3. the drafter: resumed from .cache/train_smollm2_dspark/ckpt.pt when there is one, else continued from the
+#   3. the drafter (peak lr LR, default 1e-3): resumed from .cache/train_smollm2_dspark/ckpt.pt when there is one, else continued from the
 #      committed drafter's weights (a fresh optimizer); one cosine lr cycle over TRAIN_MINUTES (default 120), the
 #      drafter exported to the model folder at every learning-curve point.
 # Progress lines go to .cache/train_smollm2_dspark/*.log. PROMPTS: the folder of the prompt sets (*.jsonl).
@@ -40,7 +40,7 @@ fi
 if [[ $STAGES == *train* ]]; then
     python -m sparkrelay.tools.train.drafter --data chat --target models/smollm2-135m-instruct \
         --work-dir "$WORK" --out models/smollm2-135m-instruct-dspark --layers 5 --taps 1 8 14 20 27 \
-        --markov-rank 64 --anchors 64 --batch 4 --lr 1e-3 --train-minutes "${TRAIN_MINUTES:-120}" \
+        --markov-rank 64 --anchors 64 --batch 4 --lr "${LR:-1e-3}" --train-minutes "${TRAIN_MINUTES:-120}" \
         --answers "${ANSWERS[@]}" \
         --init-from models/smollm2-135m-instruct-dspark \
         --eval-every 200 --ckpt-minutes 5 --log-every 10 --max-len 1024 --mask-token "<empty_output>" \

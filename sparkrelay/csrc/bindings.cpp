@@ -4,7 +4,11 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace sparkrelay;
   m.def("use_amx", &use_amx, "turn the AMX path on or off; returns whether it is on");
-  m.def("linear_bf16", &linear_bf16, "x [M, K] bf16 @ packed bf16 weight -> [M, N] bf16 (+ bias)");
+  m.def("linear_bf16", &linear_bf16,
+        "x [M, K] bf16 @ packed bf16 weight (+ bias, + base [M, N] bf16) -> out [M, N] fp32 or "
+        "bf16, or a new bf16 [M, N]",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
+        py::arg("base") = py::none(), py::arg("out") = py::none());
   m.def("linear_int8", &linear_int8,
         "x [M, K] @ packed int8 weight (per-channel scales) -> [M, N] in x's dtype (+ bias)");
   m.def("decode_attention_bf16", &decode_attention_bf16,

@@ -26,7 +26,9 @@ inline void store16(uint16_t* p, __mmask16 keep, __m512 v) {  // fp32 -> bf16, r
 // cpu_linear.cpp
 bool use_amx(bool on);
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                          const c10::optional<torch::Tensor>& bias);
+                          const c10::optional<torch::Tensor>& bias,
+                          const c10::optional<torch::Tensor>& base,
+                          const c10::optional<torch::Tensor>& out);
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed,
                           const torch::Tensor& scale, const torch::Tensor& qsum, int64_t n,
                           const c10::optional<torch::Tensor>& bias);

@@ -40,10 +40,12 @@ constexpr int64_t kMaxRows = 8;            // rows per kernel call
 constexpr int64_t kPrefetchSteps = 8;      // pairs ahead: 8 x 128 B
 
 // rows M of x [M, K] (K even, ldx elements apart) times one tile of packed weight -> y [M, cols];
-// pairs from p0 on, added to init [M][32] (the tile unit's sums of the pairs before p0) if given.
-template <int M>
+// pairs from p0 on, added to init [M][32] (the tile unit's sums of the pairs before p0) if given;
+// plus bias [32] and base [M, cols] (bf16, ldb apart) where given; y fp32 or bf16 (Out).
+template <int M, typename Out>
 void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t p0, int64_t pairs,
-               const float* init, const float* bias, uint16_t* y, int64_t ldy, int64_t cols) {
+               const float* init, const float* bias, const uint16_t* base, int64_t ldb, Out* y,
+               int64_t ldy, int64_t cols) {
   __m512 acc0[M], acc1[M];
   for (int m = 0; m < M; ++m) {
     acc0[m] = init ? _mm512_loadu_ps(init + m * kTile) : _mm512_setzero_ps();
@@ -63,24 +65,27 @@ void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t p0, in
       acc1[m] = _mm512_dpbf16_ps(acc1[m], a, w1);
     }
   }
-  const __mmask16 keep0 = cols >= kLanes ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-  const __mmask16 keep1 = cols >= kTile ? 0xFFFF
-                          : cols <= kLanes ? 0 : (__mmask16)((1u << (cols - kLanes)) - 1);
-  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(keep0, bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(keep1, bias + kLanes) : _mm512_setzero_ps();
+  const __mmask16 keep0 = first(cols), keep1 = first(cols - kLanes);
+  const __m512 b0 = bias ? load16(bias, keep0) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? load16(bias + kLanes, keep1) : _mm512_setzero_ps();
   for (int m = 0; m < M; ++m) {
-    const __m256i r0 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc0[m], b0));
-    const __m256i r1 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc1[m], b1));
-    _mm256_mask_storeu_epi16(y + m * ldy, keep0, r0);
-    _mm256_mask_storeu_epi16(y + m * ldy + kLanes, keep1, r1);
+    __m512 s0 = _mm512_add_ps(acc0[m], b0), s1 = _mm512_add_ps(acc1[m], b1);
+    if (base) {
+      s0 = _mm512_add_ps(s0, load16(base + m * ldb, keep0));
+      s1 = _mm512_add_ps(s1, load16(base + m * ldb + kLanes, keep1));
+    }
+    store16(y + m * ldy, keep0, s0);
+    store16(y + m * ldy + kLanes, keep1, s1);
   }
 }
 
+template <typename Out>
 using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, const float*,
-                       const float*, uint16_t*, int64_t, int64_t);
-constexpr TileFn kTileFns[kMaxRows + 1] = {nullptr,         tile_bf16<1>, tile_bf16<2>,
-                                           tile_bf16<3>,    tile_bf16<4>, tile_bf16<5>,
-                                           tile_bf16<6>,    tile_bf16<7>, tile_bf16<8>};
+                        const float*, const uint16_t*, int64_t, Out*, int64_t, int64_t);
+template <typename Out>
+constexpr TileFn<Out> kTileFns[kMaxRows + 1] = {
+    nullptr,           tile_bf16<1, Out>, tile_bf16<2, Out>, tile_bf16<3, Out>, tile_bf16<4, Out>,
+    tile_bf16<5, Out>, tile_bf16<6, Out>, tile_bf16<7, Out>, tile_bf16<8, Out>};
 
 void check_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                 const c10::optional<torch::Tensor>& bias) {
@@ -368,34 +373,66 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed,
   return x.scalar_type() == y.scalar_type() ? y : y.to(x.scalar_type());
 }
 
-// x [M, K] bf16 (K even), packed (pack order above), bias [N padded to 32] fp32 or None
-// -> [M, N] bf16
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                          const c10::optional<torch::Tensor>& bias) {
-  check_bf16(x, packed, n, bias);
-  const int64_t rows = x.size(0), pairs = x.size(1) / 2, tiles = (n + kTile - 1) / kTile;
-  torch::Tensor y = torch::empty({rows, n}, x.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  const int64_t ldx = x.stride(0);
+namespace {
+
+// the rows of y [rows, n] (fp32 or bf16) = x @ W + bias + base, tiles split over threads
+template <typename Out>
+void run_bf16(const uint16_t* xp, int64_t ldx, const uint16_t* wp, const float* bp,
+              const uint16_t* base, int64_t ldb, int64_t rows, int64_t pairs, int64_t n, Out* yp,
+              int64_t ldy) {
+  const int64_t tiles = (n + kTile - 1) / kTile;
   const bool amx = g_amx && rows >= kAmxMinRows && pairs >= kAmxSteps;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     TileRun run{amx};
     for (int64_t t = begin; t < end; ++t) {
       const uint16_t* wt = wp + t * pairs * kPairStep;
-      const int64_t cols = std::min(kTile, n - t * kTile);
+      const int64_t cols = std::min(kTile, n - t * kTile), c0 = t * kTile;
       for (int64_t r = 0; r < rows; r += kMaxRows) {
         const int64_t m = std::min(kMaxRows, rows - r);
         const int64_t p0 = run.start<false>(reinterpret_cast<const uint8_t*>(xp + r * ldx), 2 * ldx,
                                             reinterpret_cast<const uint8_t*>(wt), pairs, m);
-        kTileFns[m](xp + r * ldx, ldx, wt, p0, pairs,
-                    amx ? reinterpret_cast<const float*>(run.sums) : nullptr,
-                    bp ? bp + t * kTile : nullptr, yp + r * n + t * kTile, n, cols);
+        kTileFns<Out>[m](xp + r * ldx, ldx, wt, p0, pairs,
+                         amx ? reinterpret_cast<const float*>(run.sums) : nullptr,
+                         bp ? bp + c0 : nullptr, base ? base + r * ldb + c0 : nullptr, ldb,
+                         yp + r * ldy + c0, ldy, cols);
       }
     }
   });
+}
+
+}  // namespace
+
+// x [M, K] bf16 (K even), packed (pack order above), bias [N padded to 32] fp32 or None, base
+// [M, N] bf16 or None (added, N contiguous), out [M, N] fp32 or bf16 (N contiguous) or None
+// -> out, or a new [M, N] bf16, = x @ W^T + bias + base (the sums rounded once, to out's dtype)
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                          const c10::optional<torch::Tensor>& bias,
+                          const c10::optional<torch::Tensor>& base,
+                          const c10::optional<torch::Tensor>& out) {
+  check_bf16(x, packed, n, bias);
+  const int64_t rows = x.size(0), pairs = x.size(1) / 2;
+  if (base) {
+    TORCH_CHECK(base->scalar_type() == torch::kBFloat16 && base->dim() == 2 &&
+                    base->size(0) == rows && base->size(1) == n && base->stride(1) == 1,
+                "linear_bf16: base must be bf16 [M, N] with N contiguous");
+  }
+  torch::Tensor y = out ? *out : torch::empty({rows, n}, x.options());
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == rows && y.size(1) == n && y.stride(1) == 1 &&
+                  (y.scalar_type() == torch::kFloat32 || y.scalar_type() == torch::kBFloat16),
+              "linear_bf16: out must be a float32 or bf16 [M, N] with N contiguous");
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  const uint16_t* basep =
+      base ? reinterpret_cast<const uint16_t*>(base->data_ptr<at::BFloat16>()) : nullptr;
+  const int64_t ldb = base ? base->stride(0) : 0;
+  if (y.scalar_type() == torch::kFloat32) {
+    run_bf16(xp, x.stride(0), wp, bp, basep, ldb, rows, pairs, n, y.data_ptr<float>(),
+             y.stride(0));
+  } else {
+    auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+    run_bf16(xp, x.stride(0), wp, bp, basep, ldb, rows, pairs, n, yp, y.stride(0));
+  }
   return y;
 }
 

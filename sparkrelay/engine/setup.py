@@ -151,6 +151,7 @@ def build_proposer(
         cap,
         sp.speculative_dspark_confidence_threshold,
         head=model.head,
+        max_rows=config.scheduler.max_running_requests,
     )
 
 
@@ -202,7 +203,9 @@ def compile_model(model: CausalLM, proposer: Optional[DSparkProposer]) -> None:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
     model.body = torch.compile(model.body, dynamic=True)
     if proposer is not None:
-        proposer.drafter.block_forward = torch.compile(proposer.drafter.block_forward, dynamic=True)
+        proposer.drafter.block_forward_paged = torch.compile(
+            proposer.drafter.block_forward_paged, dynamic=True
+        )
 
 
 def model_info(config: Config, hf_config: dict) -> dict:

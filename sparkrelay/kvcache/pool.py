@@ -20,8 +20,10 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        extra_slots: int = 0,
     ) -> None:
-        slots = num_blocks * page_size
+        """extra_slots: slots past the pages, addressed by no block table (the drafter's scratch)."""
+        slots = num_blocks * page_size + extra_slots
         self.num_blocks, self.page_size = num_blocks, page_size
         self.buffer = torch.zeros(
             2 * len(layers), slots, n_kv, head_dim, dtype=dtype, device=device

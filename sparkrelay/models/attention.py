@@ -191,6 +191,39 @@ class AttnMeta:
             prefix=prefix,
         )
 
+    @classmethod
+    def draft_block(
+        cls,
+        ctx_index: torch.Tensor,
+        ctx_len: torch.Tensor,
+        scratch: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> "AttnMeta":
+        """A DSpark draft block (docs/dspark.md §1.5): row r's B queries, at block `positions` [R, B], see the
+        first ctx_len[r] [R] context slots of ctx_index [R, Lc] and the whole block, whose K/V are written to
+        its `scratch` [R, B] slots (never a committed position's: block rows are not cached). No causal
+        mask, so every query of a row sees the same keys: its context, then the block."""
+        r, b = scratch.shape
+        dev, lc = scratch.device, ctx_index.shape[1]
+        seen = ctx_len + b  # [R]
+        kv_index = torch.cat([ctx_index, scratch.new_zeros(r, b)], dim=1)  # [R, Lc + B]
+        kv_index.scatter_(1, ctx_len[:, None] + torch.arange(b, device=dev)[None, :], scratch)
+        mask = None  # rows of one context length: every key is visible
+        if bool((ctx_len < lc).any()):
+            # [R, 1, 1, Lc + B]: padding keys past a row's block hidden
+            mask = (torch.arange(lc + b, device=dev)[None, :] < seen[:, None])[:, None, None, :]
+        return cls(
+            positions=positions.reshape(-1),
+            slot_mapping=scratch.reshape(-1),
+            q_pad_index=torch.arange(r * b, device=dev),
+            kv_index=kv_index,
+            mask=mask,
+            batch=r,
+            max_q=b,
+            token_seq=torch.arange(r, device=dev).repeat_interleave(b),
+            _lengths=seen.repeat_interleave(b),
+        )
+
 
 def paged_attention(
     q: torch.Tensor,

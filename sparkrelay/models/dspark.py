@@ -6,7 +6,8 @@ load as they are. Every method is a pure tensor function batched over R requests
 the draft KV cache (per draft layer, K/V of the context projections of committed positions, §1.7):
 
     target taps F [N, n_taps*d] --project_context--> C [N, d] --context_kv--> per layer (k, v) [N, n_kv, hd]
-    block ids [R, B] + padded context K/V [R, Lc, n_kv, hd] --block_forward--> h [R, B, d]
+    block ids [R, B] + padded context K/V [R, Lc, n_kv, hd] --block_forward--> h [R, B, d]   (training)
+    block ids [R, B] + the paged draft pools, AttnMeta.draft_block --block_forward_paged--> h [R, B, d]   (serving)
     h --base_logits--> U [R, B, V] --markov_sample--> drafts [R, B], Z [R, B, V];   (h, prev) --confidence--> [R, B]
 """
 
@@ -21,9 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparkrelay.models.argmax import argmax
+from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.decoder import DecoderLayer, DecoderSpec
 from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
-from sparkrelay.models.kernels import fast_head, frozen_linear
+from sparkrelay.models.kernels import add_linear, fast_head, frozen_linear
 from sparkrelay.models.layers import RMSNorm, apply_rope, fuse_linears, transposed
 from sparkrelay.models.loader import (
     SHAPE_FIELDS,
@@ -149,6 +151,28 @@ class MarkovHead(nn.Module):
         self, h: torch.Tensor, prev: torch.Tensor, state: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """h [..., d], prev [...] -> β [..., V] and the RNN state [..., r] (None for the other kinds)."""
+        m, state = self.mix(h, prev, state)
+        return self.markov_w2(m), state
+
+    def add_step(
+        self,
+        u: torch.Tensor,
+        h: Optional[torch.Tensor],
+        prev: torch.Tensor,
+        state: Optional[torch.Tensor],
+        out: torch.Tensor,
+    ) -> Optional[torch.Tensor]:
+        """Serving: out [R, V] (float32) = u [R, V] + β(h [R, d], prev [R]) in one pass where the kernel
+        serves (kernels.add_linear); returns the RNN state."""
+        m, state = self.mix(h, prev, state)
+        add_linear(self.markov_w2, m, u, out)
+        return state
+
+    def mix(
+        self, h: Optional[torch.Tensor], prev: torch.Tensor, state: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """h [..., d], prev [...] -> m [..., r] (β = W2 m) and the RNN state [..., r] (None for the
+        other kinds)."""
         e = self.markov_w1(prev)  # [..., r]
         if self.kind == "gated":
             e = torch.sigmoid(self.gate_proj(torch.cat([h, e.to(h.dtype)], -1))) * e
@@ -158,7 +182,7 @@ class MarkovHead(nn.Module):
             gate, cand, out = self.joint_proj(torch.cat([s, e, h.to(e.dtype)], -1)).chunk(3, dim=-1)
             g = torch.sigmoid(gate)
             state, e = g * s + (1 - g) * torch.tanh(cand), torch.tanh(out)
-        return self.markov_w2(e), state
+        return e, state
 
     def fuse(self) -> None:
         """After loading: W2 [V, r] in its fast layout (it is read B times per draft round, once per
@@ -307,6 +331,24 @@ class Qwen3DSparkModel(nn.Module):
             x = layer.block(x, cos, sin, k, v, mask)
         return self.norm(x)
 
+    def block_forward_paged(
+        self,
+        block_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        pools: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttnMeta,
+    ) -> torch.Tensor:
+        """Serving: block_ids, block_positions [R, B]; per draft layer its (k_pool, v_pool) holding the context
+        K/V; `meta` (AttnMeta.draft_block) -> h [R, B, d] after the final norm. Each layer runs as a target layer
+        does (DecoderLayer.forward: paged attention, the decode kernel where it serves), so no context is
+        gathered or concatenated per layer; equal to block_forward over the same keys."""
+        r, b = block_ids.shape
+        x = self.embed_tokens(block_ids).view(r * b, -1)  # [R*B, d]
+        cos, sin = self.rotary.table(block_positions.reshape(-1), x.dtype)  # [R*B, 1, hd]
+        for layer, kv in zip(self.layers, pools):
+            x = layer.forward(x, cos, sin, kv, meta)
+        return self.norm(x).view(r, b, -1)
+
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [R, B, d] -> U [R, B, V]."""
         return self.lm_head(h) if self.head is None else self.head.forward(h)
@@ -350,10 +392,12 @@ class Qwen3DSparkModel(nn.Module):
         zs = torch.empty(u.shape, dtype=torch.float32, device=u.device)
         prev, state, drafts = anchors, None, []
         for k in range(u.shape[1]):
-            z = zs[:, k].copy_(u[:, k])  # [R, V]
-            if self.markov_head is not None:
-                beta, state = self.markov_head.step(None if h is None else h[:, k], prev, state)
-                z.add_(beta)  # in float32, as beta.float() would
+            z = zs[:, k]  # [R, V]
+            if self.markov_head is None:
+                z.copy_(u[:, k])
+            else:  # Z_k = U_k + β, summed in float32
+                hk = None if h is None else h[:, k]
+                state = self.markov_head.add_step(u[:, k], hk, prev, state, z)
             if constrain is not None:
                 masked = constrain(k, prev, z)  # z itself when no row of this slot is constrained
                 if masked is not z:

@@ -180,6 +180,30 @@ class AvxLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+def add_linear(
+    layer: nn.Module, x: torch.Tensor, base: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """out [R, N] = base [R, N] + layer(x [R, in]): in one pass of the kernel where `layer` is an AvxLinear it
+    serves (bf16 x and base, the sum rounded once to out's dtype), else as out = base, out += layer(x).
+    The DSpark Markov head's logits, Z_k = U_k + W2 m_k: one read of U, one write of Z per slot."""
+    rows = x.shape[0]
+    fused = (
+        isinstance(layer, AvxLinear)
+        and rows <= KERNEL_ROWS
+        and x.dtype == base.dtype == torch.bfloat16
+        and layer.in_features % 2 == 0
+        and base.stride(-1) == 1
+        and out.stride(-1) == 1
+        and not torch.compiler.is_compiling()
+    )
+    if fused:
+        return layer._ext.linear_bf16(
+            x.contiguous(), layer.tiles, layer.out_features, layer.tile_bias, base, out
+        )
+    out.copy_(base)
+    return out.add_(layer.forward(x))
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     """oneDNN's packed product is the fast one for bfloat16 and float32 weights on CPU (module
     docstring)."""

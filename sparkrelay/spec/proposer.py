@@ -4,7 +4,9 @@ blocks.
 Draft KV layout: the same slots as the target's KV (one pool per draft layer, addressed through the
 request's block table), so position p of a request has its target K/V and its draft context K/V at
 the same slot. Only committed positions are written (prompt rows at prefill, the anchor and accepted
-drafts after a verify); block rows are never cached (docs/dspark.md §1.7).
+drafts after a verify); block rows are never cached (docs/dspark.md §1.7): a block's K/V go to scratch
+slots past the pages, one block's worth per row, and its queries attend through the target's paged
+attention (AttnMeta.draft_block), the context read in place.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from torch import nn
 
 from sparkrelay.kvcache.pool import KVPool
-from sparkrelay.models.attention import slot_index
+from sparkrelay.models.attention import AttnMeta, slot_index
 from sparkrelay.models.dspark import Qwen3DSparkModel
 
 
@@ -40,9 +42,11 @@ class DSparkProposer:
         max_drafts: int,
         confidence_threshold: float,
         head: Optional[nn.Module] = None,
+        max_rows: int = 64,
     ) -> None:
         """head: the target's fast LM head copy (`CausalLM.head`), used when the drafter shares the
-        head."""
+        head. max_rows: the most requests one propose serves (the scheduler's --max-running-requests);
+        the pool keeps that many blocks of scratch slots past the pages, where block K/V are written."""
         body = drafter.spec.body
         self.head = head if "lm_head" in getattr(drafter, "shared_with_target", ()) else None
         self.drafter, self.device, self.page_size = drafter, device, page_size
@@ -60,7 +64,14 @@ class DSparkProposer:
             body.head_dim,
             dtype,
             device,
+            extra_slots=max_rows * self.block_size,
         )
+        # [max_rows, B]: row r's block K/V slots, past every page (never a position's)
+        self.scratch = torch.arange(
+            num_blocks * page_size,
+            num_blocks * page_size + max_rows * self.block_size,
+            device=device,
+        ).view(max_rows, self.block_size)
         self.max_position = body.max_position_embeddings - 1
 
     @torch.inference_mode()
@@ -124,12 +135,10 @@ class DSparkProposer:
             ctx_len = torch.tensor([p - c for p, c in zip(starts, ctx_starts)], device=dev)
         else:
             ctx_len = torch.tensor(starts, device=dev)
-        flat = index.reshape(-1)
-        ctx_k, ctx_v = [], []
-        for k_pool, v_pool in self.pool.layers.values():
-            # [R, Lc, n_kv, hd]
-            ctx_k.append(k_pool.index_select(0, flat).view(rows, -1, *k_pool.shape[1:]))
-            ctx_v.append(v_pool.index_select(0, flat).view(rows, -1, *v_pool.shape[1:]))
+        if rows > self.scratch.shape[0]:
+            raise ValueError(
+                f"{rows} rows in one proposal; the proposer was sized for {self.scratch.shape[0]}"
+            )
         anchor_t = torch.tensor(anchors, device=dev)
         block_ids = torch.full((rows, b), self.drafter.spec.mask_token_id, device=dev)
         block_ids[:, 0] = anchor_t  # [R, B]: anchor then mask tokens
@@ -137,7 +146,9 @@ class DSparkProposer:
         positions = (anchor_pos[:, None] + torch.arange(b, device=dev)[None, :]).clamp(
             max=self.max_position
         )
-        h = self.drafter.block_forward(block_ids, positions, ctx_k, ctx_v, ctx_len)  # [R, B, d]
+        meta = AttnMeta.draft_block(index, ctx_len, self.scratch[:rows], positions)
+        pools = list(self.pool.layers.values())
+        h = self.drafter.block_forward_paged(block_ids, positions, pools, meta)  # [R, B, d]
         u = self.drafter.base_logits(h) if self.head is None else self.head.forward(h)  # [R, B, V]
         drafts, z = self.drafter.markov_sample(
             u,

@@ -79,6 +79,31 @@ def test_kernel_equals_float64_at_every_row_count(shape, bias, path):
 
 
 @needs_cpu
+@pytest.mark.parametrize("shape", [(31, 64), (100, 300), (1000, 96)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_kernel_adds_base_into_out(shape, out_dtype, path):
+    """linear_bf16 with base and out: out = x W^T + bias + base, summed in fp32 and rounded once to out's
+    dtype, written into a strided out (a slot of the Markov head's [R, B, V] buffer), other slots left
+    alone; rows 1 to 9."""
+    n, k = shape
+    ext = cpu_kernels.load()
+    for rows in (1, 3, KERNEL_ROWS, KERNEL_ROWS + 1):
+        w, b, x = operands(n, k, rows, seed=rows)
+        base = (4 * torch.randn(rows, n + 3)).to(torch.bfloat16)[:, 1 : n + 1]  # rows ldb apart
+        buffer = torch.full((rows, 3, n), 7.0, dtype=out_dtype)
+        got = ext.linear_bf16(
+            x, cpu_kernels.pack_bf16(w), n, cpu_kernels.pad_to_tile(b), base, buffer[:, 1]
+        )
+        ref = x.double() @ w.double().t() + b.double() + base.double()
+        tol = 2.0**-8 if out_dtype == torch.bfloat16 else 2.0**-20
+        bound = tol * ref.abs() + 1e-6 * (x.double().abs() @ w.double().abs().t()) + 1e-5
+        assert got.data_ptr() == buffer[:, 1].data_ptr()
+        assert bool(((buffer[:, 1].double() - ref).abs() <= bound).all())
+        assert bool((buffer[:, 0] == 7).all() and (buffer[:, 2] == 7).all())
+
+
+@needs_cpu
 @pytest.mark.parametrize(
     "shape", [(1, 1, 1024), (7, 1, 576), (3, 24, 128), (5, 1, 33), (300, 1, 64)]
 )

@@ -9,6 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from sparkrelay.models import cpu_kernels
+from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.decoder import DecoderSpec, load_causal_lm
 from sparkrelay.models.dspark import DSparkSpec, load_dspark
 from sparkrelay.models.dspark_checkpoint import draft_config, write_random_checkpoint
@@ -316,6 +318,48 @@ def test_block_forward_matches_dense_reference_and_batching(tmp_path, target_dir
     torch.testing.assert_close(h, torch.stack(outs), atol=2e-5, rtol=1e-5)
 
 
+def run_block_paged(model, feats, positions, block_ids, block_pos, ctx_len):
+    """run_block through the serving path: the context K/V written to scattered pool slots (in reverse
+    order, so no row reads a consecutive range), the block's K/V to scratch slots past them."""
+    r, lc = feats.shape[:2]
+    b, n = block_ids.shape[1], r * lc
+    kv = model.context_kv(model.project_context(feats.reshape(n, -1)), positions.reshape(-1))
+    ctx_slots = torch.arange(n - 1, -1, -1).view(r, lc)  # [R, Lc]
+    pools = []
+    for k, v in kv:
+        k_pool, v_pool = k.new_zeros(n + r * b, NKV, HD), v.new_zeros(n + r * b, NKV, HD)
+        k_pool.index_copy_(0, ctx_slots.reshape(-1), k)
+        v_pool.index_copy_(0, ctx_slots.reshape(-1), v)
+        pools.append((k_pool, v_pool))
+    scratch = torch.arange(n, n + r * b).view(r, b)
+    meta = AttnMeta.draft_block(ctx_slots, ctx_len, scratch, block_pos)
+    return model.block_forward_paged(block_ids, block_pos, pools, meta)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_block_forward_equals_gathered(tmp_path, target_dir, target_spec, dtype):
+    """The serving block forward (paged attention over scattered context slots and scratch block slots;
+    in bf16 the decode-attention kernel where it is built) equals the training one, ragged contexts
+    included."""
+    if dtype == torch.bfloat16 and cpu_kernels.load() is None:
+        pytest.skip("the CPU kernels are not built: bf16 would take the same SDPA path as float32")
+    folder = write(tmp_path, target_dir, "vanilla", weight_dtype=torch.float32)
+    model = load_dspark(folder, target_spec, dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    lens, mask = torch.tensor([5, 9, 9]), model.spec.mask_token_id
+    feats = torch.randn(3, 9, 3 * D, generator=gen).to(dtype)
+    blocks = torch.tensor([[7 + int(n)] + [mask] * 6 for n in lens])
+    block_pos = torch.stack([torch.arange(n, n + 7) for n in lens.tolist()])
+    args = (feats, torch.arange(9).repeat(3, 1), blocks, block_pos, lens)
+    want, got = run_block(model, *args), run_block_paged(model, *args)
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    # one row alone (no padding, no mask) gives its row of the batch
+    one = run_block_paged(model, *(a[1:2] for a in args))
+    torch.testing.assert_close(one[0].float(), got[1].float(), **tol)
+
+
 def markov_reference(sd, kind, u, h, anchors):
     """Greedy §2.2 step 4 with the §1.6 heads, one request at a time."""
     w1, w2 = sd["markov_head.markov_w1.weight"], sd["markov_head.markov_w2.weight"]
@@ -384,6 +428,31 @@ def test_markov_greedy_is_sequential_argmax(tmp_path, target_dir, target_spec, k
         u, anchors, temps, mixed, h=h, generators=[torch.Generator().manual_seed(9), None, None]
     )[0]
     assert torch.equal(a[0], b[0]) and torch.equal(a[1:], ref_d[1:])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["vanilla", "rnn"])
+def test_markov_bf16_sums_in_float32(tmp_path, target_dir, target_spec, kind):
+    """A bf16 drafter: Z_k = U_k + W2 m_k summed in float32 from its bf16 operands (one kernel pass where
+    the CPU kernels are built), every row's slots written in place; drafts the argmax of each slot."""
+    folder = write(tmp_path, target_dir, kind, weight_dtype=torch.float32)
+    model = load_dspark(folder, target_spec, dtype=torch.bfloat16)
+    sd = load_dspark(folder, target_spec, dtype=torch.bfloat16, fuse=False).state_dict()
+    gen = torch.Generator().manual_seed(2)
+    u = (3 * torch.randn(3, 7, V, generator=gen)).to(torch.bfloat16)
+    h = torch.randn(3, 7, D, generator=gen).to(torch.bfloat16)
+    anchors = torch.tensor([5, 900, 4000])
+    drafts, z = model.markov_sample(
+        u, anchors, torch.zeros(3), torch.ones(3, dtype=torch.bool), h=h
+    )
+    prev = torch.cat([anchors[:, None], drafts[:, :-1]], 1)
+    state, ms = None, []
+    for k in range(7):  # m_k of the head's own state machine (vanilla: W1[prev])
+        mk, state = model.markov_head.mix(h[:, k], prev[:, k], state)
+        ms.append(mk)
+    ref = u.float() + torch.stack(ms, 1).float() @ sd["markov_head.markov_w2.weight"].float().t()
+    torch.testing.assert_close(z, ref, atol=2e-4, rtol=1e-5)
+    assert z.dtype == torch.float32 and torch.equal(drafts, z.argmax(-1))
 
 
 @torch.no_grad()

@@ -6,7 +6,7 @@ Two sparkrelay engines of one target and dtype, plain and DSpark, generate the s
          ModelRunner.run       of a decode batch   -> t_step    (the whole decode step: forward + sampling)
   DSpark SpecRunner.forward    with 1 + B tokens   -> t_verify  (the target forward over the anchor and B drafts)
          DSparkProposer.propose for one row        -> t_draft   (the drafter's block forward and its heads), of
-           which Qwen3DSparkModel.block_forward    -> t_draft_body   (the draft layers over the block)
+           which Qwen3DSparkModel.block_forward_paged -> t_draft_body   (the draft layers over the block)
            and   Qwen3DSparkModel.markov_sample    -> t_draft_markov (the B sequential Markov-head steps);
            the rest is the LM head over the block and the context gather
          SpecRunner.run        of a decode batch   -> t_round   (propose + verify + acceptance + context writes)
@@ -27,7 +27,7 @@ def _wrap(plain: SparkrelayEngine, spec: SparkrelayEngine, device: str) -> dict[
     runner, spec_runner = plain.llm.engine.runner, spec.llm.engine.runner
     n_ids = lambda args: len(args[1])  # noqa: E731  forward(meta, ids, logits_rows)
     kind = lambda args: args[0].kind  # noqa: E731  run(batch)
-    rows = lambda args: args[0].shape[0]  # noqa: E731  block_forward(block_ids [R, B], ...), markov_sample(u, ...)
+    rows = lambda args: args[0].shape[0]  # noqa: E731  block_forward_paged(block_ids [R, B], ...), markov_sample(u, ...)
     drafter = spec_runner.proposer.drafter
     return {
         "decode": PieceTimer(runner, "forward", n_ids, device),
@@ -35,7 +35,7 @@ def _wrap(plain: SparkrelayEngine, spec: SparkrelayEngine, device: str) -> dict[
         "verify": PieceTimer(spec_runner, "forward", n_ids, device),
         "draft": PieceTimer(spec_runner.proposer, "propose", lambda args: len(args[0]), device),
         "round": PieceTimer(spec_runner, "run", kind, device),
-        "draft_body": PieceTimer(drafter, "block_forward", rows, device),
+        "draft_body": PieceTimer(drafter, "block_forward_paged", rows, device),
         "draft_markov": PieceTimer(drafter, "markov_sample", rows, device),
     }
 
