@@ -5,9 +5,9 @@
 #      STAGES including `sampled` its sampled answers to the same prompts (DeepSpec's regeneration: temperature 0.7,
 #      top-p 0.8, top-k 20), which the drafter then trains on beside the greedy ones,
 #   2. its answers to 8 evaluation prompts per set (the learning curve's offline acceptance; never trained on),
-#   3. the drafter (peak lr LR, default 1e-3): resumed from .cache/train_smollm2_dspark/ckpt.pt when there is one, else continued from the
-#      committed drafter's weights (a fresh optimizer); one cosine lr cycle over TRAIN_MINUTES (default 120), the
-#      drafter exported to the model folder at every learning-curve point.
+#   3. the drafter: resumed from .cache/train_smollm2_dspark/ckpt.pt when there is one, else continued from the
+#      committed drafter's weights (a fresh optimizer); one cosine lr cycle from LR (default 1e-3) over
+#      TRAIN_MINUTES (default 120), the drafter exported to the model folder at every learning-curve point.
 # Progress lines go to .cache/train_smollm2_dspark/*.log. PROMPTS: the folder of the prompt sets (*.jsonl).
 # `STAGES=pack bash scripts/train_smollm2_drafter.sh` writes the answers back to data/smollm2-answers/ (to commit).
 set -euo pipefail
