@@ -62,29 +62,43 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
 }
 
-// q . k over D (bf16 pairs), as 16 partial sums
-inline __m512 dot16(const uint16_t* q, const uint16_t* k, int64_t d) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t c = 0; c < d; c += 32) {
-    const __mmask16 keep = first((d - c) / 2);
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi32(keep, q + c),
-                           (__m512bh)_mm512_maskz_loadu_epi32(keep, k + c));
-  }
-  return acc;
+// Head dims 64 and 128 get their own instances (kD), whose loops unroll and keep keys and sums in
+// registers; kD = 0 reads the head dim at run time. Every instance sums in the same order.
+
+// a 32-pair slice c of a head vector (D/32 slices; the last one masked when D is not a multiple of 32)
+template <int kD>
+inline __m512bh pairs(const uint16_t* x, int64_t d, int64_t c) {
+  return (__m512bh)_mm512_maskz_loadu_epi32(first((d - c) / 2), x + c);
 }
 
 // scores[r][j] = scale * q_r . k_j for rows r < n (q_r at q[r]) and keys j < len (row stride ld),
 // four keys at a time through one shuffle tree; the last group repeats its last key, so every score
 // is summed in the same order whatever the chunk (a verify row equals that decode row, bit for bit)
+template <int kD>
 void score_rows(const uint16_t* const* q, int64_t n, const Pools& p, int64_t head,
                 const int64_t* slots, int64_t len, float scale, float* scores, int64_t ld) {
+  const int64_t d = kD ? kD : p.d;
+  constexpr int64_t kSlices = kD ? (kD + 31) / 32 : 1;  // key slices held in registers
   for (int64_t j = 0; j < len; j += 4) {
     const uint16_t* k[4];
     for (int64_t i = 0; i < 4; ++i) k[i] = p.k + slots[std::min(j + i, len - 1)] * p.row + head;
+    __m512bh kv[4][kSlices];
+    if (kD) {
+      for (int64_t i = 0; i < 4; ++i) {
+        for (int64_t c = 0; c < kSlices; ++c) kv[i][c] = pairs<kD>(k[i], d, 32 * c);
+      }
+    }
     const __mmask8 keep = static_cast<__mmask8>((1u << std::min<int64_t>(4, len - j)) - 1);
     for (int64_t r = 0; r < n; ++r) {
-      const __m128 s = sum4(dot16(q[r], k[0], p.d), dot16(q[r], k[1], p.d),
-                            dot16(q[r], k[2], p.d), dot16(q[r], k[3], p.d));
+      __m512 acc[4];
+      for (int64_t i = 0; i < 4; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < d; c += 32) {  // slice by slice, as for any head dim
+        const __m512bh qc = pairs<kD>(q[r], d, c);
+        for (int64_t i = 0; i < 4; ++i) {
+          acc[i] = _mm512_dpbf16_ps(acc[i], qc, kD ? kv[i][c / 32] : pairs<kD>(k[i], d, c));
+        }
+      }
+      const __m128 s = sum4(acc[0], acc[1], acc[2], acc[3]);
       _mm_mask_storeu_ps(scores + r * ld + j, keep, _mm_mul_ps(s, _mm_set1_ps(scale)));
     }
   }
@@ -109,30 +123,52 @@ float softmax_numerators(float* scores, int64_t len, int64_t width) {
   return _mm512_reduce_add_ps(sum);
 }
 
-// out[r] [D] = sum_j w[r][j] v_j / total[r] (bf16), rows r < n (at most kValueRows), keys j < len:
-// each value is converted to fp32 once for the n rows
+// out[r] [D] = sum_j w[r][j] v_j / total[r] (bf16), rows r < n (at most kValueRows; kN of them
+// when kN > 0), keys j < len: each value is converted to fp32 once for the n rows
+template <int kD, int kN>
 void weigh_values(const float* w, int64_t ld, const float* total, int64_t n, const Pools& p,
                   int64_t head, const int64_t* slots, int64_t len, uint16_t* const* out) {
-  const int64_t blocks = (p.d + kLanes - 1) / kLanes;
-  __m512 acc[kValueRows][kMaxHeadDim / kLanes];
-  for (int64_t r = 0; r < n; ++r) {
+  const int64_t d = kD ? kD : p.d, rows = kN ? kN : n;
+  const int64_t blocks = (d + kLanes - 1) / kLanes;
+  constexpr int64_t kRows = kN ? kN : kValueRows, kBlocks = (kD ? kD : kMaxHeadDim) / kLanes;
+  __m512 acc[kRows][kBlocks];
+  for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < blocks; ++c) acc[r][c] = _mm512_setzero_ps();
   }
   for (int64_t j = 0; j < len; ++j) {
     const uint16_t* vj = p.v + slots[j] * p.row + head;
+    __m512 wr[kRows];
+    for (int64_t r = 0; r < rows; ++r) wr[r] = _mm512_set1_ps(w[r * ld + j]);
     for (int64_t c = 0; c < blocks; ++c) {
-      const __m512 v = load16(vj + kLanes * c, first(p.d - kLanes * c));
-      for (int64_t r = 0; r < n; ++r) {
-        acc[r][c] = _mm512_fmadd_ps(v, _mm512_set1_ps(w[r * ld + j]), acc[r][c]);
-      }
+      const __m512 v = load16(vj + kLanes * c, first(d - kLanes * c));
+      for (int64_t r = 0; r < rows; ++r) acc[r][c] = _mm512_fmadd_ps(v, wr[r], acc[r][c]);
     }
   }
-  for (int64_t r = 0; r < n; ++r) {
+  for (int64_t r = 0; r < rows; ++r) {
     const __m512 inv = _mm512_set1_ps(1.f / total[r]);
     for (int64_t c = 0; c < blocks; ++c) {
-      store16(out[r] + kLanes * c, first(p.d - kLanes * c), _mm512_mul_ps(acc[r][c], inv));
+      store16(out[r] + kLanes * c, first(d - kLanes * c), _mm512_mul_ps(acc[r][c], inv));
     }
   }
+}
+
+using ScoreFn = void (*)(const uint16_t* const*, int64_t, const Pools&, int64_t, const int64_t*,
+                         int64_t, float, float*, int64_t);
+using WeighFn = void (*)(const float*, int64_t, const float*, int64_t, const Pools&, int64_t,
+                         const int64_t*, int64_t, uint16_t* const*);
+
+struct HeadFns {  // one head dim's instances; weigh[n] for n rows (weigh[0]: any n)
+  ScoreFn score;
+  WeighFn weigh[kValueRows + 1];
+};
+
+template <int kD>
+constexpr HeadFns kHeadFns = {score_rows<kD>,
+                              {weigh_values<kD, 0>, weigh_values<kD, 1>, weigh_values<kD, 2>,
+                               weigh_values<kD, 3>, weigh_values<kD, 4>}};
+
+const HeadFns& head_fns(int64_t d) {
+  return d == 64 ? kHeadFns<64> : d == 128 ? kHeadFns<128> : kHeadFns<0>;
 }
 
 struct Task {  // one sequence's queries first..first+count-1 (in `order`) against one KV head
@@ -176,6 +212,7 @@ torch::Tensor decode_attention_bf16(const torch::Tensor& q, const torch::Tensor&
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t group = h / n_kv;
+  const HeadFns& fns = head_fns(d);
   // queries grouped by sequence (stable), cut into chunks of kChunkQueries: a task per chunk and
   // KV head
   std::vector<int64_t> order(t);
@@ -206,15 +243,16 @@ torch::Tensor decode_attention_bf16(const torch::Tensor& q, const torch::Tensor&
         outs[r] = op + at;
         longest = std::max(longest, lens[query]);
       }
-      score_rows(qs.data(), n, pools, kv, keys, longest, static_cast<float>(scale),
-                 scores.data(), width);
+      fns.score(qs.data(), n, pools, kv, keys, longest, static_cast<float>(scale), scores.data(),
+                width);
       for (int64_t r = 0; r < n; ++r) {
         const int64_t len = lens[order[task.first + r / group]];
         totals[r] = softmax_numerators(scores.data() + r * width, len, longest);
       }
       for (int64_t r = 0; r < n; r += kValueRows) {
-        weigh_values(scores.data() + r * width, width, totals.data() + r,
-                     std::min(kValueRows, n - r), pools, kv, keys, longest, outs.data() + r);
+        const int64_t m = std::min(kValueRows, n - r);
+        fns.weigh[m](scores.data() + r * width, width, totals.data() + r, m, pools, kv, keys,
+                     longest, outs.data() + r);
       }
     }
   });
