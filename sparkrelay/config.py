@@ -129,6 +129,13 @@ class SpecConfig:
     speculative_dspark_confidence_threshold: float = _f(
         0.0, "Truncate a block at the first slot whose confidence is below this (0 = full blocks)."
     )
+    speculative_token_map: Optional[str] = _f(
+        None,
+        "Draft only among these token ids (FR-Spec's hot tokens: a JSON list, or a .pt tensor as "
+        "SGLang takes): the drafter's LM head and Markov head cost that share of the vocabulary; "
+        "still lossless.",
+        ftype=str,
+    )
 
 
 @dataclass(frozen=True)
@@ -331,6 +338,8 @@ class Config:
         if sp.speculative_algorithm is None:
             # reads only the drafter's config / context weights
             prefill = self.disagg.disaggregation_mode == "prefill"
+            if sp.speculative_token_map is not None:
+                raise ConfigError("--speculative-token-map needs --speculative-algorithm DSPARK")
             if sp.speculative_draft_model_path is not None and not prefill:
                 raise ConfigError(
                     "--speculative-draft-model-path needs --speculative-algorithm DSPARK"
@@ -353,6 +362,8 @@ class Config:
             raise ConfigError(
                 f"--speculative-num-draft-tokens must be >= 1, got {sp.speculative_num_draft_tokens}"
             )
+        if sp.speculative_token_map is not None and not os.path.isfile(sp.speculative_token_map):
+            raise ConfigError(f"--speculative-token-map {sp.speculative_token_map!r}: no such file")
         if not 0.0 <= sp.speculative_dspark_confidence_threshold < 1.0:
             raise ConfigError(
                 "--speculative-dspark-confidence-threshold must be in [0, 1), got "
@@ -504,7 +515,6 @@ SGLANG_ONLY_FLAGS: dict[str, str] = {
             "--reasoning-parser",
             "--speculative-num-steps",
             "--speculative-eagle-topk",
-            "--speculative-token-map",
             "--disaggregation-ib-device",
             "--stream-interval",
             "--watchdog-timeout",

@@ -123,6 +123,30 @@ def kv_capacity(config: Config, context: int, bytes_per_token: int = 1) -> int:
     return total // page * page
 
 
+def read_token_map(path: str, vocab_size: int) -> torch.Tensor:
+    """--speculative-token-map: a JSON list of token ids, or a .pt file holding one 1-D integer tensor
+    (SGLang's format; read with weights_only) -> the ids [Vh] sorted; every fault names the flag."""
+    flag = f"--speculative-token-map {path!r}"
+    try:
+        if path.endswith(".pt"):
+            ids = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            with open(path, encoding="utf-8") as f:
+                ids = json.load(f)
+        ids = torch.as_tensor(ids)
+    except Exception as e:  # unreadable, not JSON, not a tensor: one message for all
+        raise ConfigError(f"{flag}: not a JSON list or .pt tensor of token ids ({e})") from None
+    if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ConfigError(f"{flag}: expected a non-empty 1-D list of integer token ids")
+    ids = ids.long()
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.numel():
+        raise ConfigError(f"{flag}: token id {int(bad[0])} is outside [0, {vocab_size})")
+    if ids.unique().numel() != ids.numel():
+        raise ConfigError(f"{flag}: token ids repeat")
+    return ids.sort().values
+
+
 def build_proposer(
     config: Config, model: CausalLM, dtype: torch.dtype, device: torch.device, num_blocks: int
 ) -> DSparkProposer:
@@ -141,6 +165,8 @@ def build_proposer(
         raise ConfigError(
             f"--speculative-draft-model-path {sp.speculative_draft_model_path}: {e}"
         ) from e
+    if sp.speculative_token_map is not None:
+        drafter.restrict_vocab(read_token_map(sp.speculative_token_map, model.spec.vocab_size))
     apply_torchao_config(drafter, config.model.torchao_config)
     cap = sp.speculative_num_draft_tokens or drafter.spec.block_size
     return DSparkProposer(

@@ -161,11 +161,13 @@ class MarkovHead(nn.Module):
         prev: torch.Tensor,
         state: Optional[torch.Tensor],
         out: torch.Tensor,
+        in_vocab: bool = False,
     ) -> Optional[torch.Tensor]:
         """Serving: out [R, V] (float32) = u [R, V] + β(h [R, d], prev [R]) in one pass where the kernel
-        serves (kernels.add_linear); returns the RNN state."""
+        serves (kernels.add_linear); `in_vocab`: over the draft vocabulary (V = Vh). Returns the RNN
+        state."""
         m, state = self.mix(h, prev, state)
-        add_linear(self.markov_w2, m, u, out)
+        add_linear(self.vocab_w2 if in_vocab else self.markov_w2, m, u, out)
         return state
 
     def mix(
@@ -188,6 +190,11 @@ class MarkovHead(nn.Module):
         """After loading: W2 [V, r] in its fast layout (it is read B times per draft round, once per
         slot)."""
         self.markov_w2 = frozen_linear(self.markov_w2.weight)
+
+    def restrict(self, ids: torch.Tensor) -> None:
+        """Serving with a draft vocabulary (Qwen3DSparkModel.restrict_vocab): a copy of W2's rows of
+        `ids` [Vh], whose β covers those tokens only; W1 still takes any previous token."""
+        self.vocab_w2 = frozen_linear(self.markov_w2.weight[ids].contiguous())
 
     def teacher_forced(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """h [R, B, d], prev [R, B] (slot k's previous token) -> β [R, B, V]; the RNN state runs left to right."""
@@ -284,6 +291,19 @@ class Qwen3DSparkModel(nn.Module):
         self.head: nn.Module | None = (
             None  # the LM head's fast copy, unless the target's is used (load_dspark)
         )
+        self.vocab: Optional[torch.Tensor] = None  # [Vh] the draft vocabulary (restrict_vocab)
+
+    def restrict_vocab(self, ids: torch.Tensor) -> None:
+        """Serving: draft only among the token ids `ids` [Vh] (FR-Spec's frequency-ranked hot tokens,
+        SGLang's --speculative-token-map). The LM head and Markov W2 keep those rows, so a slot's logits
+        cost Vh / V of the full ones; U and Z are then [.., Vh] and markov_sample maps its picks back to
+        token ids. Lossless: a draft is still a draw from q (zero off the vocabulary), and verification
+        takes the residual over every token. The full heads stay: a round under a grammar drafts over
+        every token (the grammar may allow none of the vocabulary)."""
+        self.vocab = ids
+        self.vocab_head = frozen_linear(self.lm_head.weight[ids].contiguous())  # a copy: Vh rows
+        if self.markov_head is not None:
+            self.markov_head.restrict(ids)
 
     def fuse(self) -> None:
         """After loading: every draft layer's products, fc and the Markov head's W2 in their fast
@@ -369,6 +389,7 @@ class Qwen3DSparkModel(nn.Module):
         h: Optional[torch.Tensor] = None,
         generators: Optional[list[Optional[torch.Generator]]] = None,
         constrain: Optional[Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+        in_vocab: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequential sampling over the B slots (§2.2 step 3): Z_k = U_k + β(prev); prev_0 = anchor,
         prev_k = draft k-1. `constrain(k, prev [R], Z_k [R, V])` -> Z_k with banned tokens at -inf
@@ -377,7 +398,11 @@ class Qwen3DSparkModel(nn.Module):
         u [R, B, V]; anchors [R]; temperature [R] (ignored where greedy [R] is True); h [R, B, d] (needed by the gated
         and RNN heads); noise from `generators[row]` when given, else `generator`.
         -> drafts [R, B] (long), Z [R, B, V] float32 (the draft distribution is softmax(Z_k / T)).
+        `in_vocab` (after restrict_vocab, no `constrain`): u is over the draft vocabulary, V = Vh, and
+        Z's column i is token vocab[i].
         """
+        if in_vocab and (self.vocab is None or constrain is not None):
+            raise ValueError("in_vocab needs restrict_vocab first and no constrain")
         if self.markov_head is not None and self.markov_head.kind != "vanilla" and h is None:
             raise ValueError(
                 f"markov_head_type {self.markov_head.kind!r} needs the hidden states h"
@@ -397,12 +422,12 @@ class Qwen3DSparkModel(nn.Module):
                 z.copy_(u[:, k])
             else:  # Z_k = U_k + β, summed in float32
                 hk = None if h is None else h[:, k]
-                state = self.markov_head.add_step(u[:, k], hk, prev, state, z)
+                state = self.markov_head.add_step(u[:, k], hk, prev, state, z, in_vocab)
             if constrain is not None:
                 masked = constrain(k, prev, z)  # z itself when no row of this slot is constrained
                 if masked is not z:
                     z.copy_(masked)
-            prev = argmax(z)
+            pick = argmax(z)
             if not all_greedy:
                 noise = torch.empty_like(z).exponential_(generator=generator)
                 for row, gen in enumerate(generators or []):
@@ -410,7 +435,8 @@ class Qwen3DSparkModel(nn.Module):
                         noise[row].exponential_(generator=gen)
                 # exponential race: a draw from softmax
                 drawn = argmax(torch.softmax(z / temp, dim=-1) / noise)
-                prev = torch.where(greedy, prev, drawn)
+                pick = torch.where(greedy, pick, drawn)
+            prev = self.vocab[pick] if in_vocab else pick  # token ids
             drafts.append(prev)
         return torch.stack(drafts, dim=1), zs
 

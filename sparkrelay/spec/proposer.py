@@ -149,7 +149,14 @@ class DSparkProposer:
         meta = AttnMeta.draft_block(index, ctx_len, self.scratch[:rows], positions)
         pools = list(self.pool.layers.values())
         h = self.drafter.block_forward_paged(block_ids, positions, pools, meta)  # [R, B, d]
-        u = self.drafter.base_logits(h) if self.head is None else self.head.forward(h)  # [R, B, V]
+        # the draft vocabulary (restrict_vocab) in rounds no grammar constrains: V = Vh
+        in_vocab = self.drafter.vocab is not None and constrain is None
+        if in_vocab:
+            u = self.drafter.vocab_head.forward(h)
+        else:
+            u = (
+                self.drafter.base_logits(h) if self.head is None else self.head.forward(h)
+            )  # [R, B, V]
         drafts, z = self.drafter.markov_sample(
             u,
             anchor_t,
@@ -159,6 +166,7 @@ class DSparkProposer:
             h=h,
             generators=generators,
             constrain=constrain,
+            in_vocab=in_vocab,
         )
         if bool(greedy.all()):
             q = z  # greedy verification never reads the draft distribution
@@ -168,7 +176,11 @@ class DSparkProposer:
                 .clamp_min(1e-5)
                 .float()
             )
-            q = torch.softmax(z / temp[:, None, None], dim=-1)  # [R, B, V]
+            q = torch.softmax(z / temp[:, None, None], dim=-1)  # [R, B, V or Vh]
+            if in_vocab:  # [R, B, V]: zero off the draft vocabulary
+                q = q.new_zeros(*q.shape[:2], self.drafter.spec.body.vocab_size).index_copy_(
+                    2, self.drafter.vocab, q
+                )
         n = torch.tensor([min(c, self.max_drafts) for c in caps], device=dev)
         if self.threshold > 0:
             n = torch.minimum(n, self._confident_prefix(h, anchor_t, drafts))

@@ -39,7 +39,7 @@ from sparkrelay.spec.verify import verify
 from testkit.hf import load_hf
 from testkit.models import BUNDLED, BUNDLED_DRAFTER, PROMPT_SOURCE, code_prompts
 from testkit.pd import post
-from testkit.stats import assert_follows, chi2_critical, second_token_counts
+from testkit.stats import assert_follows, chi2_critical, second_token_counts, target_distribution
 
 NEW_TOKENS = 24
 SOURCE = PROMPT_SOURCE  # a fixed text: the prompts (and the margins tuned on them) never change with the code
@@ -374,36 +374,6 @@ def test_sampling_with_a_penalty_stays_lossless(plain, spec, prompts):
     engines = {"plain": plain, "spec": spec}
     counts = second_token_counts(engines, prompt, params, first[0], probs.shape[0])
     assert_follows(counts, probs, "penalised top-k")
-
-
-def target_distribution(
-    llm: LLM, prompt: list[int], first: list[int], params: SamplingParams
-) -> torch.Tensor:
-    """The plain runner's logits after prompt + first, penalised and filtered as `params` asks -> probs [V]."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(BUNDLED), dtype=torch.float32).eval()
-    with torch.inference_mode():
-        logits = hf(torch.tensor([prompt + first])).logits[0, -1:].float()  # [1, V]
-    pen = apply_penalties(
-        logits,
-        PenaltyRows(
-            [params.repetition_penalty],
-            [params.frequency_penalty],
-            [params.presence_penalty],
-            [prompt],
-            [first],
-        ),
-    )
-    sb = SamplingBatch(
-        torch.tensor([params.temperature]),
-        torch.tensor([params.top_k]),
-        torch.tensor([1.0]),
-        torch.tensor([0.0]),
-        torch.tensor([False]),
-        [None],
-    )
-    return filter_probs(pen, sb)[0]
 
 
 def test_verify_with_penalised_targets_is_lossless():

@@ -36,3 +36,36 @@ def assert_follows(counts: dict, probs, what: str) -> None:
         df = int(support.sum()) - 1
         print(f"\n{name}: chi-square {chi:.1f} over {m:.0f} draws, {df} degrees of freedom")
         assert chi < chi2_critical(df), (name, chi, df)
+
+
+def target_distribution(llm, prompt: list[int], first: list[int], params):
+    """The bundled target's next-token distribution after prompt + first (transformers, float32),
+    penalised and filtered as `params` (SamplingParams) asks -> probs [V]."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sparkrelay.runner.sampler import PenaltyRows, SamplingBatch, apply_penalties, filter_probs
+    from testkit.models import BUNDLED
+
+    hf = AutoModelForCausalLM.from_pretrained(str(BUNDLED), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + first])).logits[0, -1:].float()  # [1, V]
+    pen = apply_penalties(
+        logits,
+        PenaltyRows(
+            [params.repetition_penalty],
+            [params.frequency_penalty],
+            [params.presence_penalty],
+            [prompt],
+            [first],
+        ),
+    )
+    sb = SamplingBatch(
+        torch.tensor([params.temperature]),
+        torch.tensor([params.top_k]),
+        torch.tensor([1.0]),
+        torch.tensor([0.0]),
+        torch.tensor([False]),
+        [None],
+    )
+    return filter_probs(pen, sb)[0]
