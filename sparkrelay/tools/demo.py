@@ -46,6 +46,11 @@ class Pair:
     prompts: tuple[str, ...]
     max_tokens: int
     note: str
+    token_map: str | None = None  # the decode's --speculative-token-map
+
+    def spec_args(self) -> list[str]:
+        """The flags beyond the drafter's path that a DSpark server of this pair takes."""
+        return ["--speculative-token-map", self.token_map] if self.token_map else []
 
 
 PAIRS = {
@@ -62,6 +67,7 @@ PAIRS = {
         ),
         128,
         "SmolLM2-135M-Instruct is a 135M-parameter model: fluent, often wrong on arithmetic.",
+        "models/smollm2-135m-instruct-dspark/token_map.json",
     ),
     # Prompts end at a token boundary the tokenizer would produce (a trailing "\n" alone is rare in
     # training).
@@ -264,7 +270,8 @@ def run_aggregated(args, ids: list[list[int]], logs: str) -> tuple[list[str], di
         server_argv(
             PAIR.model,
             port,
-            ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", PAIR.drafter],
+            ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", PAIR.drafter]
+            + PAIR.spec_args(),
         ),
         port,
         logs,
@@ -290,9 +297,14 @@ def run_mode(
     )
     say(f"step {step}: starting the three processes (about half a minute) ...")
     t = time.perf_counter()
-    cluster = start_pd(
-        PDSettings(model=PAIR.model, drafter=PAIR.drafter, pp_size=args.pp_size, handoff=mode), logs
+    settings = PDSettings(
+        model=PAIR.model,
+        drafter=PAIR.drafter,
+        pp_size=args.pp_size,
+        handoff=mode,
+        decode_args=PAIR.spec_args(),
     )
+    cluster = start_pd(settings, logs)
     try:
         say(
             f"ready in {time.perf_counter() - t:.0f} s; the same {len(PAIR.prompts)} completions through the router ..."

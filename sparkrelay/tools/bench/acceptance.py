@@ -2,14 +2,16 @@
 its drafter.
 
     python -m sparkrelay.tools.bench.acceptance --target models/smollm2-135m-instruct \\
-        --drafter models/smollm2-135m-instruct-dspark --prompts ../shared/data/prompts [--limit N]
+        --drafter models/smollm2-135m-instruct-dspark --prompts ../shared/data/prompts [--limit N] \\
+        [--token-map models/smollm2-135m-instruct-dspark/token_map.json]
 
 Protocol (DSpark paper, Table 1): per prompt set, the evaluation split only (tools/corpus.py
 prompt_split: the drafter never trained on it), the first user turn alone under the chat template
 with no system message, fixed blocks of 7 drafts (no confidence cut), at most 256 new tokens, greedy
 and temperature 1.0. Reported per set: the mean acceptance length per verify round (accepted drafts
 + the bonus token), the rate at which each draft position is accepted, and, greedy, whether every
-DSpark output equals plain greedy decoding token for token (float32).
+DSpark output equals plain greedy decoding token for token (float32). `--token-map`: every DSpark
+engine drafts among that vocabulary (--speculative-token-map), the deployed configuration.
 
 Speed: decode tokens per second of DSpark against plain decoding, batch 1 (one request at a time)
 and batch 8 (8 concurrent requests), in bfloat16 and float32, on `--speed-prompts` evaluation
@@ -56,7 +58,11 @@ def engine(args: argparse.Namespace, dtype: str, dspark: bool, batch: int):
     from sparkrelay import LLM
 
     spec = (
-        dict(speculative_algorithm="DSPARK", speculative_draft_model_path=args.drafter)
+        dict(
+            speculative_algorithm="DSPARK",
+            speculative_draft_model_path=args.drafter,
+            speculative_token_map=args.token_map,
+        )
         if dspark
         else {}
     )
@@ -162,9 +168,15 @@ def pd_runs(args, rows: list[dict], prompts: dict[str, list[list[int]]]) -> list
     out = []
     for mode in args.pd_modes:
         with tempfile.TemporaryDirectory() as logs:
-            cluster = start_pd(
-                PDSettings(model=args.target, drafter=args.drafter, pp_size=2, handoff=mode), logs
+            token_map = ["--speculative-token-map", args.token_map] if args.token_map else []
+            settings = PDSettings(
+                model=args.target,
+                drafter=args.drafter,
+                pp_size=2,
+                handoff=mode,
+                decode_args=token_map,
             )
+            cluster = start_pd(settings, logs)
             try:
                 for row in rows:
                     with ThreadPoolExecutor(args.pd_concurrency) as pool:
@@ -272,8 +284,9 @@ def report(args, rows: list[dict], speed: list[dict], pd: list[dict], argv: list
     record = provenance("sparkrelay.tools.bench.acceptance", argv)
     header = [
         *header_lines(record),
-        f"target {args.target}, drafter {args.drafter}, block 7, at most {args.max_new} new tokens, "
-        "evaluation split, chat template, no system message; acceptance in float32",
+        f"target {args.target}, drafter {args.drafter}, token map {args.token_map or 'none'}, block 7, "
+        f"at most {args.max_new} new tokens, evaluation split, chat template, no system message; "
+        "acceptance in float32",
     ]
     acc = markdown_table(
         [
@@ -404,6 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target", default="models/smollm2-135m-instruct")
     p.add_argument("--drafter", default="models/smollm2-135m-instruct-dspark")
+    p.add_argument(
+        "--token-map",
+        default=None,
+        help="the DSpark engines' --speculative-token-map (e.g. the drafter folder's token_map.json)",
+    )
     p.add_argument("--prompts", default="../shared/data/prompts")
     p.add_argument("--sets", nargs="+", default=list(PROMPT_SETS))
     p.add_argument(

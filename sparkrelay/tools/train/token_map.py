@@ -58,7 +58,9 @@ def token_map(counts: collections.Counter, size: int, vocab: int, keep: set[int]
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--target", required=True, help="The target's folder (vocabulary size, EOS ids).")
+    p.add_argument(
+        "--target", required=True, help="The target's folder (vocabulary size, EOS ids)."
+    )
     p.add_argument("--answers", nargs="+", required=True, help="Answer rows (training split).")
     p.add_argument("--size", type=int, default=16384, help="Tokens in the map.")
     p.add_argument("--out", required=True, help="The JSON file to write.")
