@@ -131,9 +131,8 @@ class SpecConfig:
     )
     speculative_token_map: Optional[str] = _f(
         None,
-        "Draft only among these token ids (FR-Spec's hot tokens: a JSON list, or a .pt tensor as "
-        "SGLang takes): the drafter's LM head and Markov head cost that share of the vocabulary; "
-        "still lossless.",
+        "Draft only among these token ids (FR-Spec's hot tokens; a JSON list): the drafter's LM "
+        "head and Markov head cost that share of the vocabulary; still lossless.",
         ftype=str,
     )
 

@@ -124,27 +124,23 @@ def kv_capacity(config: Config, context: int, bytes_per_token: int = 1) -> int:
 
 
 def read_token_map(path: str, vocab_size: int) -> torch.Tensor:
-    """--speculative-token-map: a JSON list of token ids, or a .pt file holding one 1-D integer tensor
-    (SGLang's format; read with weights_only) -> the ids [Vh] sorted; every fault names the flag."""
+    """--speculative-token-map: a JSON list of token ids -> the ids [Vh] sorted; every fault names
+    the flag. (SGLang's .pt form is a pickle, which sparkrelay never loads: docs/dspark.md §2.2 gives
+    the one-line conversion.)"""
     flag = f"--speculative-token-map {path!r}"
     try:
-        if path.endswith(".pt"):
-            ids = torch.load(path, map_location="cpu", weights_only=True)
-        else:
-            with open(path, encoding="utf-8") as f:
-                ids = json.load(f)
-        ids = torch.as_tensor(ids)
-    except Exception as e:  # unreadable, not JSON, not a tensor: one message for all
-        raise ConfigError(f"{flag}: not a JSON list or .pt tensor of token ids ({e})") from None
-    if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
-        raise ConfigError(f"{flag}: expected a non-empty 1-D list of integer token ids")
-    ids = ids.long()
-    bad = ids[(ids < 0) | (ids >= vocab_size)]
-    if bad.numel():
-        raise ConfigError(f"{flag}: token id {int(bad[0])} is outside [0, {vocab_size})")
-    if ids.unique().numel() != ids.numel():
+        with open(path, encoding="utf-8") as f:
+            ids = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{flag}: not a JSON list of token ids ({e})") from None
+    if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
+        raise ConfigError(f"{flag}: expected a non-empty JSON list of integer token ids")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ConfigError(f"{flag}: token id {bad[0]} is outside [0, {vocab_size})")
+    if len(set(ids)) != len(ids):
         raise ConfigError(f"{flag}: token ids repeat")
-    return ids.sort().values
+    return torch.tensor(sorted(ids), dtype=torch.long)
 
 
 def build_proposer(
