@@ -300,7 +300,7 @@ class Qwen3DSparkModel(nn.Module):
         token ids. Lossless: a draft is still a draw from q (zero off the vocabulary), and verification
         takes the residual over every token. The full heads stay: a round under a grammar drafts over
         every token (the grammar may allow none of the vocabulary)."""
-        self.vocab = ids
+        self.vocab = ids = ids.to(self.lm_head.weight.device)
         self.vocab_head = frozen_linear(self.lm_head.weight[ids].contiguous())  # a copy: Vh rows
         if self.markov_head is not None:
             self.markov_head.restrict(ids)
