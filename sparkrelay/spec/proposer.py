@@ -122,23 +122,6 @@ class DSparkProposer:
         caps[r] drafts. `constrain`: masks each slot's logits before it is sampled (markov_sample),
         so the drafts and their distribution q follow the requests' grammars."""
         rows, b, dev = len(anchors), self.block_size, self.device
-        # [R, Lc]: positions 0..Lc-1
-        index = slot_index(block_tables, max(starts), self.page_size).to(dev)
-        if ctx_starts is not None and any(ctx_starts):
-            first = torch.tensor(ctx_starts, device=dev)
-            width = max(p - c for p, c in zip(starts, ctx_starts))
-            shift = (first[:, None] + torch.arange(width, device=dev)[None, :]).clamp(
-                max=index.shape[1] - 1
-            )
-            # [R, width]: positions ctx_start.. left-aligned, padding after
-            index = index.gather(1, shift)
-            ctx_len = torch.tensor([p - c for p, c in zip(starts, ctx_starts)], device=dev)
-        else:
-            ctx_len = torch.tensor(starts, device=dev)
-        if rows > self.scratch.shape[0]:
-            raise ValueError(
-                f"{rows} rows in one proposal; the proposer was sized for {self.scratch.shape[0]}"
-            )
         anchor_t = torch.tensor(anchors, device=dev)
         block_ids = torch.full((rows, b), self.drafter.spec.mask_token_id, device=dev)
         block_ids[:, 0] = anchor_t  # [R, B]: anchor then mask tokens
@@ -146,7 +129,7 @@ class DSparkProposer:
         positions = (anchor_pos[:, None] + torch.arange(b, device=dev)[None, :]).clamp(
             max=self.max_position
         )
-        meta = AttnMeta.draft_block(index, ctx_len, self.scratch[:rows], positions)
+        meta = self._block_meta(starts, block_tables, ctx_starts, positions)
         pools = list(self.pool.layers.values())
         h = self.drafter.block_forward_paged(block_ids, positions, pools, meta)  # [R, B, d]
         # the draft vocabulary (restrict_vocab) in rounds no grammar constrains: V = Vh
@@ -185,6 +168,35 @@ class DSparkProposer:
         if self.threshold > 0:
             n = torch.minimum(n, self._confident_prefix(h, anchor_t, drafts))
         return Proposal(drafts, q, n)
+
+    def _block_meta(
+        self,
+        starts: list[int],
+        block_tables: list[list[int]],
+        ctx_starts: Optional[list[int]],
+        positions: torch.Tensor,
+    ) -> AttnMeta:
+        """The block's attention metadata: row r's context slots (positions ctx_starts[r]..starts[r]-1,
+        left-aligned) then its scratch slots; positions [R, B]."""
+        rows, dev = len(starts), self.device
+        if rows > self.scratch.shape[0]:
+            raise ValueError(
+                f"{rows} rows in one proposal; the proposer was sized for {self.scratch.shape[0]}"
+            )
+        # [R, Lc]: positions 0..Lc-1
+        index = slot_index(block_tables, max(starts), self.page_size).to(dev)
+        if ctx_starts is not None and any(ctx_starts):
+            first = torch.tensor(ctx_starts, device=dev)
+            width = max(p - c for p, c in zip(starts, ctx_starts))
+            shift = (first[:, None] + torch.arange(width, device=dev)[None, :]).clamp(
+                max=index.shape[1] - 1
+            )
+            # [R, width]: positions ctx_start.. left-aligned, padding after
+            index = index.gather(1, shift)
+            ctx_len = torch.tensor([p - c for p, c in zip(starts, ctx_starts)], device=dev)
+        else:
+            ctx_len = torch.tensor(starts, device=dev)
+        return AttnMeta.draft_block(index, ctx_len, self.scratch[:rows], positions)
 
     def _confident_prefix(
         self, h: torch.Tensor, anchors: torch.Tensor, drafts: torch.Tensor
