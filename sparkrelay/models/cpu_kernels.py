@@ -13,14 +13,15 @@ logged once as a warning: a missing kernel costs speed, never a start. Set-up bu
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
 import sys
-import time
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -79,33 +80,31 @@ def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
     BUILD.mkdir(parents=True, exist_ok=True)
-    _drop_stale_lock(BUILD / "lock")
-    return load(
-        name="sparkrelay_cpu_kernels",
-        sources=[str(p) for p in SOURCES],
-        extra_include_paths=[str(CSRC)],
-        extra_cflags=FLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(BUILD),
-        verbose=False,
-    )
-
-
-STALE_LOCK_S = 600  # a build takes well under a minute; a lock this old was left by a killed one
-
-
-def _drop_stale_lock(lock: Path) -> None:
-    """torch's build lock, left behind by a process killed while it built, makes every later
-    process wait on it forever: remove it once it is older than any build."""
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        logger.warning(
-            "removing %s, a build lock left %.0f s ago by a process that died", lock, age
+    with _build_lock(BUILD / "build.flock"):
+        # torch's own lock file: only a builder killed inside load() leaves one, and torch would wait
+        # on it forever; under our lock no other process is inside load(), so one found here is stale
+        (BUILD / "lock").unlink(missing_ok=True)
+        return load(
+            name="sparkrelay_cpu_kernels",
+            sources=[str(p) for p in SOURCES],
+            extra_include_paths=[str(CSRC)],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(BUILD),
+            verbose=False,
         )
-        lock.unlink(missing_ok=True)
+
+
+@contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """One process at a time checks or builds the extension: an flock, which the kernel releases when
+    its holder dies, so a process killed mid-build never leaves the others waiting."""
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def load() -> Optional[ModuleType]:
