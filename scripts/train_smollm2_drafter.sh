@@ -4,6 +4,8 @@
 #      committed data/smollm2-answers/*.jsonl.gz are unpacked first, so only what they lack is generated), and with
 #      STAGES including `sampled` its sampled answers to the same prompts (DeepSpec's regeneration: temperature 0.7,
 #      top-p 0.8, top-k 20), which the drafter then trains on beside the greedy ones,
+#      with STAGES including `variants`, its greedy answers to 2 number variants of each gsm8k and math500
+#      training prompt (chat_data.py --variants: the integers redrawn), more word problems to train on,
 #   2. its answers to 8 evaluation prompts per set (the learning curve's offline acceptance; never trained on),
 #   3. the drafter: resumed from .cache/train_smollm2_dspark/ckpt.pt when there is one, else continued from the
 #      committed drafter's weights (a fresh optimizer); one cosine lr cycle from LR (default 1e-3) over
@@ -18,7 +20,7 @@ PROMPTS=${PROMPTS:-../shared/data/prompts}
 STAGES=${STAGES:-answers,eval,train}
 DATA=data/smollm2-answers
 mkdir -p "$WORK/answers"
-for name in greedy sample eval_greedy; do
+for name in greedy sample greedy_variants eval_greedy; do
     if [[ -f $DATA/$name.jsonl.gz && ! -f $WORK/answers/$name.jsonl ]]; then
         gzip -dc "$DATA/$name.jsonl.gz" > "$WORK/answers/$name.jsonl"
     fi
@@ -31,8 +33,14 @@ if [[ $STAGES == *sampled* ]]; then
     python -m sparkrelay.tools.train.chat_data --prompts "$PROMPTS" --out "$WORK/answers" --mode sample \
         --max-new 256 --batch 48 --chunk 256 >> "$WORK/answers_sample.log" 2>&1
 fi
+if [[ $STAGES == *variants* ]]; then
+    python -m sparkrelay.tools.train.chat_data --prompts "$PROMPTS" --out "$WORK/answers" --sets gsm8k math500 \
+        --variants 2 --max-new 256 --batch 48 --chunk 192 >> "$WORK/answers_variants.log" 2>&1
+fi
 ANSWERS=("$WORK/answers/greedy.jsonl")
-if [[ -f $WORK/answers/sample.jsonl ]]; then ANSWERS+=("$WORK/answers/sample.jsonl"); fi
+for name in sample greedy_variants; do
+    if [[ -f $WORK/answers/$name.jsonl ]]; then ANSWERS+=("$WORK/answers/$name.jsonl"); fi
+done
 if [[ $STAGES == *eval* ]]; then
     python -m sparkrelay.tools.train.chat_data --prompts "$PROMPTS" --out "$WORK/answers" --split eval \
         --per-set 8 --max-new 256 --batch 48 --chunk 48 >> "$WORK/answers_eval.log" 2>&1
@@ -49,7 +57,7 @@ if [[ $STAGES == *train* ]]; then
 fi
 if [[ $STAGES == *pack* ]]; then
     mkdir -p "$DATA"
-    for name in greedy sample eval_greedy; do
+    for name in greedy sample greedy_variants eval_greedy; do
         if [[ -f $WORK/answers/$name.jsonl ]]; then
             gzip -9nc "$WORK/answers/$name.jsonl" > "$DATA/$name.jsonl.gz"
         fi

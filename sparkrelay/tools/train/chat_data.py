@@ -15,12 +15,19 @@ run resumes where it stopped.
 `--split eval --per-set N` answers the first N evaluation prompts of each set instead
 (OUT/eval_MODE.jsonl): the training tool's learning curve measures acceptance along them, and never
 trains on them.
+
+`--variants K` answers K new prompts per training prompt instead (OUT/MODE_variants.jsonl, rows
+with a "v" field): the prompt with every integer redrawn at its digit count (`number_variant`), so a
+word problem keeps its wording and gets new arithmetic. More problems of a set's kind is more data
+where the drafter overfits the training split; they come from training prompts only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import re
 import time
 from pathlib import Path
 
@@ -40,6 +47,29 @@ def split_prompts(
     for i in range(longest):
         out.extend((name, i, rows[i]) for name, rows in per_set.items() if i < len(rows))
     return out
+
+
+def number_variant(text: str, seed: int) -> str:
+    """`text` with each integer (a run of digits) replaced by a random one with as many digits and
+    no leading zero; `seed` fixes the draw, so a rerun writes the same prompt."""
+    rng = random.Random(seed)
+
+    def redraw(m: re.Match) -> str:
+        n = len(m.group(0))
+        return str(rng.randint(10 ** (n - 1) if n > 1 else 1, 10**n - 1))
+
+    return re.sub(r"\d+", redraw, text)
+
+
+def variant_prompts(prompts: list[tuple[str, int, str]], k: int) -> list[tuple[str, int, int, str]]:
+    """(set, i, v, text): K number variants of each prompt, v = 1..K (v = 0 is the prompt itself);
+    prompts without a digit have none."""
+    return [
+        (name, i, v, number_variant(text, hash_seed(f"{name}:v{v}", i)))
+        for name, i, text in prompts
+        if re.search(r"\d", text)
+        for v in range(1, k + 1)
+    ]
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
@@ -64,18 +94,33 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
+def output_path(args: argparse.Namespace) -> Path:
+    if args.split == "eval":
+        return Path(args.out) / f"eval_{args.mode}.jsonl"
+    return Path(args.out) / (
+        f"{args.mode}_variants.jsonl" if args.variants else f"{args.mode}.jsonl"
+    )
+
+
+def todo_prompts(args: argparse.Namespace, done: set) -> list[tuple[str, int, int, str]]:
+    """(set, i, v, text) still to answer: the split's prompts (v = 0) or their number variants."""
+    prompts = split_prompts(args.prompts, tuple(args.sets), args.split, args.per_set)
+    if args.variants:
+        items = variant_prompts(prompts, args.variants)
+    else:
+        items = [(name, i, 0, text) for name, i, text in prompts]
+    return [p for p in items if p[:3] not in done]
+
+
 def generate(args: argparse.Namespace) -> Path:
     from sparkrelay import LLM, SamplingParams
 
-    out = Path(args.out) / (
-        f"{args.mode}.jsonl" if args.split == "train" else f"eval_{args.mode}.jsonl"
-    )
+    out = output_path(args)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = read_rows(out)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))  # rewrite without a torn tail
-    done = {(r["set"], r["i"]) for r in rows}
-    prompts = split_prompts(args.prompts, tuple(args.sets), args.split, args.per_set)
-    todo = [p for p in prompts if (p[0], p[1]) not in done]
+    done = {(r["set"], r["i"], r.get("v", 0)) for r in rows}
+    todo = todo_prompts(args, done)
     print(f"{len(done)} answers already written, {len(todo)} to go -> {out}", flush=True)
     if not todo:
         return out
@@ -83,30 +128,29 @@ def generate(args: argparse.Namespace) -> Path:
     t0, tokens = time.time(), 0
     for c in range(0, len(todo), args.chunk):
         chunk = todo[c : c + args.chunk]
-        prompts = [chat_ids(llm.tokenizer, text) for _, _, text in chunk]
+        prompts = [chat_ids(llm.tokenizer, text) for *_, text in chunk]
         # shortest prompts first: requests decoding together have similar lengths, so a batch's
         # attention pads its keys to little more than each row's own
         order = sorted(range(len(chunk)), key=lambda k: len(prompts[k]))
         chunk, prompts = [chunk[k] for k in order], [prompts[k] for k in order]
         params = [
-            SamplingParams(max_new_tokens=args.max_new, seed=hash_seed(s, i), **MODES[args.mode])
-            for s, i, _ in chunk
+            SamplingParams(
+                max_new_tokens=args.max_new,
+                seed=hash_seed(s if v == 0 else f"{s}:v{v}", i),
+                **MODES[args.mode],
+            )
+            for s, i, v, _ in chunk
         ]
         results = llm.generate(prompts, params)
         with out.open("a") as f:
-            for (name, i, _), ids, res in zip(chunk, prompts, results):
-                f.write(
-                    json.dumps(
-                        {
-                            "set": name,
-                            "i": i,
-                            "prompt_ids": ids,
-                            "answer_ids": res["output_ids"],
-                            "finish": res["meta_info"]["finish_reason"],
-                        }
-                    )
-                    + "\n"
-                )
+            for (name, i, v, _), ids, res in zip(chunk, prompts, results):
+                row = {"set": name, "i": i} | ({"v": v} if v else {})
+                row |= {
+                    "prompt_ids": ids,
+                    "answer_ids": res["output_ids"],
+                    "finish": res["meta_info"]["finish_reason"],
+                }
+                f.write(json.dumps(row) + "\n")
         tokens += sum(len(r["output_ids"]) for r in results)
         el = time.time() - t0
         print(
@@ -142,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch", type=int, default=32, help="requests decoded together")
     p.add_argument("--chunk", type=int, default=64, help="prompts per appended chunk")
+    p.add_argument(
+        "--variants",
+        type=int,
+        default=0,
+        help="answer K number variants of each training prompt instead (MODE_variants.jsonl)",
+    )
     return p
 
 
