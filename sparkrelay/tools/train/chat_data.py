@@ -95,6 +95,7 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def output_path(args: argparse.Namespace) -> Path:
+    """Where the rows go: eval_MODE.jsonl, MODE_variants.jsonl or MODE.jsonl under --out."""
     if args.split == "eval":
         return Path(args.out) / f"eval_{args.mode}.jsonl"
     return Path(args.out) / (
@@ -196,7 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    generate(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.variants and args.split != "train":
+        parser.error("--variants makes new prompts from the training split only (--split train)")
+    generate(args)
 
 
 if __name__ == "__main__":
