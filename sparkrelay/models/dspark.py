@@ -259,15 +259,30 @@ class DraftLayer(DecoderLayer):
     def context_kv(
         self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """C [N, d] -> k [N, n_kv, hd] (k_norm, RoPE), v [N, n_kv, hd]; C bypasses input_layernorm (§1.4)."""
-        attn, n = self.self_attn, c.shape[0]
-        if attn.qkv is None:
-            k, v = attn.k_proj(c), attn.v_proj(c)
-        else:
-            # [N, 2 * n_kv * hd] -> 2 x [N, n_kv * hd]
-            k, v = self.kv_proj.forward(c).chunk(2, dim=-1)
-        k = apply_rope(attn.k_norm(k.view(n, attn.n_kv, attn.head_dim)), cos, sin)
-        return k, v.view(n, attn.n_kv, attn.head_dim)
+        """C [N, d] -> this layer's context (k, v) (`layer_context_kv`)."""
+        kv_proj = self.kv_proj if self.self_attn.qkv is not None else None
+        return layer_context_kv(self.self_attn, kv_proj, c, cos, sin)
+
+
+def layer_context_kv(
+    attn: nn.Module,
+    kv_proj: Optional[nn.Module],
+    c: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """C [N, d] -> k [N, n_kv, hd] (k_norm, RoPE), v [N, n_kv, hd], from a draft layer's attention
+    `attn` (its k_proj, v_proj, k_norm) or its fused k/v product `kv_proj` when there is one. C
+    bypasses input_layernorm (§1.4). The one context projection: the drafter and the prefill's
+    ContextProjector must write bit-equal K/V (draft-kv handoff)."""
+    n = c.shape[0]
+    if kv_proj is None:
+        k, v = attn.k_proj(c), attn.v_proj(c)
+    else:
+        # [N, 2 * n_kv * hd] -> 2 x [N, n_kv * hd]
+        k, v = kv_proj(c).chunk(2, dim=-1)
+    k = apply_rope(attn.k_norm(k.view(n, attn.n_kv, attn.head_dim)), cos, sin)
+    return k, v.view(n, attn.n_kv, attn.head_dim)
 
 
 class Qwen3DSparkModel(nn.Module):

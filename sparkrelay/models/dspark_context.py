@@ -27,10 +27,15 @@ import torch
 from torch import nn
 
 from sparkrelay.models.decoder import DecoderSpec
-from sparkrelay.models.dspark import ARCHITECTURE, DSparkSpec, Qwen3DSparkModel
+from sparkrelay.models.dspark import (
+    ARCHITECTURE,
+    DSparkSpec,
+    Qwen3DSparkModel,
+    layer_context_kv,
+)
 from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
 from sparkrelay.models.kernels import frozen_linear
-from sparkrelay.models.layers import RMSNorm, apply_rope, fuse_linears
+from sparkrelay.models.layers import RMSNorm, fuse_linears
 from sparkrelay.models.loader import (
     SHAPE_FIELDS,
     CheckpointError,
@@ -100,17 +105,9 @@ class ContextProjector(nn.Module):
         # [T, d_draft]: the one normalisation
         c = self.hidden_norm(partial.to(self.fc.weight.dtype))
         cos, sin = self.rotary.table(positions, c.dtype)
-        out, n = [], c.shape[0]
-        for layer in self.layers:
-            attn = layer.self_attn
-            if layer.kv_proj is None:
-                k, v = attn.k_proj(c), attn.v_proj(c)
-            else:
-                # the draft layer's own fused product (DraftLayer.fuse)
-                k, v = layer.kv_proj(c).chunk(2, dim=-1)
-            k = k.view(n, attn.n_kv, attn.head_dim)
-            out.append((apply_rope(attn.k_norm(k), cos, sin), v.view(n, attn.n_kv, attn.head_dim)))
-        return out
+        return [
+            layer_context_kv(layer.self_attn, layer.kv_proj, c, cos, sin) for layer in self.layers
+        ]
 
     def fuse(self) -> None:
         """After loading: each layer's k/v products as one frozen layer, as the full drafter fuses
