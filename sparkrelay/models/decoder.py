@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from sparkrelay.models import cpu_kernels
 from sparkrelay.models.attention import AttnMeta, paged_attention
 from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
 from sparkrelay.models.families import family_of
@@ -294,6 +295,9 @@ def load_causal_lm(
     """Build the stage [start, end) of the checkpoint at `path` (a Hugging Face folder or a GGUF
     file) and load its weights (checked complete), or give it the dummy weights of its config's
     shapes (`load_format` "dummy": the same values in every stage and process)."""
+    if torch.device(device).type == "cpu":
+        # the kernels' build check (~0.5 s of ninja) at load, never inside a first request's TTFT
+        cpu_kernels.load()
     dummy = is_dummy(load_format)
     hf = dummy_config(path, SHAPE_FIELDS) if dummy else read_config(path, SHAPE_FIELDS)
     try:

@@ -441,3 +441,18 @@ def test_a_build_lock_left_by_a_killed_process_never_blocks_a_load(tmp_path):
         assert proc.returncode == 0 and "LOADED True" in proc.stdout, proc.stderr[-2000:]
     finally:
         holder.kill()
+
+
+@needs_cpu
+def test_loading_a_model_loads_the_kernels():
+    """A float32 model has no bf16 linear to pack, so before, its first request ran the build check
+    (~0.5 s of ninja) inside its TTFT; now loading the model does."""
+    code = (
+        "from sparkrelay.models import cpu_kernels as k\n"
+        "from sparkrelay.models.decoder import load_causal_lm\n"
+        "assert 'module' not in k._state\n"
+        f"load_causal_lm({str(Path('models/tiny-qwen3').resolve())!r})\n"
+        "print('LOADED', k._state.get('module') is not None)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "LOADED True" in proc.stdout, proc.stderr[-2000:]
