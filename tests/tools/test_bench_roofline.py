@@ -253,6 +253,18 @@ def _check_decode(raw: dict, md: str, target: Path) -> None:
                 )
             assert r["step_vs_transformers"] == pytest.approx(r["step_tok_s"] / ref["step_tok_s"])
         assert len(r["t_new_s"]) == len(r["t_1_s"]) == 1
+        assert r["weight_bytes"] == bw.weight_bytes(shape, r["dtype"], int8_lm_head=True)
+        if r["engine"] == "sparkrelay":  # the step profile: 3 decode steps after the prefill
+            assert r["profiled_steps"] == 4 - 1
+            assert 0 < r["linear_s_per_step"] < r["profiled_step_s"]
+            linear_gb_s = r["weight_bytes"] / r["linear_s_per_step"] / 1e9
+            assert r["linear_gb_s"] == pytest.approx(linear_gb_s)
+            assert r["linear_fraction"] == pytest.approx(linear_gb_s / gb_s)
+            assert r["rest_share"] == pytest.approx(
+                1 - r["linear_s_per_step"] / r["profiled_step_s"]
+            )
+        else:
+            assert "profiled_step_s" not in r
     f32 = [r for r in raw["decode"] if r["dtype"] == "float32" and r["engine"] == "sparkrelay"]
     # same checkpoint, float32: token for token
     assert all(r["greedy_agreement"] == 1.0 for r in f32)
@@ -262,7 +274,8 @@ def _check_decode(raw: dict, md: str, target: Path) -> None:
         and "Read bandwidth" in md
         and "load average" in md
     )
-    assert md.count("| tiny ") >= 8 + 4  # 8 decode rows, 4 prefill rows, 2 round-cost rows
+    assert md.count("| tiny ") >= 8 + 4 + 4  # decode, profile, prefill and round-cost rows
+    assert "## The decode step: linears and the rest" in md
 
 
 def _check_prefill_and_spec(raw: dict, md: str) -> None:
@@ -289,6 +302,27 @@ def _check_prefill_and_spec(raw: dict, md: str) -> None:
             assert r["greedy_equal"] is True  # DSpark greedy = plain greedy
         assert r["speedup_measured"] == pytest.approx(r["dspark_tok_s"] / r["plain_tok_s"])
     assert "## DSpark round cost" in md and "pred. tau=4.5" in md
+
+
+def test_the_step_profile_times_each_served_linear_once(tiny_pair):
+    """outer_linears: every module a weight is served by, none inside another (AvxLinear holds a
+    oneDNN copy for many rows, which must not be timed twice); after the profile the modules are
+    unwrapped."""
+    from sparkrelay.tools.bench.roofline_engines import SparkrelayEngine, Target, outer_linears
+
+    target, _ = tiny_pair
+    t = Target(str(target), json.loads((target / "config.json").read_text()))
+    engine = SparkrelayEngine(t, "bfloat16", {"max_total_tokens": 256})
+    model = engine.llm.engine.model
+    names = {id(m): n for n, m in model.named_modules()}
+    chosen = [names[id(m)] for m in outer_linears(model)]
+    assert not [a for a in chosen for b in chosen if a.startswith(b + ".")]
+    assert "head" in chosen or "lm_head" in chosen
+    served = {n.rsplit(".", 1)[-1] for n in chosen}
+    assert {"qkv", "o_proj", "gate_up", "down_proj"} <= served, served
+    profile = engine.linear_profile([[5, 6, 7, 8]], 6)
+    assert profile["profiled_steps"] == 5 and 0 < profile["linear_s_per_step"]
+    assert not [m for m in outer_linears(model) if "forward" in vars(m)]  # unwrapped
 
 
 def test_roofline_on_a_config_without_weights(tiny_pair, tmp_path):

@@ -285,22 +285,25 @@ def measure_speed(
                 if same and name != report.REFERENCE
                 else None
             )
-            result["decode"].append(
-                {
-                    "shape": target.name,
-                    "dtype": dtype,
-                    "engine": name,
-                    "batch": b,
-                    "decode_tok_s": r["decode_tok_s"],
-                    "step_tok_s": r["step_tok_s"],
-                    "median_step_s": r["median_step_s"],
-                    "context": context,
-                    "step_bytes": bw.step_bytes(shape, dtype, b, context, int8_lm_head=True),
-                    "greedy_agreement": agree,
-                    "t_new_s": r["t_new_s"],
-                    "t_1_s": r["t_1_s"],
-                }
-            )
+            row = {
+                "shape": target.name,
+                "dtype": dtype,
+                "engine": name,
+                "batch": b,
+                "decode_tok_s": r["decode_tok_s"],
+                "step_tok_s": r["step_tok_s"],
+                "median_step_s": r["median_step_s"],
+                "context": context,
+                "step_bytes": bw.step_bytes(shape, dtype, b, context, int8_lm_head=True),
+                "greedy_agreement": agree,
+                "t_new_s": r["t_new_s"],
+                "t_1_s": r["t_1_s"],
+                "weight_bytes": bw.weight_bytes(shape, dtype, int8_lm_head=True),
+            }
+            if name == "sparkrelay":
+                # after the timed runs: the step split into linears and the rest
+                row.update(spark.linear_profile(prompts[:b], args.new_tokens))
+            result["decode"].append(row)
     if args.prefill_len:
         print(f"{target.name} {dtype}: prefill of {args.prefill_len} tokens", file=sys.stderr)
         long = random_prompts(shape.vocab, 1, args.prefill_len, seed=2)[0]

@@ -126,6 +126,34 @@ class SparkrelayEngine:
         self.gaps = gaps(self._stamps)
         return out
 
+    def linear_profile(self, prompts: list[list[int]], new_tokens: int) -> dict:
+        """One more generate with every linear of the target timed in place (PieceTimer on each
+        `outer_linears` module): seconds per decode step in the linears and in the whole step, over
+        the decode steps (after the last call with more rows than the batch: the prefill)."""
+        batch = len(prompts)
+        rows = lambda args: args[0].numel() // args[0].shape[-1]  # noqa: E731
+        timers = [
+            PieceTimer(m, "forward", rows, self.device)
+            for m in outer_linears(self.llm.engine.model)
+        ]
+        try:
+            self.generate(prompts, new_tokens)
+        finally:
+            for t in timers:
+                t.restore()
+        calls = [(start, r, s) for t in timers for start, (r, s) in zip(t.starts, t.samples)]
+        prefill_end = max((start + s for start, r, s in calls if r > batch), default=0.0)
+        stamps = [t for t in self._stamps if t >= prefill_end]
+        steps = len(stamps) - 1
+        if steps < 1:
+            return {}
+        linear = sum(s for start, _, s in calls if stamps[0] <= start <= stamps[-1])
+        return {
+            "linear_s_per_step": linear / steps,
+            "profiled_step_s": (stamps[-1] - stamps[0]) / steps,
+            "profiled_steps": steps,
+        }
+
     def spec_summary(self) -> Optional[dict]:
         """Acceptance since the last call (a fresh count starts), None without DSpark."""
         engine = self.llm.engine
@@ -134,6 +162,24 @@ class SparkrelayEngine:
         summary = engine.spec_stats.summary()
         engine.spec_stats = type(engine.spec_stats)(engine.spec_stats.max_drafts)
         return summary
+
+
+def outer_linears(model) -> list:
+    """The linear modules of `model` (every kind a weight is served by: nn.Linear, the frozen
+    oneDNN, AVX-512 and int8 products) that are not inside another one (AvxLinear holds its oneDNN
+    copy for many rows): what the step profile times."""
+    from torch import nn
+
+    from sparkrelay.models.kernels import AvxLinear, PackedLinear, TLinear
+    from sparkrelay.models.quant import Int8Linear
+
+    kinds = (nn.Linear, TLinear, PackedLinear, AvxLinear, Int8Linear)
+    chosen: list[str] = []
+    for name, module in model.named_modules():  # parents before their children
+        if isinstance(module, kinds) and not any(name.startswith(c + ".") for c in chosen):
+            chosen.append(name)
+    modules = dict(model.named_modules())
+    return [modules[name] for name in chosen]
 
 
 def fill_like_dummy(model, hf: dict) -> bool:
@@ -289,9 +335,12 @@ class PieceTimer:
     size_of: Callable[[tuple], object]
     device: str
     samples: list[tuple[object, float]] = field(default_factory=list)
+    starts: list[float] = field(default_factory=list)  # each sample's start (perf_counter)
 
     def __post_init__(self) -> None:
         original = getattr(self.obj, self.name)
+        self._shadowed = self.name in vars(self.obj)  # an instance attribute already (restore)
+        self._original = original
 
         def timed(*args, **kwargs):
             bc.sync(self.device)
@@ -299,9 +348,17 @@ class PieceTimer:
             out = original(*args, **kwargs)
             bc.sync(self.device)
             self.samples.append((self.size_of(args), time.perf_counter() - start))
+            self.starts.append(start)
             return out
 
         setattr(self.obj, self.name, timed)
+
+    def restore(self) -> None:
+        """Unwrap: the object calls its own method again."""
+        if self._shadowed:
+            setattr(self.obj, self.name, self._original)
+        else:
+            delattr(self.obj, self.name)
 
     def median(self, size: object) -> Optional[float]:
         values = [s for k, s in self.samples if k == size]

@@ -28,6 +28,10 @@ NOTES = [
     "Roofline: tok/s(b) = b * bandwidth / (W + b * KV(L)); W = every linear weight incl. the LM head at the dtype's "
     "width (int8wo: 1 byte + a bf16 scale per output channel, the LM head too), embedding lookup excluded; KV(L) = the "
     "K/V bytes of L = prompt_len + new_tokens / 2 positions. At a large batch the step may be compute-bound first.",
+    "The decode step, linears and the rest: one more generate per sparkrelay row, after its timed runs, with every "
+    "linear module of the target timed in place (perf_counter around each call); linears ms = their time per "
+    "decode step, step ms = the decode steps' own (prefill excluded); linears weight GB/s = W / linears ms; the "
+    "rest = step - linears (norms, RoPE, attention, residual adds, sampling, the engine's bookkeeping).",
     "DSpark round cost at batch 1: the engine's own pieces timed while it decodes (the target forward of the plain "
     "engine's decode step, the DSpark engine's verify forward over 1 + B tokens and its proposer's draft block); "
     "predicted speedup = tau / (t_verify / t_decode + t_draft / t_decode). Draft = body (the draft layers) + markov "
@@ -57,6 +61,7 @@ def derive(result: dict) -> None:
             if row["engine"] == "sparkrelay"
             else None
         )
+        _derive_profile(row, gb_s)
     for row in result["prefill"]:
         row["vs_transformers"] = _ratio(row, result["prefill"], "prefill_tok_s", ("shape", "dtype"))
     for row in result["spec"]:
@@ -75,6 +80,16 @@ def _ratio(
     if ref is None or not ref.get(key) or row.get(key) is None:
         return None
     return row[key] / ref[key]
+
+
+def _derive_profile(row: dict, gb_s: float) -> None:
+    """From the step profile (sparkrelay rows): the linears' weight GB/s inside the step, its
+    fraction of the read bandwidth, and the share of the step spent outside the linears."""
+    linear, step = row.get("linear_s_per_step"), row.get("profiled_step_s")
+    ok = bool(linear and step and row.get("weight_bytes"))
+    row["linear_gb_s"] = row["weight_bytes"] / linear / bw.GB if ok else None
+    row["linear_fraction"] = bw.fraction(row["linear_gb_s"], gb_s)
+    row["rest_share"] = 1 - linear / step if ok else None
 
 
 def _derive_spec(row: dict) -> None:
@@ -142,6 +157,30 @@ def decode_table(result: dict) -> str:
         ],
         rows,
     )
+
+
+def profile_table(result: dict) -> str:
+    """The decode step split into its linears and the rest (norms, RoPE, attention, residual adds,
+    sampling, the engine's bookkeeping): sparkrelay rows with a step profile."""
+    ms = lambda s: None if s is None else 1000 * s  # noqa: E731
+    rows = [
+        [
+            r["shape"],
+            r["dtype"],
+            r["batch"],
+            ms(r["profiled_step_s"]),
+            ms(r["linear_s_per_step"]),
+            r["linear_gb_s"],
+            _pct(r["linear_fraction"]),
+            ms(r["profiled_step_s"] - r["linear_s_per_step"]),
+            _pct(r["rest_share"]),
+        ]
+        for r in result["decode"]
+        if r.get("profiled_step_s")
+    ]
+    heads = ["shape", "dtype", "batch", "step ms", "linears ms", "linears weight GB/s"]
+    heads += ["of read bandwidth", "rest ms", "rest of the step"]
+    return bc.markdown_table(heads, rows)
 
 
 def prefill_table(result: dict) -> str:
@@ -243,7 +282,10 @@ def header_lines(result: dict) -> list[str]:
 
 
 def tables(result: dict) -> str:
-    parts = ["## Decode", "", decode_table(result), "", "## Prefill", "", prefill_table(result)]
+    parts = ["## Decode", "", decode_table(result)]
+    if any(r.get("profiled_step_s") for r in result["decode"]):
+        parts += ["", "## The decode step: linears and the rest", "", profile_table(result)]
+    parts += ["", "## Prefill", "", prefill_table(result)]
     if result["spec"]:
         parts += ["", "## DSpark round cost (batch 1)", "", spec_table(result)]
     if result["skipped"]:
