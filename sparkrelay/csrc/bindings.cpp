@@ -20,4 +20,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "logits [R, V] float32, in place: -inf where bitmask int32 [R, ceil(V / 32)] has a 0 bit");
   m.def("rms_norm_bf16", &rms_norm_bf16,
         "x [T, G, D] bf16 (D contiguous), weight [G, D] bf16 -> RMSNorm(x) [T, G, D] bf16");
+  m.def("silu_mul_bf16", &silu_mul_bf16,
+        "gate_up [T, 2I] bf16 -> silu(gate) * up [T, I] bf16, rounded per op as torch does");
+  m.def("rope_bf16", &rope_bf16,
+        "x [T, G, D] bf16, cos and signed sin [T, 1, D] bf16 -> RoPE(x) [T, G, D] bf16, equal to "
+        "layers.apply_rope's torch ops");
 }

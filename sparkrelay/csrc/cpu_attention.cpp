@@ -24,22 +24,6 @@ namespace {
 
 constexpr int64_t kMaxHeadDim = 256;  // 16 fp32 accumulators of 16 lanes
 
-// e^x for x <= 0 (scores minus their max), 16 lanes: 2^n * p(f), x = n ln 2 + f, |f| <= ln2 / 2
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));  // below: e^x underflows to 0 anyway
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
-  __m512 p = _mm512_set1_ps(1.f / 720);  // Taylor to f^6: error < 2e-7 on |f| <= 0.35
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 struct Pools {  // the layer's pools and how to find a key of one KV head
   const uint16_t* k;
   const uint16_t* v;

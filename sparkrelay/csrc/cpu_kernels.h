@@ -23,6 +23,26 @@ inline void store16(uint16_t* p, __mmask16 keep, __m512 v) {  // fp32 -> bf16, r
   _mm256_mask_storeu_epi16(p, keep, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+// e^x, 16 lanes: 2^n * p(f), x = n ln 2 + f, |f| <= ln2 / 2 (0 below -87, inf past ~88.7)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));  // below: e^x underflows to 0 anyway
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
+  __m512 p = _mm512_set1_ps(1.f / 720);  // Taylor to f^6: error < 2e-7 on |f| <= 0.35
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+inline __m512 round_bf16(__m512 v) {  // v rounded to bf16 (nearest even) and back: one torch bf16 op
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // cpu_linear.cpp
 bool use_amx(bool on);
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
@@ -43,5 +63,8 @@ torch::Tensor argmax_rows(const torch::Tensor& x);
 void apply_token_bitmask(torch::Tensor& logits, const torch::Tensor& bitmask);
 // cpu_norm.cpp
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+// cpu_elementwise.cpp
+torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up);
+torch::Tensor rope_bf16(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 
 }  // namespace sparkrelay

@@ -25,8 +25,7 @@ void norm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t d, uint16
   for (int64_t i = 0; i < d; i += kLanes) {
     const __mmask16 keep = first(d - i);
     // round the normalized value to bf16 before the weight, as the reference does
-    const __m256i normed = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load16(x + i, keep), scale));
-    const __m512 n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(normed), 16));
+    const __m512 n = round_bf16(_mm512_mul_ps(load16(x + i, keep), scale));
     store16(y + i, keep, _mm512_mul_ps(n, load16(w + i, keep)));
   }
 }

@@ -26,13 +26,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
+def _bf16_kernels(*tensors: torch.Tensor):
+    """The extension when every tensor is bfloat16 on CPU and no trace is running, else None."""
+    if any(t.device.type != "cpu" or t.dtype != torch.bfloat16 for t in tensors):
+        return None
+    return None if torch.compiler.is_compiling() else cpu_kernels.load()
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """x [T, G, D]: D contiguous and a token's G rows D apart (tokens at any stride)."""
+    return x.stride(-1) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[-1])
+
+
 def _norm_kernel(x: torch.Tensor, weight: torch.Tensor):
     """The extension when it can take (x, weight), else None."""
-    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
-        return None
-    if torch.compiler.is_compiling() or x.stride(-1) != 1 or x.stride(1) != x.shape[-1]:
-        return None
-    return cpu_kernels.load()
+    return _bf16_kernels(x, weight) if _heads_contiguous(x) else None
 
 
 class RMSNorm(nn.Module):
@@ -67,8 +75,20 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up.forward(x).chunk(2, dim=-1)  # [T, 2 * inter] -> 2 x [T, inter]
-        return self.down_proj.forward(F.silu(gate) * up)
+        return self.down_proj.forward(silu_mul(self.gate_up.forward(x)))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2 * inter] (gate, then up) -> silu(gate) * up [..., inter], rounded per op in
+    bf16 as transformers does; bf16 on CPU in one pass (csrc/cpu_elementwise.cpp) instead of three
+    ops."""
+    ext = _bf16_kernels(gate_up)
+    if ext is None or gate_up.stride(-1) != 1:
+        gate, up = gate_up.chunk(2, dim=-1)  # 2 x [..., inter]
+        return F.silu(gate) * up
+    two = gate_up.shape[-1]
+    # [N, 2 * inter] -> [N, inter] -> [..., inter]
+    return ext.silu_mul_bf16(gate_up.reshape(-1, two)).view(*gate_up.shape[:-1], two // 2)
 
 
 def transposed(linear: nn.Linear) -> nn.Module:
@@ -128,7 +148,11 @@ class Rotary:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] rotated at each token's position (cos, sin_signed from `Rotary.table`)."""
+    """x [T, heads, D] rotated at each token's position (cos, sin_signed [T, 1, D] from
+    `Rotary.table`); bf16 on CPU in one pass, bit-equal to the three torch ops (csrc/cpu_elementwise.cpp)."""
+    ext = _bf16_kernels(x, cos, sin_signed)
+    if ext is not None and x.dim() == 3 and x.shape[-1] % 32 == 0 and _heads_contiguous(x):
+        return ext.rope_bf16(x, cos, sin_signed)
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
