@@ -1,8 +1,10 @@
-"""tools/bench/acceptance's learning curve: read from the drafter's train_report.json into a table
+"""tools/bench/acceptance: its learning curve, read from the drafter's train_report.json into a table
 (every point's step, CPU hours and acceptance per set, the last point always shown) and a PNG;
 nothing without a curve."""
 
 import json
+
+import pytest
 
 from sparkrelay.tools.bench.acceptance import learning_curve
 
@@ -45,3 +47,46 @@ def test_no_report_no_curve(tmp_path):
     (tmp_path / "drafter").mkdir()
     assert learning_curve(str(tmp_path / "drafter"), tmp_path / "out") == ""
     assert not (tmp_path / "out").exists()
+
+
+def test_finished_sets_are_recorded_and_resumed_only_with_the_same_settings(tmp_path, monkeypatch):
+    """Each set's row is appended as the set ends; --resume keeps the rows of the same settings and
+    measures only the rest; without --resume (or with other settings) everything is measured."""
+    from sparkrelay.tools.bench import acceptance
+
+    measured, stops = [], [RuntimeError("stopped")]
+
+    def fake_run(args, spec_llm, plain_llm, name, prompts):
+        measured.append(name)
+        if name == "mbpp" and stops:
+            raise stops.pop()  # the first run is stopped inside its third set
+        return {"set": name, "prompts": len(prompts), "tau_greedy": 2.0 + len(measured)}
+
+    monkeypatch.setattr(acceptance, "acceptance_run", fake_run)
+    sets = ["gsm8k", "math500", "mbpp"]
+    prompts = {s: [[1, 2, 3]] * 2 for s in sets}
+
+    def parse(*extra):
+        return acceptance.build_parser().parse_args(
+            ["--out-dir", str(tmp_path), "--sets", *sets, "--limit", "2", *extra]
+        )
+
+    with pytest.raises(RuntimeError, match="stopped"):
+        acceptance.measure_sets(parse(), None, None, prompts)
+    assert measured == sets
+    lines = (tmp_path / acceptance.SETS_FILE).read_text().splitlines()
+    assert [json.loads(x)["row"]["set"] for x in lines] == ["gsm8k", "math500"]
+    measured.clear()
+    rows = acceptance.measure_sets(parse("--resume"), None, None, prompts)
+    assert measured == ["mbpp"] and [r["set"] for r in rows] == sets
+    assert [r["tau_greedy"] for r in rows[:2]] == [3.0, 4.0]  # the first run's rows, kept
+    measured.clear()
+    other = acceptance.build_parser().parse_args(
+        ["--out-dir", str(tmp_path), "--sets", *sets, "--limit", "3", "--resume"]
+    )
+    acceptance.measure_sets(other, None, None, prompts)
+    assert measured == sets  # other settings: nothing is reused
+    measured.clear()
+    acceptance.measure_sets(parse("--limit", "2"), None, None, prompts)
+    assert measured == sets  # no --resume: a fresh record
+    assert len((tmp_path / acceptance.SETS_FILE).read_text().splitlines()) == 3

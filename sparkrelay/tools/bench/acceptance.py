@@ -21,7 +21,9 @@ prefill (`--pp-size 2`, no drafter) + DSpark decode as subprocesses; every greed
 goes through the router (`--pd-concurrency` at a time), and its tokens and verify rounds must equal
 the aggregated DSpark engine's for that prompt (equal tokens and rounds: equal acceptance). Writes
 acceptance.md, acceptance.json and acceptance.png under --out-dir, headed by host, commit and
-command.
+command. Each set's row is also appended to acceptance_sets.jsonl as the set ends, so a run over
+whole splits (hours on 2 cores) that is stopped keeps what it measured; `--resume` takes those rows
+back when its settings are the same and measures the rest.
 """
 
 from __future__ import annotations
@@ -440,7 +442,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pd-concurrency", type=int, default=8)
     p.add_argument("--no-speed", action="store_true", help="skip the speed runs")
     p.add_argument("--out-dir", default="benchmarks/results/acceptance")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help=f"keep the sets already measured with the same settings ({SETS_FILE} under --out-dir)",
+    )
     return p
+
+
+SETS_FILE = "acceptance_sets.jsonl"  # one finished set per line, written as each set ends
+SET_SETTINGS = ("target", "drafter", "token_map", "prompts", "limit", "max_new")
+
+
+def set_settings(args: argparse.Namespace) -> dict:
+    """What a set's figures depend on: a resumed run keeps only rows measured with the same."""
+    return {k: getattr(args, k) for k in SET_SETTINGS}
+
+
+def finished_sets(args: argparse.Namespace) -> dict[str, dict]:
+    """set -> its row from an earlier run with the same settings (--resume), else {}."""
+    path = Path(args.out_dir) / SETS_FILE
+    if not args.resume or not path.is_file():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    mine = set_settings(args)
+    return {r["row"]["set"]: r["row"] for r in rows if r["settings"] == mine}
+
+
+def record_set(args: argparse.Namespace, row: dict) -> None:
+    """Append a finished set's row: a long run stopped later keeps it (--resume)."""
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / SETS_FILE).open("a") as f:
+        f.write(json.dumps({"settings": set_settings(args), "row": row}) + "\n")
+
+
+def measure_sets(args, spec_llm, plain_llm, prompts: dict[str, list[list[int]]]) -> list[dict]:
+    """Every set's row, in --sets order: kept from an earlier run (--resume) or measured now and
+    recorded at once."""
+    done, rows = finished_sets(args), []
+    if not args.resume:
+        (Path(args.out_dir) / SETS_FILE).unlink(missing_ok=True)
+    for name in args.sets:
+        if name in done:
+            print(f"{name}: kept from the run being resumed", flush=True)
+            rows.append(done[name])
+            continue
+        rows.append(acceptance_run(args, spec_llm, plain_llm, name, prompts[name]))
+        record_set(args, rows[-1])
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -450,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
     texts = {s: t[: args.limit] if args.limit else t for s, t in texts.items()}
     spec_llm, plain_llm = engine(args, "float32", True, 8), engine(args, "float32", False, 8)
     prompts = {s: chat_prompts(spec_llm.tokenizer, t) for s, t in texts.items()}
-    rows = [acceptance_run(args, spec_llm, plain_llm, s, prompts[s]) for s in args.sets]
+    rows = measure_sets(args, spec_llm, plain_llm, prompts)
     del spec_llm, plain_llm
     pd = pd_runs(args, rows, prompts) if args.pd_modes else []
     mixed = [p for group in zip(*prompts.values()) for p in group][
