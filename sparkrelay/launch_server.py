@@ -35,7 +35,7 @@ other variables:
   SPARKRELAY_CPU_KERNELS=0
       bfloat16 linears on oneDNN instead of sparkrelay's AVX-512 kernels (docs/cpu_kernels.md);
       SPARKRELAY_KERNEL_BUILD=DIR: where set-up builds them (default build/cpu_kernels);
-      SPARKRELAY_CPU_AMX=0: the kernels' 2- to 8-row products on the vector path, not on AMX
+      SPARKRELAY_CPU_AMX=0: the kernels' products on the vector path, not on AMX
 
 docs: README.md (quick start), docs/dspark_pd.md (PD + DSpark: how to run, every PD flag, the handoff modes),
 docs/reliability.md (failures, bind address, auth token), docs/architecture.md (code map). Model folders are

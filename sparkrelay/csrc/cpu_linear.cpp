@@ -12,8 +12,8 @@
 // a tile read for the first 8 rows is still in cache for the next 8. Layout, loop order, prefetch
 // and threads are described in docs/cpu_kernels.md.
 //
-// On a CPU with AMX (amx_bf16, amx_int8), 2 rows and more go through the tile unit instead: the
-// same packed bytes are its B operand (16 pairs or quads of one 16-column block = 16 rows of 64
+// On a CPU with AMX (amx_bf16, amx_int8), bf16 products (int8 ones from 2 rows) go through the
+// tile unit instead: the same packed bytes are its B operand (16 pairs or quads of one 16-column block = 16 rows of 64
 // bytes, 128 bytes apart), so 8 rows cost about what 1 costs, where on the vector path the dot
 // products, not memory, bound an 8-row product. The vector loop finishes the leftover K and the
 // epilogue.
@@ -202,7 +202,7 @@ void quantize_rows(const torch::Tensor& x, torch::Tensor& xq, torch::Tensor& sx)
   }
 }
 
-// ---- the tile unit (AMX): 2 to 8 rows on CPUs that have it ----
+// ---- the tile unit (AMX): 1 to 8 rows (int8: 2 to 8) on CPUs that have it ----
 //
 // Tiles 0 and 1 hold activations (rows x 64 bytes: 16 pairs or quads), 2, 3, 6 and 7 weights (16
 // rows of 64 bytes, 128 bytes apart: one block of 16 packed steps), 4 and 5 the two blocks' sums
@@ -210,7 +210,11 @@ void quantize_rows(const torch::Tensor& x, torch::Tensor& xq, torch::Tensor& sx)
 // run; software prefetch measured slower here (the streams are sequential).
 
 constexpr int64_t kAmxSteps = 16;   // pairs (bf16) or quads (int8) per tile product
-constexpr int64_t kAmxMinRows = 2;  // one row streams faster on the vector path
+// rows from which a product goes to the tile unit: a bf16 row streams ~10% faster through its tile
+// loads than through the vector loop; an int8 row streams alike on both, and the vector loop's
+// epilogue is then the shorter path (benchmarks/results/linears/)
+constexpr int64_t kAmxMinRowsBf16 = 1;
+constexpr int64_t kAmxMinRowsInt8 = 2;
 constexpr int64_t kStepBytes = 128; // packed bytes per (tile, pair) or (tile, quad)
 
 std::atomic<bool> g_amx{false};
@@ -318,7 +322,7 @@ struct Int8Operands {  // linear_int8's checked inputs, as pointers
 template <typename Out>
 void run_int8(const Int8Operands& o, Out* y) {
   const int64_t ldx = o.quads * 4, tiles = (o.n + kTile - 1) / kTile;
-  const bool amx = g_amx && o.rows >= kAmxMinRows && o.quads >= kAmxSteps;
+  const bool amx = g_amx && o.rows >= kAmxMinRowsInt8 && o.quads >= kAmxSteps;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     TileRun run{amx};
     for (int64_t t = begin; t < end; ++t) {
@@ -381,7 +385,7 @@ void run_bf16(const uint16_t* xp, int64_t ldx, const uint16_t* wp, const float* 
               const uint16_t* base, int64_t ldb, int64_t rows, int64_t pairs, int64_t n, Out* yp,
               int64_t ldy) {
   const int64_t tiles = (n + kTile - 1) / kTile;
-  const bool amx = g_amx && rows >= kAmxMinRows && pairs >= kAmxSteps;
+  const bool amx = g_amx && rows >= kAmxMinRowsBf16 && pairs >= kAmxSteps;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     TileRun run{amx};
     for (int64_t t = begin; t < end; ++t) {
