@@ -125,6 +125,20 @@ def load() -> Optional[ModuleType]:
     return _state["module"]  # type: ignore[return-value]
 
 
+@contextmanager
+def forced_off() -> Iterator[None]:
+    """Inside, load() answers None, as with SPARKRELAY_CPU_KERNELS=0: an engine built and run inside
+    takes the fallbacks. A benchmark interleaves it with an engine on the kernels in one process,
+    where two processes run minutes apart on a shared machine measure the machine's load."""
+    load()
+    saved = _state["module"]
+    _state["module"] = None
+    try:
+        yield
+    finally:
+        _state["module"] = saved
+
+
 def amx_wanted() -> bool:
     """Whether the tile unit may be used (SPARKRELAY_CPU_AMX is not 0)."""
     return os.environ.get(AMX_ENV, "1") != "0"

@@ -540,3 +540,23 @@ def test_loading_a_model_loads_the_kernels():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "LOADED True" in proc.stdout, proc.stderr[-2000:]
+
+
+@needs_cpu
+def test_forced_off_builds_and_runs_the_fallbacks_then_restores():
+    """Inside forced_off() a bf16 weight gets oneDNN's layer and the norm takes torch's ops, as
+    with SPARKRELAY_CPU_KERNELS=0; after it the kernels serve again (the roofline's interleaved
+    kernels-off engine)."""
+    from sparkrelay.models.layers import rms_norm
+
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    x = torch.randn(3, 1, 32).to(torch.bfloat16)
+    g = torch.randn(1, 32).to(torch.bfloat16)
+    with cpu_kernels.forced_off():
+        assert cpu_kernels.load() is None
+        off = frozen_linear(w)
+        assert isinstance(off, PackedLinear) and not isinstance(off, AvxLinear)
+        ref = g * F.rms_norm(x.float(), (32,), None, 1e-6).to(torch.bfloat16)
+        assert torch.equal(rms_norm(x, g, 1e-6), ref)
+    assert cpu_kernels.load() is not None
+    assert isinstance(frozen_linear(w), AvxLinear)

@@ -192,6 +192,7 @@ def test_roofline_run_writes_consistent_files(tiny_pair, tmp_path):
                 str(out),
                 "--page-size",
                 "8",
+                "--kernels-off",
             ]
         )
     finally:
@@ -223,11 +224,13 @@ def test_roofline_run_writes_consistent_files(tiny_pair, tmp_path):
 
 def _check_decode(raw: dict, md: str, target: Path) -> None:
     keys = {(r["dtype"], r["engine"], r["batch"]) for r in raw["decode"]}
+    off = report.FALLBACK  # --kernels-off: not for float32, which has no kernels
     assert keys == {
         (d, e, b)
         for d in ("float32", "bfloat16")
-        for e in ("sparkrelay", "transformers")
+        for e in ("sparkrelay", "transformers", off)
         for b in (1, 2)
+        if not (d == "float32" and e == off)
     }
     gb_s = raw["bandwidth"]["gb_s"]
     shape = bw.Shape.from_hf(json.loads((target / "config.json").read_text()))
@@ -252,9 +255,19 @@ def _check_decode(raw: dict, md: str, target: Path) -> None:
                     r["decode_tok_s"] / ref["decode_tok_s"]
                 )
             assert r["step_vs_transformers"] == pytest.approx(r["step_tok_s"] / ref["step_tok_s"])
+            fallback = [
+                x
+                for x in raw["decode"]
+                if x["engine"] == off and (x["dtype"], x["batch"]) == (r["dtype"], r["batch"])
+            ]
+            if fallback and r["decode_tok_s"] and fallback[0]["decode_tok_s"]:
+                ratio = r["decode_tok_s"] / fallback[0]["decode_tok_s"]
+                assert r["vs_kernels_off"] == pytest.approx(ratio)
+            elif r["dtype"] == "float32":
+                assert r["vs_kernels_off"] is None
         assert len(r["t_new_s"]) == len(r["t_1_s"]) == 1
         assert r["weight_bytes"] == bw.weight_bytes(shape, r["dtype"], int8_lm_head=True)
-        if r["engine"] == "sparkrelay":  # the step profile: 3 decode steps after the prefill
+        if r["engine"] in ("sparkrelay", off):  # the step profile: 3 decode steps after prefill
             assert r["profiled_steps"] == 4 - 1
             assert 0 < r["linear_s_per_step"] < r["profiled_step_s"]
             linear_gb_s = r["weight_bytes"] / r["linear_s_per_step"] / 1e9
@@ -274,14 +287,16 @@ def _check_decode(raw: dict, md: str, target: Path) -> None:
         and "Read bandwidth" in md
         and "load average" in md
     )
-    assert md.count("| tiny ") >= 8 + 4 + 4  # decode, profile, prefill and round-cost rows
+    # decode, profile, prefill and round-cost rows
+    assert md.count("| tiny ") >= 10 + 6 + 4 + 2
+    assert "| vs kernels off |" in md and f"| {off} |" in md
     assert "## The decode step: linears and the rest" in md
 
 
 def _check_prefill_and_spec(raw: dict, md: str) -> None:
     assert {(r["dtype"], r["engine"]) for r in raw["prefill"]} == {
         (d, e) for d in ("float32", "bfloat16") for e in ("sparkrelay", "transformers")
-    }
+    } | {("bfloat16", report.FALLBACK)}
     for r in raw["prefill"]:
         assert r["prompt_len"] == 32 and r["prefill_tok_s"] > 0
     assert [r["dtype"] for r in raw["spec"]] == ["float32", "bfloat16"]

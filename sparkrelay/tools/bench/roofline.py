@@ -126,6 +126,12 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, di
         "(tools/bench/vllm_peer.py; see docs/cpu_kernels.md).",
     )
     p.add_argument(
+        "--kernels-off",
+        action="store_true",
+        help="Add sparkrelay with its CPU kernels off (the fallbacks of SPARKRELAY_CPU_KERNELS=0) as "
+        "one more engine, interleaved with the others (bfloat16 and int8wo rows).",
+    )
+    p.add_argument(
         "--out", default="benchmarks/results/roofline", help="Folder for roofline.md/.json/.png."
     )
     p.add_argument(
@@ -234,10 +240,20 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / max(len(pairs), 1)
 
 
-def peers(target: Target, dtype: str, args: argparse.Namespace, result: dict, device: str) -> dict:
-    """The engines sparkrelay is compared with for (target, dtype): transformers (not int8wo, which
-    is recorded as skipped) and, with --vllm-python, vLLM-CPU (bfloat16)."""
+def peers(
+    target: Target,
+    dtype: str,
+    args: argparse.Namespace,
+    settings: dict,
+    result: dict,
+    device: str,
+) -> dict:
+    """The engines sparkrelay is compared with for (target, dtype): with --kernels-off, itself
+    without its CPU kernels (not float32, which has none); transformers (not int8wo, which is
+    recorded as skipped); with --vllm-python, vLLM-CPU (bfloat16)."""
     engines: dict = {}
+    if args.kernels_off and dtype != "float32" and device == "cpu":
+        engines[report.FALLBACK] = SparkrelayEngine(target, dtype, settings, kernels=False)
     if dtype != INT8WO:
         engines[report.REFERENCE] = TransformersEngine(target, dtype, device)
     else:
@@ -263,12 +279,12 @@ def measure_speed(
     dtype: str,
     spark: SparkrelayEngine,
     args: argparse.Namespace,
+    settings: dict,
     result: dict,
     device: str,
 ) -> None:
-    """Decode rows at every batch and the prefill row, sparkrelay and (not int8wo) transformers
-    interleaved."""
-    engines: dict = {"sparkrelay": spark, **peers(target, dtype, args, result, device)}
+    """Decode rows at every batch and the prefill row, sparkrelay and its peers interleaved."""
+    engines: dict = {"sparkrelay": spark, **peers(target, dtype, args, settings, result, device)}
     shape = bw.Shape.from_hf(target.hf)
     context = args.prompt_len + args.new_tokens / 2
     prompts = random_prompts(shape.vocab, max(args.batches), args.prompt_len)
@@ -300,9 +316,9 @@ def measure_speed(
                 "t_1_s": r["t_1_s"],
                 "weight_bytes": bw.weight_bytes(shape, dtype, int8_lm_head=True),
             }
-            if name == "sparkrelay":
+            if isinstance(engines[name], SparkrelayEngine):
                 # after the timed runs: the step split into linears and the rest
-                row.update(spark.linear_profile(prompts[:b], args.new_tokens))
+                row.update(engines[name].linear_profile(prompts[:b], args.new_tokens))
             result["decode"].append(row)
     if args.prefill_len:
         print(f"{target.name} {dtype}: prefill of {args.prefill_len} tokens", file=sys.stderr)
@@ -318,6 +334,7 @@ def measure_speed(
                 }
             )
     engines.pop(report.REFERENCE, None)
+    engines.pop(report.FALLBACK, None)
     peer = engines.pop(report.PEER, None)
     if peer is not None:
         peer.close()
@@ -355,7 +372,7 @@ def run_target(
                 target,
                 dtype,
                 "decode and prefill",
-                lambda: measure_speed(target, dtype, spark, args, result, device),
+                lambda: measure_speed(target, dtype, spark, args, settings, result, device),
             )
             gc.collect()
         if spark is not None and target.draft:

