@@ -18,7 +18,7 @@ from sparkrelay.grammar.backends import GrammarError
 from sparkrelay.grammar.compiler import GrammarCompiler
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.decoder import CausalLM
-from sparkrelay.models.dspark import load_dspark
+from sparkrelay.models.dspark_checkpoint import load_dspark
 from sparkrelay.models.gguf_file import GGUFError, gguf_tokenizer, is_gguf
 from sparkrelay.models.quant import apply_torchao_config
 from sparkrelay.pipeline.needs import RunnerNeeds

@@ -14,7 +14,6 @@ the draft KV cache (per draft layer, K/V of the context projections of committed
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -24,16 +23,9 @@ from torch import nn
 from sparkrelay.models.argmax import argmax
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.decoder import DecoderLayer, DecoderSpec
-from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
-from sparkrelay.models.kernels import add_linear, fast_head, frozen_linear
+from sparkrelay.models.dspark_heads import ConfidenceHead, MarkovHead
+from sparkrelay.models.kernels import frozen_linear
 from sparkrelay.models.layers import RMSNorm, apply_rope, fuse_linears, transposed
-from sparkrelay.models.loader import (
-    SHAPE_FIELDS,
-    CheckpointError,
-    is_dummy,
-    load_weights,
-    read_config,
-)
 
 ARCHITECTURE = "Qwen3DSparkModel"
 DRAFT_LAYERS = (
@@ -131,86 +123,6 @@ class DSparkSpec:
             raise ValueError(
                 "confidence_head_with_markov True needs a Markov head, but markov_rank is 0"
             )
-
-
-class MarkovHead(nn.Module):
-    """Low-rank token-transition logit bias β_k = W2 · m_k (§1.6); m_k = W1[x_{k-1}] (vanilla),
-    gated, or RNN."""
-
-    def __init__(self, kind: str, vocab: int, rank: int, dim: int) -> None:
-        super().__init__()
-        self.kind = kind
-        self.markov_w1 = nn.Embedding(vocab, rank)
-        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
-        if kind == "gated":
-            self.gate_proj = nn.Linear(dim + rank, rank)
-        elif kind == "rnn":
-            self.joint_proj = nn.Linear(2 * rank + dim, 3 * rank)
-
-    def step(
-        self, h: torch.Tensor, prev: torch.Tensor, state: Optional[torch.Tensor]
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """h [..., d], prev [...] -> β [..., V] and the RNN state [..., r] (None for the other kinds)."""
-        m, state = self.mix(h, prev, state)
-        return self.markov_w2(m), state
-
-    def add_step(
-        self,
-        u: torch.Tensor,
-        h: Optional[torch.Tensor],
-        prev: torch.Tensor,
-        state: Optional[torch.Tensor],
-        out: torch.Tensor,
-        in_vocab: bool = False,
-    ) -> Optional[torch.Tensor]:
-        """Serving: out [R, V] (float32) = u [R, V] + β(h [R, d], prev [R]) in one pass where the kernel
-        serves (kernels.add_linear); `in_vocab`: over the draft vocabulary (V = Vh). Returns the RNN
-        state."""
-        m, state = self.mix(h, prev, state)
-        add_linear(self.vocab_w2 if in_vocab else self.markov_w2, m, u, out)
-        return state
-
-    def mix(
-        self, h: Optional[torch.Tensor], prev: torch.Tensor, state: Optional[torch.Tensor]
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """h [..., d], prev [...] -> m [..., r] (β = W2 m) and the RNN state [..., r] (None for the
-        other kinds)."""
-        e = self.markov_w1(prev)  # [..., r]
-        if self.kind == "gated":
-            e = torch.sigmoid(self.gate_proj(torch.cat([h, e.to(h.dtype)], -1))) * e
-        elif self.kind == "rnn":
-            s = torch.zeros_like(e) if state is None else state
-            # 3 x [..., r]
-            gate, cand, out = self.joint_proj(torch.cat([s, e, h.to(e.dtype)], -1)).chunk(3, dim=-1)
-            g = torch.sigmoid(gate)
-            state, e = g * s + (1 - g) * torch.tanh(cand), torch.tanh(out)
-        return e, state
-
-    def fuse(self) -> None:
-        """After loading: W2 [V, r] in its fast layout (it is read B times per draft round, once per
-        slot)."""
-        self.markov_w2 = frozen_linear(self.markov_w2.weight)
-
-    def restrict(self, ids: torch.Tensor) -> None:
-        """Serving with a draft vocabulary (Qwen3DSparkModel.restrict_vocab): a copy of W2's rows of
-        `ids` [Vh], whose β covers those tokens only; W1 still takes any previous token."""
-        self.vocab_w2 = frozen_linear(self.markov_w2.weight[ids].contiguous())
-
-    def teacher_forced(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """h [R, B, d], prev [R, B] (slot k's previous token) -> β [R, B, V]; the RNN state runs left to right."""
-        if self.kind != "rnn":
-            return self.step(h, prev, None)[0]
-        state, out = None, []
-        for k in range(h.shape[1]):
-            beta, state = self.step(h[:, k], prev[:, k], state)
-            out.append(beta)
-        return torch.stack(out, dim=1)
-
-
-class ConfidenceHead(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(dim, 1)
 
 
 class DraftLayer(DecoderLayer):
@@ -467,91 +379,3 @@ class Qwen3DSparkModel(nn.Module):
             # [R, B, d + r]
             x = torch.cat([h, self.markov_head.markov_w1(prev_tokens).to(h.dtype)], dim=-1)
         return self.confidence_head.proj(x).squeeze(-1)
-
-
-def _fits(own: torch.Tensor, tensor: Optional[torch.Tensor]) -> bool:
-    return tensor is not None and (tensor.dtype, tensor.device, tensor.shape) == (
-        own.dtype,
-        own.device,
-        own.shape,
-    )
-
-
-def _share(module: nn.Module, tensor: Optional[torch.Tensor], trust: bool = False) -> bool:
-    """Replace module.weight by `tensor` when they are identical (dtype, device, shape, values;
-    `trust`: the values are equal by definition, see load_dspark); True if shared."""
-    if not _fits(module.weight, tensor) or not (trust or torch.equal(tensor, module.weight)):
-        return False
-    module.weight = (
-        tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
-    )
-    return True
-
-
-def dspark_dummy_key(target_spec: DecoderSpec):
-    """Drafter parameter name -> the checkpoint key seeding its dummy values: the embedding and LM head are the
-    target's (frozen copies in a released drafter), so they equal the target's dummy tensors and are shared."""
-    head = "model.embed_tokens.weight" if target_spec.tie_word_embeddings else "lm_head.weight"
-    return lambda name: {
-        "embed_tokens.weight": "model.embed_tokens.weight",
-        "lm_head.weight": head,
-    }.get(name, name)
-
-
-def load_dspark(
-    folder: str | Path,
-    target_spec: DecoderSpec,
-    dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
-    share_embedding_from: Optional[torch.Tensor] = None,
-    share_lm_head_from: Optional[torch.Tensor] = None,
-    fuse: bool = True,
-    load_format: str = "auto",
-) -> Qwen3DSparkModel:
-    """Build the drafter in `folder` for `target_spec` and load it (checked complete), or give it
-    dummy weights (`load_format` "dummy"). The embedding / LM head are replaced by the target's
-    tensors when those are identical, so the drafter holds no second copy
-    (`model.shared_with_target` names the ones shared); a checkpoint that does not store them (they
-    are the target's by definition) takes them from the `share_*_from` tensors."""
-    dummy = is_dummy(load_format)
-    hf = dummy_config(folder, SHAPE_FIELDS) if dummy else read_config(folder, SHAPE_FIELDS)
-    archs = hf.get("architectures")
-    if archs != [ARCHITECTURE]:
-        raise CheckpointError(
-            f"{folder}: architectures {archs!r} is not [{ARCHITECTURE!r}] (not a Qwen3 DSpark/DFlash drafter)"
-        )
-    spec = DSparkSpec.from_hf(hf, target_spec)
-    with torch.device("meta"):
-        model = Qwen3DSparkModel(spec, device="cpu")
-    model = model.to(dtype).to_empty(device=device)  # allocated once, in `dtype`
-    model.rotary = spec.body.rotary(device)
-    shares = {"embed_tokens": share_embedding_from, "lm_head": share_lm_head_from}
-    # dummy: the embedding and LM head are the target's (frozen copies in a released drafter), never
-    # drawn twice
-    trusted = {n for n, t in shares.items() if dummy and _fits(getattr(model, n).weight, t)}
-    if dummy:
-        fill_dummy(
-            model,
-            init_std(hf),
-            dspark_dummy_key(target_spec),
-            skip={f"{n}.weight" for n in trusted},
-        )
-    else:
-        given = frozenset(f"{n}.weight" for n, t in shares.items() if t is not None)
-        loaded = load_weights(model, folder, dtype=dtype, optional=given)
-        for name in ("embed_tokens", "lm_head"):
-            # not stored: the target's, copied in if its dtype differs
-            if f"{name}.weight" not in loaded:
-                with torch.no_grad():
-                    getattr(model, name).weight.copy_(shares[name].to(dtype))
-                trusted.add(name)
-    if fuse:
-        model.fuse()
-    model.eval().requires_grad_(False)  # before sharing: never touch the target's own flags
-    shared = [
-        name for name, t in shares.items() if _share(getattr(model, name), t, name in trusted)
-    ]
-    model.shared_with_target = tuple(shared)
-    if fuse and "lm_head" not in shared:
-        model.head = fast_head(model.lm_head.weight)  # a shared head's fast copy is the target's
-    return model

@@ -1,19 +1,31 @@
-"""Writing DeepSpec-layout drafter checkpoints: the config of a drafter for a target, the target's
-head weights, saving a model, and a random-weight checkpoint for tests (the reading side is
-models/dspark.py)."""
+"""DeepSpec-layout drafter checkpoints, both ways: loading one for a target (`load_dspark`: checked
+complete, or dummy weights, sharing the target's embedding and LM head), and writing one (the config
+of a drafter for a target, the target's head weights, saving a model, a random-weight checkpoint for
+tests); the model itself is models/dspark.py."""
 
 from __future__ import annotations
 
 import copy
 import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from sparkrelay.models.decoder import DecoderSpec
 from sparkrelay.models.dspark import ARCHITECTURE, DSparkSpec, Qwen3DSparkModel
-from sparkrelay.models.loader import checkpoint_tensors, read_config
+from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
+from sparkrelay.models.kernels import fast_head
+from sparkrelay.models.loader import (
+    SHAPE_FIELDS,
+    CheckpointError,
+    checkpoint_tensors,
+    is_dummy,
+    load_weights,
+    read_config,
+)
 
 
 def draft_config(target_cfg: dict, **fields) -> dict:
@@ -119,3 +131,91 @@ def write_random_checkpoint(
         model.embed_tokens.weight.copy_(embed)
         model.lm_head.weight.copy_(lm_head)
     return save_checkpoint(model, cfg, folder, weight_dtype)
+
+
+def _fits(own: torch.Tensor, tensor: Optional[torch.Tensor]) -> bool:
+    return tensor is not None and (tensor.dtype, tensor.device, tensor.shape) == (
+        own.dtype,
+        own.device,
+        own.shape,
+    )
+
+
+def _share(module: nn.Module, tensor: Optional[torch.Tensor], trust: bool = False) -> bool:
+    """Replace module.weight by `tensor` when they are identical (dtype, device, shape, values;
+    `trust`: the values are equal by definition, see load_dspark); True if shared."""
+    if not _fits(module.weight, tensor) or not (trust or torch.equal(tensor, module.weight)):
+        return False
+    module.weight = (
+        tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
+    )
+    return True
+
+
+def dspark_dummy_key(target_spec: DecoderSpec):
+    """Drafter parameter name -> the checkpoint key seeding its dummy values: the embedding and LM head are the
+    target's (frozen copies in a released drafter), so they equal the target's dummy tensors and are shared."""
+    head = "model.embed_tokens.weight" if target_spec.tie_word_embeddings else "lm_head.weight"
+    return lambda name: {
+        "embed_tokens.weight": "model.embed_tokens.weight",
+        "lm_head.weight": head,
+    }.get(name, name)
+
+
+def load_dspark(
+    folder: str | Path,
+    target_spec: DecoderSpec,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    share_embedding_from: Optional[torch.Tensor] = None,
+    share_lm_head_from: Optional[torch.Tensor] = None,
+    fuse: bool = True,
+    load_format: str = "auto",
+) -> Qwen3DSparkModel:
+    """Build the drafter in `folder` for `target_spec` and load it (checked complete), or give it
+    dummy weights (`load_format` "dummy"). The embedding / LM head are replaced by the target's
+    tensors when those are identical, so the drafter holds no second copy
+    (`model.shared_with_target` names the ones shared); a checkpoint that does not store them (they
+    are the target's by definition) takes them from the `share_*_from` tensors."""
+    dummy = is_dummy(load_format)
+    hf = dummy_config(folder, SHAPE_FIELDS) if dummy else read_config(folder, SHAPE_FIELDS)
+    archs = hf.get("architectures")
+    if archs != [ARCHITECTURE]:
+        raise CheckpointError(
+            f"{folder}: architectures {archs!r} is not [{ARCHITECTURE!r}] (not a Qwen3 DSpark/DFlash drafter)"
+        )
+    spec = DSparkSpec.from_hf(hf, target_spec)
+    with torch.device("meta"):
+        model = Qwen3DSparkModel(spec, device="cpu")
+    model = model.to(dtype).to_empty(device=device)  # allocated once, in `dtype`
+    model.rotary = spec.body.rotary(device)
+    shares = {"embed_tokens": share_embedding_from, "lm_head": share_lm_head_from}
+    # dummy: the embedding and LM head are the target's (frozen copies in a released drafter), never
+    # drawn twice
+    trusted = {n for n, t in shares.items() if dummy and _fits(getattr(model, n).weight, t)}
+    if dummy:
+        fill_dummy(
+            model,
+            init_std(hf),
+            dspark_dummy_key(target_spec),
+            skip={f"{n}.weight" for n in trusted},
+        )
+    else:
+        given = frozenset(f"{n}.weight" for n, t in shares.items() if t is not None)
+        loaded = load_weights(model, folder, dtype=dtype, optional=given)
+        for name in ("embed_tokens", "lm_head"):
+            # not stored: the target's, copied in if its dtype differs
+            if f"{name}.weight" not in loaded:
+                with torch.no_grad():
+                    getattr(model, name).weight.copy_(shares[name].to(dtype))
+                trusted.add(name)
+    if fuse:
+        model.fuse()
+    model.eval().requires_grad_(False)  # before sharing: never touch the target's own flags
+    shared = [
+        name for name, t in shares.items() if _share(getattr(model, name), t, name in trusted)
+    ]
+    model.shared_with_target = tuple(shared)
+    if fuse and "lm_head" not in shared:
+        model.head = fast_head(model.lm_head.weight)  # a shared head's fast copy is the target's
+    return model

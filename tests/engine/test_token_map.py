@@ -14,7 +14,7 @@ from sparkrelay import LLM, SamplingParams
 from sparkrelay.config import ConfigError
 from sparkrelay.engine.setup import read_token_map
 from sparkrelay.models.decoder import DecoderSpec, load_causal_lm
-from sparkrelay.models.dspark import load_dspark
+from sparkrelay.models.dspark_checkpoint import load_dspark
 from sparkrelay.models.loader import read_config
 from sparkrelay.spec.proposer import DSparkProposer
 from sparkrelay.tools.train import token_map

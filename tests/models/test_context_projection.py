@@ -11,8 +11,7 @@ import torch
 
 import sparkrelay.models.loader as loader
 from sparkrelay.models.decoder import DecoderSpec
-from sparkrelay.models.dspark import load_dspark
-from sparkrelay.models.dspark_checkpoint import write_random_checkpoint
+from sparkrelay.models.dspark_checkpoint import load_dspark, write_random_checkpoint
 from sparkrelay.models.dspark_context import load_context_projector
 from sparkrelay.models.loader import read_config
 from sparkrelay.pipeline.partition import pp_partition, stage_taps

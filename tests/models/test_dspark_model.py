@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from sparkrelay.models import cpu_kernels
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.decoder import DecoderSpec, load_causal_lm
-from sparkrelay.models.dspark import DSparkSpec, load_dspark
-from sparkrelay.models.dspark_checkpoint import draft_config, write_random_checkpoint
+from sparkrelay.models.dspark import DSparkSpec
+from sparkrelay.models.dspark_checkpoint import draft_config, load_dspark, write_random_checkpoint
 from sparkrelay.models.loader import CheckpointError, read_config
 from testkit.models import make_random_qwen3
 

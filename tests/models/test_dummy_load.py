@@ -17,7 +17,8 @@ from sparkrelay.engine import setup
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.decoder import CausalLM, DecoderSpec, load_causal_lm
-from sparkrelay.models.dspark import DSparkSpec, Qwen3DSparkModel, load_dspark
+from sparkrelay.models.dspark import DSparkSpec, Qwen3DSparkModel
+from sparkrelay.models.dspark_checkpoint import load_dspark
 from sparkrelay.models.dspark_context import load_context_projector
 from sparkrelay.models.dummy import fill_dummy
 from sparkrelay.models.loader import CheckpointError

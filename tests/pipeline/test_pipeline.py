@@ -18,7 +18,7 @@ from sparkrelay.config import Config, ConfigError
 from sparkrelay.engine.engine import Engine
 from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import AttnMeta
-from sparkrelay.models.dspark import load_dspark
+from sparkrelay.models.dspark_checkpoint import load_dspark
 from sparkrelay.pipeline.capture import CaptureSpec
 from sparkrelay.pipeline.needs import RunnerNeeds
 from sparkrelay.pipeline.runner import PipelineRunner

@@ -63,8 +63,13 @@ import torch
 import torch.nn.functional as F
 
 from sparkrelay.models.decoder import DecoderSpec
-from sparkrelay.models.dspark import DSparkSpec, Qwen3DSparkModel, load_dspark
-from sparkrelay.models.dspark_checkpoint import draft_config, save_checkpoint, target_head_weights
+from sparkrelay.models.dspark import DSparkSpec, Qwen3DSparkModel
+from sparkrelay.models.dspark_checkpoint import (
+    draft_config,
+    load_dspark,
+    save_checkpoint,
+    target_head_weights,
+)
 from sparkrelay.models.loader import read_config
 from sparkrelay.tools.train.common import (
     add_work_args,
