@@ -56,16 +56,27 @@ BOOT = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 class Stub:
     def __init__(self, role: str):
         self.role, self.seen, self.fail = role, [], []
+        self.tag: str | None = None  # when set, only requests carrying this text consume `fail`
         self.app = FastAPI()
         self.app.add_api_route("/{path:path}", self.handle, methods=["GET", "POST"])
 
     def generate_bodies(self) -> list[dict]:
         return [json.loads(b) for m, p, b, _ in self.seen if m == "POST" and p != "/flush_cache"]
 
+    def aimed_at(self, body: bytes) -> bool:
+        """Whether `fail` applies to this request: a cancelled request of an earlier call may land
+        late and must not take the failure meant for the next one."""
+        if self.tag is None:
+            return True
+        try:
+            return json.loads(body).get("text") == self.tag
+        except (ValueError, AttributeError):
+            return False
+
     async def handle(self, request: Request) -> Response:
         body, path = await request.body(), request.url.path
         self.seen.append((request.method, path, body, dict(request.headers)))
-        if self.fail:  # a status, or (status, message, seconds to wait first)
+        if self.fail and self.aimed_at(body):  # a status, or (status, message, seconds to wait)
             f = self.fail.pop(0)
             status, message, wait = f if isinstance(f, tuple) else (f, f"{self.role} says no", 0)
             await asyncio.sleep(wait)
@@ -125,6 +136,7 @@ def clean(request):
     if "stubs" in request.fixturenames:
         for s in request.getfixturevalue("stubs"):
             s.seen.clear(), s.fail.clear()
+            s.tag = None
 
 
 @contextmanager
@@ -402,8 +414,12 @@ def attempts(stub: Stub, tag: str) -> int:
     return sum(b.get("text") == tag for b in stub.generate_bodies())
 
 
-def tagged() -> dict:
-    return {"text": f"x-{time.monotonic_ns()}"}
+def tagged(*stubs: Stub) -> dict:
+    """A body with a fresh text, which the failures armed on `stubs` are aimed at."""
+    body = {"text": f"x-{time.monotonic_ns()}"}
+    for stub in stubs:
+        stub.tag = body["text"]
+    return body
 
 
 @pytest.mark.parametrize("side", ["prefill", "decode"])
@@ -412,7 +428,7 @@ def test_4xx_is_never_retried(stubs, rc, side, status):
     p, _, d = stubs
     failing, other = (p, d) if side == "prefill" else (d, p)
     failing.fail = [status]
-    body = tagged()
+    body = tagged(p, d)
     r = rc.post("/generate", json=body)
     # the other side's request may be cancelled before it arrives; it is never sent twice
     assert (
@@ -429,19 +445,17 @@ def test_schema_mismatch_is_not_retried(stubs, rc):
     p, _, d = stubs
     mismatch = "schema mismatch: handoff: prefill='tail' decode='hidden'"
     for fails in ([(500, mismatch, 0)], [(503, "aborted: " + mismatch, 0)]):
-        d.fail, body = list(fails), tagged()
+        d.fail, body = list(fails), tagged(p, d)
         assert rc.post("/generate", json=body).status_code == fails[0][0]
         assert attempts(d, body["text"]) == 1 and attempts(p, body["text"]) <= 1
     p.fail, d.fail = [(500, "the prefill request was aborted", 0)], [(409, mismatch, 0.3)]
-    body = tagged()
+    body = tagged(p, d)
     r = rc.post("/generate", json=body)
     assert r.status_code == 502 and attempts(p, body["text"]) == attempts(d, body["text"]) == 1, (
         r.text
     )
-    p.fail, body = (
-        [(500, "transient", 0)],
-        tagged(),
-    )  # a plain 5xx is still retried, with a new room
+    d.fail, p.fail, body = [], [(500, "transient", 0)], tagged(p, d)
+    # a plain 5xx is still retried, with a new room
     assert rc.post("/generate", json=body).status_code == 200
     assert attempts(p, body["text"]) == attempts(d, body["text"]) == 2
 
@@ -554,6 +568,16 @@ class SlowPrefill(Stub):
     def __init__(self, seconds: float):
         super().__init__("prefill")
         self.seconds, self.ended = seconds, 0
+
+    def aimed_at(self, body: bytes) -> bool:
+        """Whether `fail` applies to this request: a cancelled request of an earlier call may land
+        late and must not take the failure meant for the next one."""
+        if self.tag is None:
+            return True
+        try:
+            return json.loads(body).get("text") == self.tag
+        except (ValueError, AttributeError):
+            return False
 
     async def handle(self, request: Request) -> Response:
         if request.url.path != "/generate" or not json.loads(await request.body()).get("stream"):
