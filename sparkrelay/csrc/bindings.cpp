@@ -25,4 +25,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_bf16", &rope_bf16,
         "x [T, G, D] bf16, cos and signed sin [T, 1, D] bf16 -> RoPE(x) [T, G, D] bf16, equal to "
         "layers.apply_rope's torch ops");
+  py::class_<KernelLinear>(m, "KernelLinear")
+      .def(py::init<torch::Tensor, int64_t, int64_t, c10::optional<torch::Tensor>,
+                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
+           "a frozen linear in a kernel's packed layout: bf16 tiles, or int8 tiles with scale "
+           "and qsum (each padded to 32 columns)",
+           py::arg("packed"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(),
+           py::arg("scale") = py::none(), py::arg("qsum") = py::none())
+      .def("__call__", &KernelLinear::operator(), "x [M, K] -> [M, N] in x's dtype");
+  py::class_<DecodeLayer>(m, "DecodeLayer")
+      .def(py::init<KernelLinear, KernelLinear, KernelLinear, KernelLinear, torch::Tensor,
+                    torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, double,
+                    double, double>(),
+           "a decoder layer's weights for its few-row bf16 forward")
+      .def("forward", &DecodeLayer::forward,
+           "h [T, d], cos / sin [T, 1, D], the layer's K/V pools, slots [T], kv_index [B, Lk], "
+           "seq [T], lengths [T] -> [T, d]; writes the fed tokens' K/V");
 }

@@ -33,6 +33,15 @@ struct Pools {  // the layer's pools and how to find a key of one KV head
 
 constexpr int64_t kChunkQueries = 4;  // queries of one sequence per task (K, V read once for them)
 constexpr int64_t kValueRows = 4;     // score rows weighed together per pass over the values
+// A task reads one KV head's D values of each key: a short run (2 D bytes) every n_kv * D elements,
+// a stride the hardware prefetcher follows late, so the passes ask for the row kPrefetchKeys keys
+// ahead themselves (speed notes of docs/cpu_kernels.md).
+constexpr int64_t kPrefetchKeys = 8;
+
+// every cache line of one head's D bf16 values at p
+inline void prefetch_head(const uint16_t* p, int64_t d) {
+  for (int64_t e = 0; e < d; e += 32) _mm_prefetch(reinterpret_cast<const char*>(p + e), _MM_HINT_T0);
+}
 
 // the sums of four 16-lane vectors, in lanes 0..3 of the result (one shuffle tree for four scores)
 inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -66,6 +75,9 @@ void score_rows(const uint16_t* const* q, int64_t n, const Pools& p, int64_t hea
   for (int64_t j = 0; j < len; j += 4) {
     const uint16_t* k[4];
     for (int64_t i = 0; i < 4; ++i) k[i] = p.k + slots[std::min(j + i, len - 1)] * p.row + head;
+    for (int64_t i = j + kPrefetchKeys; i < std::min(j + kPrefetchKeys + 4, len); ++i) {
+      prefetch_head(p.k + slots[i] * p.row + head, d);
+    }
     __m512bh kv[4][kSlices];
     if (kD) {
       for (int64_t i = 0; i < 4; ++i) {
@@ -121,6 +133,7 @@ void weigh_values(const float* w, int64_t ld, const float* total, int64_t n, con
   }
   for (int64_t j = 0; j < len; ++j) {
     const uint16_t* vj = p.v + slots[j] * p.row + head;
+    if (j + kPrefetchKeys < len) prefetch_head(p.v + slots[j + kPrefetchKeys] * p.row + head, d);
     __m512 wr[kRows];
     for (int64_t r = 0; r < rows; ++r) wr[r] = _mm512_set1_ps(w[r * ld + j]);
     for (int64_t c = 0; c < blocks; ++c) {

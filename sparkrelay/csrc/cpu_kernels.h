@@ -67,4 +67,38 @@ torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight,
 torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up);
 torch::Tensor rope_bf16(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 
+// cpu_decode_layer.cpp
+// one frozen linear in a kernel's packed layout: bf16, or int8 with per-column scale and sums
+class KernelLinear {
+ public:
+  KernelLinear(torch::Tensor packed, int64_t n, int64_t k, c10::optional<torch::Tensor> bias,
+               c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> qsum);
+  torch::Tensor operator()(const torch::Tensor& x) const;  // x [M, K] -> [M, N] in x's dtype
+
+ private:
+  torch::Tensor packed_;
+  c10::optional<torch::Tensor> bias_, scale_, qsum_;
+  int64_t n_, k_;
+};
+
+// a decoder layer's forward for a few bf16 rows, bit-equal to models/decoder.py's on the kernels
+class DecodeLayer {
+ public:
+  DecodeLayer(KernelLinear qkv, KernelLinear o, KernelLinear gate_up, KernelLinear down,
+              torch::Tensor input_norm, torch::Tensor post_norm,
+              c10::optional<torch::Tensor> qk_norm, int64_t heads, int64_t kv_heads,
+              int64_t head_dim, double eps, double qk_eps, double scale);
+  torch::Tensor forward(const torch::Tensor& h, const torch::Tensor& cos, const torch::Tensor& sin,
+                        torch::Tensor& k_pool, torch::Tensor& v_pool, const torch::Tensor& slots,
+                        const torch::Tensor& kv_index, const torch::Tensor& seq,
+                        const torch::Tensor& lengths) const;
+
+ private:
+  KernelLinear qkv_, o_, gate_up_, down_;
+  torch::Tensor input_norm_, post_norm_;
+  c10::optional<torch::Tensor> qk_norm_;
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_, qk_eps_, scale_;
+};
+
 }  // namespace sparkrelay

@@ -37,6 +37,7 @@ SOURCES = [
         "cpu_mask.cpp",
         "cpu_argmax.cpp",
         "cpu_elementwise.cpp",
+        "cpu_decode_layer.cpp",
         "bindings.cpp",
     )
 ]

@@ -18,7 +18,7 @@ from sparkrelay.models import cpu_kernels
 from sparkrelay.models.attention import AttnMeta, paged_attention
 from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
 from sparkrelay.models.families import family_of
-from sparkrelay.models.kernels import fast_head
+from sparkrelay.models.kernels import KERNEL_ROWS, fast_head
 from sparkrelay.models.layers import (
     RMSNorm,
     Rotary,
@@ -175,6 +175,8 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        # (the C++ layer or None, the products it was built from): `few_rows`
+        self._few_rows: tuple = (None, ())
 
     def forward(
         self,
@@ -185,10 +187,71 @@ class DecoderLayer(nn.Module):
         meta: AttnMeta,
     ) -> torch.Tensor:
         """h [T, d] residual stream in -> out; the returned value is the layer's raw residual-stream output."""
+        fused = self.few_rows(h, kv[0])
+        if fused is not None:  # the same kernels in one call (csrc/cpu_decode_layer.cpp)
+            return fused.forward(
+                h,
+                cos,
+                sin,
+                kv[0],
+                kv[1],
+                meta.slot_mapping,
+                meta.kv_index,
+                meta.query_seq(),
+                meta.query_lengths(),
+            )
         # `.forward` directly: the hot decode loop skips nn.Module.__call__'s hook handling
         # (docs/architecture.md)
         h = h + self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, kv, meta)
         return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
+
+    def products(self) -> tuple:
+        """The layer's four fused products (None before `fuse`)."""
+        attn, mlp = self.self_attn, self.mlp
+        return attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj
+
+    def few_rows(self, h: torch.Tensor, k_pool: torch.Tensor):
+        """The layer as one C++ call where it serves h [T, d]: at most KERNEL_ROWS bf16 rows, a bf16
+        pool, every product on the CPU kernels; else None. Why: a decode step's ~15 Python-level
+        calls a layer cost more than their arithmetic. Rebuilt when the products change
+        (`--torchao-config` replaces them after `fuse`)."""
+        if h.shape[0] > KERNEL_ROWS or h.dtype != torch.bfloat16 or k_pool.dtype != h.dtype:
+            return None
+        if torch.compiler.is_compiling():
+            return None
+        fused, built_from = self._few_rows
+        products = self.products()
+        if len(built_from) != 4 or any(a is not b for a, b in zip(products, built_from)):
+            fused = kernel_layer(self)
+            self._few_rows = (fused, products)
+        return fused
+
+
+def kernel_layer(layer: DecoderLayer):
+    """csrc/cpu_decode_layer.cpp's DecodeLayer over `layer`'s weights, or None where a product is not
+    on the kernels (float32, kernels off, not fused yet) or the heads do not suit the RoPE kernel."""
+    ext = cpu_kernels.load()
+    kernels = [getattr(p, "kernel", None) for p in layer.products()]
+    attn, norms = layer.self_attn, (layer.input_layernorm, layer.post_attention_layernorm)
+    if ext is None or None in kernels or attn.head_dim % 32 or attn.head_dim > 256:
+        return None
+    if any(n.weight.dtype != torch.bfloat16 for n in norms):
+        return None
+    qk = attn.qk_norm_weight if attn.qk_norm else None
+    eps = attn.q_norm.eps if attn.qk_norm else 0.0
+    w_in, w_post = (n.weight.detach() for n in norms)
+    return ext.DecodeLayer(
+        *kernels,
+        w_in,
+        w_post,
+        qk,
+        attn.n_heads,
+        attn.n_kv,
+        attn.head_dim,
+        norms[0].eps,
+        eps,
+        attn.scale,
+    )
 
 
 class DecoderBody(nn.Module):

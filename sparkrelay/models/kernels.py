@@ -35,7 +35,6 @@ import os
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sparkrelay.models import cpu_kernels
@@ -154,6 +153,10 @@ class AvxLinear(nn.Module):
             padded = torch.zeros(-(-self.out_features // cpu_kernels.TILE) * cpu_kernels.TILE)
             padded[: self.out_features] = bias.detach().float()
         self.register_buffer("tile_bias", padded, persistent=False)
+        # the kernel's call (csrc/cpu_decode_layer.cpp), shared with the fused decoder layer
+        self.kernel = module.KernelLinear(
+            self.tiles, self.out_features, self.in_features, self.tile_bias
+        )
         self.wide = PackedLinear(weight, bias)
 
     @property
@@ -173,10 +176,7 @@ class AvxLinear(nn.Module):
         rows = x.numel() // self.in_features
         if rows > KERNEL_ROWS or x.dtype != torch.bfloat16 or torch.compiler.is_compiling():
             return self.wide(x)
-        x2 = x.reshape(rows, self.in_features)
-        if self.in_features % 2:  # the kernel reads activations in pairs
-            x2 = F.pad(x2, (0, 1))
-        y = self._ext.linear_bf16(x2.contiguous(), self.tiles, self.out_features, self.tile_bias)
+        y = self.kernel(x.reshape(rows, self.in_features))  # [rows, out]
         return y.view(*x.shape[:-1], self.out_features)
 
 

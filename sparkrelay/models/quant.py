@@ -52,8 +52,11 @@ class Int8Linear(nn.Module):
         self.bias = (
             None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
         )
-        self._ext = cpu_kernels.load() if q.device.type == "cpu" else None
-        if self._ext is not None:  # sparkrelay's kernel: its own packed copy, fp32 epilogue terms
+        ext = cpu_kernels.load() if q.device.type == "cpu" else None
+        # sparkrelay's kernel (csrc/cpu_decode_layer.cpp's KernelLinear, shared with the fused
+        # decoder layer): its own packed copy, fp32 epilogue terms
+        self.kernel = None
+        if ext is not None:
             self.register_buffer("tiles", cpu_kernels.pack_int8(q), persistent=False)
             self.register_buffer(
                 "tile_scale", cpu_kernels.pad_to_tile(scales.float()), persistent=False
@@ -62,6 +65,14 @@ class Int8Linear(nn.Module):
             self.register_buffer("tile_qsum", cpu_kernels.pad_to_tile(qsum), persistent=False)
             tile_bias = None if bias is None else cpu_kernels.pad_to_tile(bias.detach().float())
             self.register_buffer("tile_bias", tile_bias, persistent=False)
+            self.kernel = ext.KernelLinear(
+                self.tiles,
+                self.out_features,
+                self.in_features,
+                self.tile_bias,
+                self.tile_scale,
+                self.tile_qsum,
+            )
 
     @property
     def weight(self) -> torch.Tensor:
@@ -75,18 +86,11 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [T, in]: the kernels take 2-D inputs only
         if (
-            self._ext is not None
+            self.kernel is not None
             and rows.shape[0] <= KERNEL_ROWS
             and not torch.compiler.is_compiling()
         ):
-            y = self._ext.linear_int8(
-                rows.contiguous(),
-                self.tiles,
-                self.tile_scale,
-                self.tile_qsum,
-                self.out_features,
-                self.tile_bias,
-            )  # [T, out], bias included
+            y = self.kernel(rows)  # [T, out], bias included
             return y.view(*x.shape[:-1], self.out_features)
         # torch's int8 product needs K a multiple of 16 (it crashes otherwise): dequantize then
         if rows.shape[0] >= DEQUANT_ROWS or self.in_features % 16:

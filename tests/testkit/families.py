@@ -52,13 +52,13 @@ CASES = {
 }
 
 
-def make_random(folder, case: str, seed: int = 0):
+def make_random(folder, case: str, seed: int = 0, **overrides):
     import transformers
 
     cfg_name, model_name, extra = CASES[case]
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(
-        getattr(transformers, cfg_name)(**{**SMALL, **extra})
+        getattr(transformers, cfg_name)(**{**SMALL, **extra, **overrides})
     ).eval()
     if "bias" in case or case == "qwen2":
         with torch.no_grad():  # transformers starts biases at zero: make them count
