@@ -8,8 +8,9 @@ residual-stream output of layer i (= transformers' `hidden_states[i + 1]`).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -252,6 +253,21 @@ def kernel_layer(layer: DecoderLayer):
         eps,
         attn.scale,
     )
+
+
+@contextmanager
+def unfused(model: nn.Module) -> Iterator[None]:
+    """Inside, every DecoderLayer of `model` runs its Python forward (each call's `few_rows` answers
+    None). Why: a profiler that times the linear modules one by one needs them called from Python;
+    the fused layer calls their kernels from C++."""
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    for layer in layers:
+        layer.few_rows = lambda h, k_pool: None  # an instance attribute shadowing the method
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.few_rows
 
 
 class DecoderBody(nn.Module):

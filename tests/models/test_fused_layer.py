@@ -9,7 +9,7 @@ import torch
 from sparkrelay import LLM, SamplingParams
 from sparkrelay.models import cpu_kernels
 from sparkrelay.models.attention import AttnMeta
-from sparkrelay.models.decoder import DecoderLayer, load_causal_lm
+from sparkrelay.models.decoder import DecoderLayer, load_causal_lm, unfused
 from sparkrelay.models.quant import apply_torchao_config
 from testkit.families import make_random
 from testkit.models import BUNDLED, BUNDLED_DRAFTER
@@ -45,10 +45,6 @@ def pools(model, seed: int) -> dict:
     }
 
 
-def python_only(monkeypatch):
-    monkeypatch.setattr(DecoderLayer, "few_rows", lambda self, h, k_pool: None)
-
-
 def fused_layers(layers) -> int:
     """How many of `layers` built their C++ layer (on their first call that could take it)."""
     return sum(layer._few_rows[0] is not None for layer in layers)
@@ -69,7 +65,7 @@ def metas() -> dict:
 
 @pytest.mark.parametrize("quant", ["", "int8wo"])
 @torch.inference_mode()
-def test_fused_layer_is_bit_equal_to_the_python_layer(folder, quant, monkeypatch):
+def test_fused_layer_is_bit_equal_to_the_python_layer(folder, quant):
     model = load_causal_lm(str(folder), dtype=torch.bfloat16)
     apply_torchao_config(model, quant)
     for name, meta in metas().items():
@@ -77,17 +73,17 @@ def test_fused_layer_is_bit_equal_to_the_python_layer(folder, quant, monkeypatch
         fused_kv, python_kv = pools(model, 1), pools(model, 1)
         fused = model.forward(meta, fused_kv, input_ids=ids)
         assert fused_layers(model.model.layers.values()) == len(model.model.layers), name
-        with monkeypatch.context() as m:
-            python_only(m)
+        with unfused(model):
             ref = model.forward(meta, python_kv, input_ids=ids)
         assert torch.equal(fused.logits, ref.logits) and torch.equal(fused.hidden, ref.hidden), name
         for i in fused_kv:
             assert torch.equal(fused_kv[i][0], python_kv[i][0]), (name, i)
             assert torch.equal(fused_kv[i][1], python_kv[i][1]), (name, i)
+    assert not any("few_rows" in vars(layer) for layer in model.model.layers.values())
 
 
 @torch.inference_mode()
-def test_fused_layer_is_rebuilt_when_the_products_change(monkeypatch):
+def test_fused_layer_is_rebuilt_when_the_products_change():
     """--torchao-config replaces the products after the first forward: the old C++ layer, holding
     the bf16 weights, must not serve the int8 model."""
     model = load_causal_lm(str(BUNDLED), dtype=torch.bfloat16)
@@ -99,8 +95,7 @@ def test_fused_layer_is_rebuilt_when_the_products_change(monkeypatch):
     fused = model.forward(meta, fused_kv, input_ids=torch.tensor([5]))
     after = [layer._few_rows[0] for layer in model.model.layers.values()]
     assert all(a is not None and a is not b for a, b in zip(after, before))
-    with monkeypatch.context() as m:
-        python_only(m)
+    with unfused(model):
         ref = model.forward(meta, python_kv, input_ids=torch.tensor([5]))
     assert torch.equal(fused.logits, ref.logits)
 
@@ -142,7 +137,7 @@ def test_dspark_draft_blocks_take_it_and_stay_bit_equal(monkeypatch):
     llm, fused, accept = run()
     drafter = llm.engine.proposer.drafter
     assert fused_layers(drafter.layers) == len(drafter.layers) > 0
-    with monkeypatch.context() as m:
-        python_only(m)
+    with monkeypatch.context() as m:  # every layer the engines build runs its Python forward
+        m.setattr(DecoderLayer, "few_rows", lambda self, h, k_pool: None)
         _, python, python_accept = run()
     assert fused == python and accept == python_accept

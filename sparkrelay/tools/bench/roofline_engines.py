@@ -144,7 +144,11 @@ class SparkrelayEngine:
     def linear_profile(self, prompts: list[list[int]], new_tokens: int) -> dict:
         """One more generate with every linear of the target timed in place (PieceTimer on each
         `outer_linears` module): seconds per decode step in the linears and in the whole step, over
-        the decode steps (after the last call with more rows than the batch: the prefill)."""
+        the decode steps (after the last call with more rows than the batch: the prefill). Its
+        layers run their Python forward (decoder.unfused), whose linears a Python timer can see:
+        the step it times is that path's, the linears' kernels are the same."""
+        from sparkrelay.models.decoder import unfused
+
         batch = len(prompts)
         rows = lambda args: args[0].numel() // args[0].shape[-1]  # noqa: E731
         timers = [
@@ -152,7 +156,8 @@ class SparkrelayEngine:
             for m in outer_linears(self.llm.engine.model)
         ]
         try:
-            self.generate(prompts, new_tokens)
+            with unfused(self.llm.engine.model):
+                self.generate(prompts, new_tokens)
         finally:
             for t in timers:
                 t.restore()
