@@ -51,7 +51,8 @@ def test_no_report_no_curve(tmp_path):
 
 def test_finished_sets_are_recorded_and_resumed_only_with_the_same_settings(tmp_path, monkeypatch):
     """Each set's row is appended as the set ends; --resume keeps the rows of the same settings and
-    measures only the rest; without --resume (or with other settings) everything is measured."""
+    measures only the rest; without --resume (or with other settings, or a drafter whose weights
+    changed in the same folder) everything is measured."""
     from sparkrelay.tools.bench import acceptance
 
     measured, stops = [], [RuntimeError("stopped")]
@@ -66,9 +67,14 @@ def test_finished_sets_are_recorded_and_resumed_only_with_the_same_settings(tmp_
     sets = ["gsm8k", "math500", "mbpp"]
     prompts = {s: [[1, 2, 3]] * 2 for s in sets}
 
+    for name in ("target", "drafter"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(name.encode())
+    models = ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")]
+
     def parse(*extra):
         return acceptance.build_parser().parse_args(
-            ["--out-dir", str(tmp_path), "--sets", *sets, "--limit", "2", *extra]
+            ["--out-dir", str(tmp_path), *models, "--sets", *sets, "--limit", "2", *extra]
         )
 
     with pytest.raises(RuntimeError, match="stopped"):
@@ -82,10 +88,14 @@ def test_finished_sets_are_recorded_and_resumed_only_with_the_same_settings(tmp_
     assert [r["tau_greedy"] for r in rows[:2]] == [3.0, 4.0]  # the first run's rows, kept
     measured.clear()
     other = acceptance.build_parser().parse_args(
-        ["--out-dir", str(tmp_path), "--sets", *sets, "--limit", "3", "--resume"]
+        ["--out-dir", str(tmp_path), *models, "--sets", *sets, "--limit", "3", "--resume"]
     )
     acceptance.measure_sets(other, None, None, prompts)
     assert measured == sets  # other settings: nothing is reused
+    measured.clear()
+    (tmp_path / "drafter" / "model.safetensors").write_bytes(b"trained further")
+    acceptance.measure_sets(parse("--resume"), None, None, prompts)
+    assert measured == sets  # the same folder with other weights: nothing is reused
     measured.clear()
     acceptance.measure_sets(parse("--limit", "2"), None, None, prompts)
     assert measured == sets  # no --resume: a fresh record

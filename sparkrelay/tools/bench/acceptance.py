@@ -29,6 +29,7 @@ back when its settings are the same and measures the rest.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
@@ -455,8 +456,20 @@ SET_SETTINGS = ("target", "drafter", "token_map", "prompts", "limit", "max_new")
 
 
 def set_settings(args: argparse.Namespace) -> dict:
-    """What a set's figures depend on: a resumed run keeps only rows measured with the same."""
-    return {k: getattr(args, k) for k in SET_SETTINGS}
+    """What a set's figures depend on: a resumed run keeps only rows measured with the same,
+    weights included (a drafter trained further keeps its folder's name)."""
+    return {**{k: getattr(args, k) for k in SET_SETTINGS}, "weights": weights_digest(args)}
+
+
+def weights_digest(args: argparse.Namespace) -> str:
+    """sha256 (16 hex digits) over the target's and the drafter's *.safetensors files."""
+    h = hashlib.sha256()
+    for folder in (args.target, args.drafter):
+        for path in sorted(Path(folder).glob("*.safetensors")):
+            with path.open("rb") as f:
+                while chunk := f.read(1 << 24):
+                    h.update(chunk)
+    return h.hexdigest()[:16]
 
 
 def finished_sets(args: argparse.Namespace) -> dict[str, dict]:
