@@ -25,6 +25,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_bf16", &rope_bf16,
         "x [T, G, D] bf16, cos and signed sin [T, 1, D] bf16 -> RoPE(x) [T, G, D] bf16, equal to "
         "layers.apply_rope's torch ops");
+  m.def("markov_greedy", &markov_greedy,
+        "u [R, B, V] bf16, W1 [V_all, r] bf16, W2 as a bf16 KernelLinear, vocab [V] int64 or "
+        "None, anchors [R] -> [drafts [R, B], Z [R, B, V] fp32]: the vanilla Markov head's greedy "
+        "block",
+        py::arg("u"), py::arg("w1"), py::arg("w2"), py::arg("vocab"), py::arg("anchors"));
   py::class_<KernelLinear>(m, "KernelLinear")
       .def(py::init<torch::Tensor, int64_t, int64_t, c10::optional<torch::Tensor>,
                     c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),

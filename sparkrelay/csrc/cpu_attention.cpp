@@ -127,22 +127,31 @@ void weigh_values(const float* w, int64_t ld, const float* total, int64_t n, con
   const int64_t d = kD ? kD : p.d, rows = kN ? kN : n;
   const int64_t blocks = (d + kLanes - 1) / kLanes;
   constexpr int64_t kRows = kN ? kN : kValueRows, kBlocks = (kD ? kD : kMaxHeadDim) / kLanes;
+  // fully unrolled where kD and kN are known, so the sums stay in registers (a loop the compiler
+  // keeps rolled holds them on the stack: a store and a load around every FMA)
   __m512 acc[kRows][kBlocks];
+#pragma GCC unroll 16
   for (int64_t r = 0; r < rows; ++r) {
+#pragma GCC unroll 16
     for (int64_t c = 0; c < blocks; ++c) acc[r][c] = _mm512_setzero_ps();
   }
   for (int64_t j = 0; j < len; ++j) {
     const uint16_t* vj = p.v + slots[j] * p.row + head;
     if (j + kPrefetchKeys < len) prefetch_head(p.v + slots[j + kPrefetchKeys] * p.row + head, d);
     __m512 wr[kRows];
+#pragma GCC unroll 16
     for (int64_t r = 0; r < rows; ++r) wr[r] = _mm512_set1_ps(w[r * ld + j]);
+#pragma GCC unroll 16
     for (int64_t c = 0; c < blocks; ++c) {
       const __m512 v = load16(vj + kLanes * c, first(d - kLanes * c));
+#pragma GCC unroll 16
       for (int64_t r = 0; r < rows; ++r) acc[r][c] = _mm512_fmadd_ps(v, wr[r], acc[r][c]);
     }
   }
+#pragma GCC unroll 16
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 inv = _mm512_set1_ps(1.f / total[r]);
+#pragma GCC unroll 16
     for (int64_t c = 0; c < blocks; ++c) {
       store16(out[r] + kLanes * c, first(d - kLanes * c), _mm512_mul_ps(acc[r][c], inv));
     }

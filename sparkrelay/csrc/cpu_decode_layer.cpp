@@ -35,6 +35,14 @@ torch::Tensor KernelLinear::operator()(const torch::Tensor& x) const {
   return linear_bf16(even, packed_, n_, bias_, c10::nullopt, c10::nullopt);
 }
 
+void KernelLinear::into(const torch::Tensor& x, const torch::Tensor& base,
+                        torch::Tensor& out) const {
+  TORCH_CHECK(!scale_, "KernelLinear.into: bf16 weights only");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k_ && k_ % 2 == 0,
+              "KernelLinear.into: x must be [M, ", k_, "] with an even K");
+  linear_bf16(x.contiguous(), packed_, n_, bias_, base, out);
+}
+
 DecodeLayer::DecodeLayer(KernelLinear qkv, KernelLinear o, KernelLinear gate_up,
                          KernelLinear down, torch::Tensor input_norm, torch::Tensor post_norm,
                          c10::optional<torch::Tensor> qk_norm, int64_t heads, int64_t kv_heads,

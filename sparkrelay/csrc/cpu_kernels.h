@@ -74,6 +74,11 @@ class KernelLinear {
   KernelLinear(torch::Tensor packed, int64_t n, int64_t k, c10::optional<torch::Tensor> bias,
                c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> qsum);
   torch::Tensor operator()(const torch::Tensor& x) const;  // x [M, K] -> [M, N] in x's dtype
+  // bf16 only: out [M, N] (fp32 or bf16, N contiguous) = x [M, K] W^T + base [M, N] (bf16), the
+  // sum rounded once
+  void into(const torch::Tensor& x, const torch::Tensor& base, torch::Tensor& out) const;
+  int64_t n() const { return n_; }
+  int64_t k() const { return k_; }
 
  private:
   torch::Tensor packed_;
@@ -100,5 +105,12 @@ class DecodeLayer {
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, qk_eps_, scale_;
 };
+
+// cpu_markov.cpp
+// the vanilla Markov head's greedy block: {drafts [R, B], Z [R, B, V] fp32}
+std::vector<torch::Tensor> markov_greedy(const torch::Tensor& u, const torch::Tensor& w1,
+                                         const KernelLinear& w2,
+                                         const c10::optional<torch::Tensor>& vocab,
+                                         const torch::Tensor& anchors);
 
 }  // namespace sparkrelay

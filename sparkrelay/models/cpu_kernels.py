@@ -38,6 +38,7 @@ SOURCES = [
         "cpu_argmax.cpp",
         "cpu_elementwise.cpp",
         "cpu_decode_layer.cpp",
+        "cpu_markov.cpp",
         "bindings.cpp",
     )
 ]

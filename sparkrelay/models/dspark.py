@@ -25,7 +25,7 @@ from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.decoder import DecoderLayer, DecoderSpec
 from sparkrelay.models.dspark_heads import ConfidenceHead, MarkovHead
 from sparkrelay.models.kernels import frozen_linear
-from sparkrelay.models.layers import RMSNorm, apply_rope, fuse_linears, transposed
+from sparkrelay.models.layers import RMSNorm, apply_rope, fuse_linears, rms_norm, transposed
 
 ARCHITECTURE = "Qwen3DSparkModel"
 DRAFT_LAYERS = (
@@ -130,10 +130,7 @@ class DraftLayer(DecoderLayer):
     K/V] (§1.5)."""
 
     def fuse(self) -> None:
-        """After loading: the fused products of the layer, and a K/V-only product for the context
-        rows (a copy of the k/v weights, [2 * n_kv * hd, d]: a packed weight has no column slice to
-        read)."""
-        self.kv_proj = fuse_linears(self.self_attn.k_proj, self.self_attn.v_proj)
+        """After loading: the fused products of the layer (the context rows' K/V: ContextKV)."""
         self.self_attn.fuse()
         self.mlp.fuse()
 
@@ -168,31 +165,57 @@ class DraftLayer(DecoderLayer):
         x = x + attn.o_proj(out.transpose(1, 2).reshape(r, b, attn.n_heads * attn.head_dim))
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def context_kv(
+
+class ContextKV(nn.Module):
+    """C [N, d] -> every draft layer's context (k [N, n_kv, hd] after k_norm and RoPE, v [N, n_kv,
+    hd]), from the layers' attentions `attns` (their k_proj, v_proj, k_norm; C bypasses
+    input_layernorm, §1.4). Serving computes all layers at once: one frozen product of every k and
+    v weight, one k_norm over the L * n_kv heads (each layer's weight), one RoPE; per output column
+    and head row these are the per-layer ops, so the layers' K/V are those of a layer-by-layer pass.
+    Why: a round writes the accepted rows' context, and five ops a layer cost more than their
+    arithmetic. Before `freeze` (training) the layers' own modules run, layer by layer, with
+    gradients. The one context projection: the drafter and the prefill's ContextProjector must
+    write bit-equal K/V (draft-kv handoff)."""
+
+    def __init__(self, attns: list[nn.Module]) -> None:
+        super().__init__()
+        self.attns = list(attns)  # a plain list: the layers own them (checkpoint names)
+        self.product: Optional[nn.Module] = None  # after `freeze` (a child: int8wo quantizes it)
+        # [L * n_kv, hd], layer i's k_norm weight per head, after `freeze`
+        self.register_buffer("norm", None, persistent=False)
+
+    def freeze(self) -> None:
+        """After loading: the frozen product [2 * L * n_kv * hd, d] (every k weight, then every v
+        weight) and the stacked k_norm weights."""
+        linears = [a.k_proj for a in self.attns] + [a.v_proj for a in self.attns]
+        self.product = fuse_linears(*linears)
+        n_kv = self.attns[0].n_kv
+        weights = [a.k_norm.weight.detach() for a in self.attns]
+        norm = torch.stack(weights).repeat_interleave(n_kv, dim=0)
+        self.register_buffer("norm", norm, persistent=False)
+
+    def forward(
         self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """C [N, d] -> this layer's context (k, v) (`layer_context_kv`)."""
-        kv_proj = self.kv_proj if self.self_attn.qkv is not None else None
-        return layer_context_kv(self.self_attn, kv_proj, c, cos, sin)
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """c [N, d], cos/sin [N, 1, hd] -> per draft layer (k, v) [N, n_kv, hd]."""
+        n, a0 = c.shape[0], self.attns[0]
+        if self.product is None:
+            return [_layer_kv(a, c, cos, sin) for a in self.attns]
+        heads, hd = len(self.attns) * a0.n_kv, a0.head_dim
+        kv = self.product(c)  # [N, 2 * L * n_kv * hd]: every layer's k, then every v
+        k = rms_norm(kv[:, : heads * hd].view(n, heads, hd), self.norm, a0.k_norm.eps)
+        k = apply_rope(k, cos, sin)  # [N, L * n_kv, hd]
+        v = kv[:, heads * hd :].view(n, heads, hd)
+        layer = [slice(i * a0.n_kv, (i + 1) * a0.n_kv) for i in range(len(self.attns))]
+        return [(k[:, s], v[:, s]) for s in layer]
 
 
-def layer_context_kv(
-    attn: nn.Module,
-    kv_proj: Optional[nn.Module],
-    c: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+def _layer_kv(
+    attn: nn.Module, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """C [N, d] -> k [N, n_kv, hd] (k_norm, RoPE), v [N, n_kv, hd], from a draft layer's attention
-    `attn` (its k_proj, v_proj, k_norm) or its fused k/v product `kv_proj` when there is one. C
-    bypasses input_layernorm (§1.4). The one context projection: the drafter and the prefill's
-    ContextProjector must write bit-equal K/V (draft-kv handoff)."""
+    """One draft layer's context (k, v) [N, n_kv, hd] through its own modules (training)."""
     n = c.shape[0]
-    if kv_proj is None:
-        k, v = attn.k_proj(c), attn.v_proj(c)
-    else:
-        # [N, 2 * n_kv * hd] -> 2 x [N, n_kv * hd]
-        k, v = kv_proj(c).chunk(2, dim=-1)
+    k, v = attn.k_proj(c), attn.v_proj(c)
     k = apply_rope(attn.k_norm(k.view(n, attn.n_kv, attn.head_dim)), cos, sin)
     return k, v.view(n, attn.n_kv, attn.head_dim)
 
@@ -215,6 +238,7 @@ class Qwen3DSparkModel(nn.Module):
         conf_dim = s.hidden_size + (r if spec.confidence_head_with_markov else 0)
         self.confidence_head = ConfidenceHead(conf_dim) if spec.enable_confidence_head else None
         self.rotary = s.rotary(device)
+        self.context = ContextKV([layer.self_attn for layer in self.layers])
         self.head: nn.Module | None = (
             None  # the LM head's fast copy, unless the target's is used (load_dspark)
         )
@@ -235,6 +259,7 @@ class Qwen3DSparkModel(nn.Module):
     def fuse(self) -> None:
         """After loading: every draft layer's products, fc and the Markov head's W2 in their fast
         layouts."""
+        self.context.freeze()  # before the layers fuse their own k/v weights away
         for layer in self.layers:
             layer.fuse()
         self.fc = transposed(self.fc)
@@ -251,7 +276,7 @@ class Qwen3DSparkModel(nn.Module):
         """C [N, d] at absolute positions [N] -> per draft layer (k [N, n_kv, hd] post k_norm + RoPE,
         v [N, n_kv, hd])."""
         cos, sin = self.rotary.table(positions, c.dtype)
-        return [layer.context_kv(c, cos, sin) for layer in self.layers]
+        return self.context.forward(c, cos, sin)
 
     def block_forward(
         self,
@@ -340,6 +365,11 @@ class Qwen3DSparkModel(nn.Module):
             .float()
         )
         all_greedy = bool(greedy.all())
+        if all_greedy and constrain is None and self.markov_head is not None:
+            # the same loop in one kernel call where it serves (MarkovHead.greedy_block)
+            served = self.markov_head.greedy_block(u, anchors, self.vocab if in_vocab else None)
+            if served is not None:
+                return served
         # [R, B, V]: Z, filled slot by slot
         zs = torch.empty(u.shape, dtype=torch.float32, device=u.device)
         prev, state, drafts = anchors, None, []

@@ -27,15 +27,10 @@ import torch
 from torch import nn
 
 from sparkrelay.models.decoder import DecoderSpec
-from sparkrelay.models.dspark import (
-    ARCHITECTURE,
-    DSparkSpec,
-    Qwen3DSparkModel,
-    layer_context_kv,
-)
+from sparkrelay.models.dspark import ARCHITECTURE, ContextKV, DSparkSpec, Qwen3DSparkModel
 from sparkrelay.models.dummy import dummy_config, fill_dummy, init_std
 from sparkrelay.models.kernels import frozen_linear
-from sparkrelay.models.layers import RMSNorm, fuse_linears
+from sparkrelay.models.layers import RMSNorm
 from sparkrelay.models.loader import (
     SHAPE_FIELDS,
     CheckpointError,
@@ -60,9 +55,6 @@ class _ContextLayer(nn.Module):
     def __init__(self, s: DecoderSpec) -> None:
         super().__init__()
         self.self_attn = _ContextAttn(s)
-        self.kv_proj: nn.Module | None = (
-            None  # k_proj and v_proj as one frozen product, after `fuse`
-        )
 
 
 class ContextProjector(nn.Module):
@@ -73,6 +65,7 @@ class ContextProjector(nn.Module):
         self.fc = nn.Linear(len(spec.target_layer_ids) * s.hidden_size, s.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.layers = nn.ModuleList(_ContextLayer(s) for _ in range(s.num_layers))
+        self.context = ContextKV([layer.self_attn for layer in self.layers])  # as the drafter's
         self.rotary = s.rotary(device)
         self._slices: dict[tuple[int, ...], nn.Module] = {}  # fc column blocks per stage, frozen
 
@@ -105,15 +98,12 @@ class ContextProjector(nn.Module):
         # [T, d_draft]: the one normalisation
         c = self.hidden_norm(partial.to(self.fc.weight.dtype))
         cos, sin = self.rotary.table(positions, c.dtype)
-        return [
-            layer_context_kv(layer.self_attn, layer.kv_proj, c, cos, sin) for layer in self.layers
-        ]
+        return self.context.forward(c, cos, sin)
 
     def fuse(self) -> None:
-        """After loading: each layer's k/v products as one frozen layer, as the full drafter fuses
-        them."""
-        for layer in self.layers:
-            layer.kv_proj = fuse_linears(layer.self_attn.k_proj, layer.self_attn.v_proj)
+        """After loading: every layer's k/v products as one frozen layer, as the full drafter fuses
+        them (ContextKV.freeze)."""
+        self.context.freeze()
 
 
 def _drafter_names(spec: DSparkSpec) -> set[str]:

@@ -136,7 +136,8 @@ class SpecRunner(ModelRunner):
         masks: Optional[Masks] = None,
     ) -> torch.Tensor:
         """logits [T, V] of the verify rows -> p [R, N + 1, V], penalised and filtered as each request samples
-        (padded rows 0). Verify row j of request r follows d_1..d_j, so its penalty history is the request's tokens
+        (padded rows 0; in an all-greedy batch, which compares argmaxes of verified rows only, copies of
+        other rows). Verify row j of request r follows d_1..d_j, so its penalty history is the request's tokens
         plus those drafts: exactly what plain decoding would have seen had they been accepted. The drafter itself
         proposes from unpenalised logits; that only lowers acceptance, never changes what is committed."""
         reps = [k + 1 for k in n]
@@ -153,17 +154,20 @@ class SpecRunner(ModelRunner):
         # row j of a request with a grammar: its mask after d_1..d_j (grammar/rows.py DraftGuide)
         if masks is not None:
             logits = constrain(logits, masks.bitmask, masks.rows)
-        if all(r.params.greedy for r in reqs):
-            probs = logits  # greedy verification only compares argmaxes
-        else:
-            probs = filter_probs(logits, self.sampling_batch(reqs, reps))
+        greedy = all(r.params.greedy for r in reqs)
+        # greedy verification only compares argmaxes of the rows a request verified
+        probs = logits if greedy else filter_probs(logits, self.sampling_batch(reqs, reps))
         # [T, V] -> [R, B + 1, V]: row r's k + 1 verify rows first, zeros after
         width = self.proposer.block_size + 1
+        if reps == [width]:  # one request with a full block: already in that layout
+            return probs.view(1, width, -1)
         starts = torch.tensor([0] + reps[:-1]).cumsum(0)
         # [R, B + 1]
         index = (starts[:, None] + torch.arange(width)[None, :]).clamp(max=probs.shape[0] - 1)
-        valid = torch.arange(width)[None, :] < torch.tensor(reps)[:, None]
         out = probs.index_select(0, index.view(-1).to(probs.device)).view(len(reqs), width, -1)
+        if greedy:  # rows past a request's k + 1 are never read by greedy verification
+            return out
+        valid = torch.arange(width)[None, :] < torch.tensor(reps)[:, None]
         return out * valid.to(probs.device)[:, :, None]
 
     def _commit_context(

@@ -456,6 +456,56 @@ def test_markov_bf16_sums_in_float32(tmp_path, target_dir, target_spec, kind):
 
 
 @torch.no_grad()
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels are not built here")
+@pytest.mark.parametrize("restricted", [False, True])
+def test_markov_greedy_block_in_one_call_equals_the_slot_loop(
+    tmp_path, target_dir, target_spec, restricted
+):
+    """An all-greedy bf16 block on the kernels runs as one call (csrc/cpu_markov.cpp): drafts and Z
+    bit-equal to markov_sample's slot-by-slot loop, over every token and over a draft vocabulary."""
+    folder = write(tmp_path, target_dir, "vanilla", weight_dtype=torch.float32)
+    model = load_dspark(folder, target_spec, dtype=torch.bfloat16)
+    if restricted:
+        model.restrict_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(4))[:999])
+    width = 999 if restricted else V
+    gen = torch.Generator().manual_seed(3)
+    u = (3 * torch.randn(3, 7, width, generator=gen)).to(torch.bfloat16)
+    anchors, greedy = torch.tensor([5, 900, 4000]), torch.ones(3, dtype=torch.bool)
+    head, calls = model.markov_head, []
+    one_call = head.greedy_block
+    head.greedy_block = lambda *a: calls.append(1) or one_call(*a)
+    fast = model.markov_sample(u, anchors, torch.zeros(3), greedy, in_vocab=restricted)
+    head.greedy_block = lambda *a: None  # the slot loop
+    loop = model.markov_sample(u, anchors, torch.zeros(3), greedy, in_vocab=restricted)
+    assert calls == [1]
+    assert torch.equal(fast[0], loop[0]) and torch.equal(fast[1], loop[1])
+    if restricted:  # token ids, not draft-vocabulary columns
+        assert bool(torch.isin(fast[0], model.vocab).all())
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_context_kv_equals_the_layer_by_layer_projection(
+    tmp_path, target_dir, target_spec, dtype
+):
+    """ContextKV after freeze (one product for every layer's k and v, one k_norm, one RoPE) gives
+    each layer the K/V of that layer's own k_proj, k_norm, RoPE and v_proj (training's path)."""
+    folder = write(tmp_path, target_dir, "vanilla", weight_dtype=torch.float32)
+    frozen = load_dspark(folder, target_spec, dtype=dtype)
+    layered = load_dspark(folder, target_spec, dtype=dtype, fuse=False)
+    assert frozen.context.product is not None and layered.context.product is None
+    c = torch.randn(5, D, generator=torch.Generator().manual_seed(5)).to(dtype)
+    positions = torch.tensor([0, 3, 17, 200, 1000])
+    got, ref = frozen.context_kv(c, positions), layered.context_kv(c, positions)
+    assert len(got) == len(ref) == frozen.spec.body.num_layers
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    for (k, v), (k_ref, v_ref) in zip(got, ref):
+        assert k.shape == k_ref.shape and v.shape == v_ref.shape
+        torch.testing.assert_close(k.float(), k_ref.float(), **tol)
+        torch.testing.assert_close(v.float(), v_ref.float(), **tol)
+
+
+@torch.no_grad()
 def test_dflash_samples_each_slot_independently(tmp_path, target_dir, target_spec):
     model = load_dspark(write(tmp_path, target_dir, "dflash"), target_spec)
     assert model.markov_head is None and model.confidence_head is None

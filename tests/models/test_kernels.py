@@ -232,10 +232,9 @@ def test_dspark_bf16_drafter_is_packed_and_accepts(bundled_model_dir, bundled_dr
     drafter = llm.engine.proposer.drafter
     kind = Int8Linear if tao else (PackedLinear, AvxLinear)  # AvxLinear: sparkrelay's kernels
     assert all(
-        isinstance(m, kind)
-        for l in drafter.layers
-        for m in (l.kv_proj, l.self_attn.qkv, l.mlp.down_proj)
+        isinstance(m, kind) for l in drafter.layers for m in (l.self_attn.qkv, l.mlp.down_proj)
     )
+    assert isinstance(drafter.context.product, kind)  # every layer's context k/v
     assert isinstance(drafter.fc, kind)
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
     same = sum(a["output_ids"] == b for a, b in zip(outs, plain))
