@@ -100,3 +100,46 @@ def test_finished_sets_are_recorded_and_resumed_only_with_the_same_settings(tmp_
     acceptance.measure_sets(parse("--limit", "2"), None, None, prompts)
     assert measured == sets  # no --resume: a fresh record
     assert len((tmp_path / acceptance.SETS_FILE).read_text().splitlines()) == 3
+
+
+def test_a_set_resumes_at_its_first_unfinished_chunk(tmp_path, monkeypatch):
+    """A set is measured CHUNK_PROMPTS prompts at a time, each chunk recorded as it ends; a run
+    stopped inside a set resumes at its first unfinished chunk (seeds by index in the set), and the
+    set's row sums its chunks as one run over the whole set would."""
+    from sparkrelay.tools.bench import acceptance
+
+    monkeypatch.setattr(acceptance, "CHUNK_PROMPTS", 2)
+    calls, stops = [], [RuntimeError("stopped")]
+
+    def fake_chunk(args, spec_llm, plain_llm, prompts, first):
+        calls.append((first, len(prompts)))
+        if first == 4 and stops:
+            raise stops.pop()
+        stats = {"rounds": 2 * len(prompts), "committed": 5 * len(prompts)}
+        at = {"proposed_at": [len(prompts), len(prompts)], "accepted_at": [len(prompts), first]}
+        return {
+            "prompts": len(prompts),
+            "greedy": {**stats, **at},
+            "t1": {"rounds": len(prompts), "committed": 2 * len(prompts), **at},
+            "greedy_equal": len(prompts),
+            "greedy_runs": [{"ids": [first + i] * 3, "rounds": 1} for i in range(len(prompts))],
+        }
+
+    monkeypatch.setattr(acceptance, "measure_chunk", fake_chunk)
+    for name in ("target", "drafter"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(name.encode())
+    argv = ["--out-dir", str(tmp_path), "--target", str(tmp_path / "target")]
+    argv += ["--drafter", str(tmp_path / "drafter"), "--sets", "mbpp"]
+    prompts = {"mbpp": [[1, 2]] * 5}  # chunks at 0, 2 and 4 (one prompt)
+    with pytest.raises(RuntimeError, match="stopped"):
+        acceptance.measure_sets(acceptance.build_parser().parse_args(argv), None, None, prompts)
+    assert calls == [(0, 2), (2, 2), (4, 1)]
+    calls.clear()
+    args = acceptance.build_parser().parse_args([*argv, "--resume"])
+    (row,) = acceptance.measure_sets(args, None, None, prompts)
+    assert calls == [(4, 1)]  # the two recorded chunks are taken back
+    assert row["prompts"] == 5 and row["tau_greedy"] == 2.5 and row["tau_t1"] == 2.0
+    assert row["rounds_greedy"] == 10 and row["greedy_equal"] == 5 and row["tokens"] == 15
+    assert row["accept_rate_greedy"] == [1.0, round((0 + 2 + 4) / 5, 3)]
+    assert [r["ids"][0] for r in row["greedy_runs"]] == [0, 1, 2, 3, 4]

@@ -21,9 +21,10 @@ prefill (`--pp-size 2`, no drafter) + DSpark decode as subprocesses; every greed
 goes through the router (`--pd-concurrency` at a time), and its tokens and verify rounds must equal
 the aggregated DSpark engine's for that prompt (equal tokens and rounds: equal acceptance). Writes
 acceptance.md, acceptance.json and acceptance.png under --out-dir, headed by host, commit and
-command. Each set's row is also appended to acceptance_sets.jsonl as the set ends, so a run over
-whole splits (hours on 2 cores) that is stopped keeps what it measured; `--resume` takes those rows
-back when its settings are the same and measures the rest.
+command. Each set's row is also appended to acceptance_sets.jsonl as the set ends, and each chunk of
+32 prompts to acceptance_chunks.jsonl as it ends, so a run over whole splits (hours on 2 cores) that
+is stopped keeps what it measured; `--resume` takes those rows and chunks back when its settings are
+the same and measures the rest.
 """
 
 from __future__ import annotations
@@ -128,30 +129,66 @@ def snapshot(llm) -> dict:
     }
 
 
-def acceptance_run(args, spec_llm, plain_llm, name: str, prompts: list[list[int]]) -> dict:
-    """One set: greedy DSpark (against plain greedy) and temperature-1.0 DSpark."""
+CHUNK_PROMPTS = 32  # prompts per recorded chunk of a set (--resume restarts at a chunk)
+
+
+def measure_chunk(args, spec_llm, plain_llm, prompts: list[list[int]], first: int) -> dict:
+    """Prompts first.. of one set: the sums a set's row is made of (`set_row`), greedy DSpark (against
+    plain greedy) and temperature-1.0 DSpark (prompt i seeded 1000 + i, i its index in the set)."""
     from sparkrelay import SamplingParams
 
-    row = {"set": name, "prompts": len(prompts)}
+    sums: dict = {"prompts": len(prompts)}
     greedy = SamplingParams(max_new_tokens=args.max_new, temperature=0.0)
-    for label, params in (("greedy", greedy), ("t1", None)):
+    sampled = [
+        SamplingParams(max_new_tokens=args.max_new, temperature=1.0, seed=1000 + first + i)
+        for i in range(len(prompts))
+    ]
+    for label, params in (("greedy", greedy), ("t1", sampled)):
         before = snapshot(spec_llm)
-        sampled = [
-            SamplingParams(max_new_tokens=args.max_new, temperature=1.0, seed=1000 + i)
-            for i in range(len(prompts))
-        ]
-        outs = run_timed(spec_llm, prompts, params or sampled)
-        d = stats_delta(spec_llm, before)
-        row[f"tau_{label}"] = round(d["committed"] / max(d["rounds"], 1), 3)
-        row[f"accept_rate_{label}"] = [
-            round(a / p, 3) if p else 0.0 for a, p in zip(d["accepted_at"], d["proposed_at"])
-        ]
-        row[f"rounds_{label}"] = d["rounds"]
-        if params is not None:
+        outs = run_timed(spec_llm, prompts, params)
+        sums[label] = stats_delta(spec_llm, before)
+        if label == "greedy":
             plain = run_timed(plain_llm, prompts, params)
-            row["greedy_equal"] = sum(a["ids"] == b["ids"] for a, b in zip(outs, plain))
-            row["tokens"] = sum(len(o["ids"]) for o in outs)
-            row["greedy_runs"] = [{"ids": o["ids"], "rounds": o["rounds"]} for o in outs]
+            sums["greedy_equal"] = sum(a["ids"] == b["ids"] for a, b in zip(outs, plain))
+            sums["greedy_runs"] = [{"ids": o["ids"], "rounds": o["rounds"]} for o in outs]
+    return sums
+
+
+def set_row(name: str, chunks: list[dict]) -> dict:
+    """A set's row from its chunks' sums, in prompt order."""
+    row: dict = {"set": name, "prompts": sum(c["prompts"] for c in chunks)}
+    for label in ("greedy", "t1"):
+        rounds = sum(c[label]["rounds"] for c in chunks)
+        committed = sum(c[label]["committed"] for c in chunks)
+        proposed = [sum(v) for v in zip(*(c[label]["proposed_at"] for c in chunks))]
+        accepted = [sum(v) for v in zip(*(c[label]["accepted_at"] for c in chunks))]
+        row[f"tau_{label}"] = round(committed / max(rounds, 1), 3)
+        row[f"accept_rate_{label}"] = [
+            round(a / p, 3) if p else 0.0 for a, p in zip(accepted, proposed)
+        ]
+        row[f"rounds_{label}"] = rounds
+    runs = [r for c in chunks for r in c["greedy_runs"]]
+    row["greedy_equal"] = sum(c["greedy_equal"] for c in chunks)
+    row["tokens"] = sum(len(r["ids"]) for r in runs)
+    row["greedy_runs"] = runs
+    return row
+
+
+def acceptance_run(args, spec_llm, plain_llm, name: str, prompts: list[list[int]]) -> dict:
+    """One set, CHUNK_PROMPTS prompts at a time, each chunk recorded as it ends (CHUNKS_FILE) and
+    taken back by --resume: a whole split that takes hours on 2 cores survives a stopped session."""
+    done, chunks = finished_chunks(args, name), []
+    for first in range(0, len(prompts), CHUNK_PROMPTS):
+        part = prompts[first : first + CHUNK_PROMPTS]
+        if first in done and done[first]["prompts"] == len(part):
+            chunks.append(done[first])
+            continue
+        chunks.append(measure_chunk(args, spec_llm, plain_llm, part, first))
+        record(args, CHUNKS_FILE, {"set": name, "first": first, "sums": chunks[-1]})
+        print(
+            f"{name}: prompts {first}..{first + len(part) - 1} of {len(prompts)} done", flush=True
+        )
+    row = set_row(name, chunks)
     print(
         f"{name}: {row['prompts']} prompts, tau greedy {row['tau_greedy']}, T=1 {row['tau_t1']}, "
         f"greedy equal to plain {row['greedy_equal']}/{row['prompts']}",
@@ -452,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 SETS_FILE = "acceptance_sets.jsonl"  # one finished set per line, written as each set ends
+CHUNKS_FILE = "acceptance_chunks.jsonl"  # one finished chunk of a set per line
 SET_SETTINGS = ("target", "drafter", "token_map", "prompts", "limit", "max_new")
 
 
@@ -472,22 +510,34 @@ def weights_digest(args: argparse.Namespace) -> str:
     return h.hexdigest()[:16]
 
 
-def finished_sets(args: argparse.Namespace) -> dict[str, dict]:
-    """set -> its row from an earlier run with the same settings (--resume), else {}."""
-    path = Path(args.out_dir) / SETS_FILE
+def recorded(args: argparse.Namespace, name: str) -> list[dict]:
+    """The records of file `name` under --out-dir measured with this run's settings (--resume), else
+    []."""
+    path = Path(args.out_dir) / name
     if not args.resume or not path.is_file():
-        return {}
+        return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     mine = set_settings(args)
-    return {r["row"]["set"]: r["row"] for r in rows if r["settings"] == mine}
+    return [r for r in rows if r["settings"] == mine]
 
 
-def record_set(args: argparse.Namespace, row: dict) -> None:
-    """Append a finished set's row: a long run stopped later keeps it (--resume)."""
+def finished_sets(args: argparse.Namespace) -> dict[str, dict]:
+    """set -> its row from an earlier run with the same settings (--resume), else {}."""
+    return {r["row"]["set"]: r["row"] for r in recorded(args, SETS_FILE)}
+
+
+def finished_chunks(args: argparse.Namespace, name: str) -> dict[int, dict]:
+    """first prompt -> the sums of set `name`'s chunk from an earlier run (--resume), else {}."""
+    return {r["first"]: r["sums"] for r in recorded(args, CHUNKS_FILE) if r["set"] == name}
+
+
+def record(args: argparse.Namespace, name: str, entry: dict) -> None:
+    """Append `entry` with this run's settings to file `name` under --out-dir: a long run stopped
+    later keeps it (--resume)."""
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with (out / SETS_FILE).open("a") as f:
-        f.write(json.dumps({"settings": set_settings(args), "row": row}) + "\n")
+    with (out / name).open("a") as f:
+        f.write(json.dumps({"settings": set_settings(args), **entry}) + "\n")
 
 
 def measure_sets(args, spec_llm, plain_llm, prompts: dict[str, list[list[int]]]) -> list[dict]:
@@ -495,14 +545,15 @@ def measure_sets(args, spec_llm, plain_llm, prompts: dict[str, list[list[int]]])
     recorded at once."""
     done, rows = finished_sets(args), []
     if not args.resume:
-        (Path(args.out_dir) / SETS_FILE).unlink(missing_ok=True)
+        for name in (SETS_FILE, CHUNKS_FILE):
+            (Path(args.out_dir) / name).unlink(missing_ok=True)
     for name in args.sets:
         if name in done:
             print(f"{name}: kept from the run being resumed", flush=True)
             rows.append(done[name])
             continue
         rows.append(acceptance_run(args, spec_llm, plain_llm, name, prompts[name]))
-        record_set(args, rows[-1])
+        record(args, SETS_FILE, {"row": rows[-1]})
     return rows
 
 
