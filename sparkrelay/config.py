@@ -113,6 +113,7 @@ class SchedulerConfig:
 
 
 SPEC_ALGORITHMS = ("DSPARK",)
+DRAFT_QUANTIZATIONS = ("unquant", "int8wo")  # SGLang's --speculative-draft-model-quantization
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,14 @@ class SpecConfig:
         "Draft only among these token ids (FR-Spec's hot tokens; a JSON list): the drafter's LM "
         "head and Markov head cost that share of the vocabulary; still lossless.",
         ftype=str,
+    )
+    speculative_draft_model_quantization: Optional[str] = _f(
+        None,
+        "The drafter's linears (and a draft-kv prefill's context projection): int8wo (int8 "
+        "weights, per-output-channel scales, cpu) or unquant (--dtype); default: as "
+        "--torchao-config. Still lossless: only the target's verification commits tokens.",
+        DRAFT_QUANTIZATIONS,
+        str,
     )
 
 
@@ -284,6 +293,13 @@ class Config:
     disagg: DisaggConfig = _section(DisaggConfig, "PD disaggregation")
     server: ServerConfig = _section(ServerConfig, "HTTP server")
 
+    @property
+    def draft_torchao_config(self) -> str:
+        """The --torchao-config value the drafter's linears take ("" or "int8wo"):
+        --speculative-draft-model-quantization, else the target's."""
+        q = self.spec.speculative_draft_model_quantization
+        return self.model.torchao_config if q is None else ("" if q == "unquant" else q)
+
     def validate(self) -> "Config":
         _positive("--page-size", self.cache.page_size)
         _positive("--max-running-requests", self.scheduler.max_running_requests)
@@ -334,9 +350,19 @@ class Config:
 
     def _validate_spec(self) -> None:
         sp = self.spec
+        q = sp.speculative_draft_model_quantization
+        if q is not None and q not in DRAFT_QUANTIZATIONS:
+            raise ConfigError(
+                f"--speculative-draft-model-quantization {q!r} is not one of {DRAFT_QUANTIZATIONS}"
+            )
         if sp.speculative_algorithm is None:
             # reads only the drafter's config / context weights
             prefill = self.disagg.disaggregation_mode == "prefill"
+            if sp.speculative_draft_model_quantization is not None and not prefill:
+                raise ConfigError(
+                    "--speculative-draft-model-quantization needs --speculative-algorithm DSPARK"
+                    " (or a draft-kv prefill's --speculative-draft-model-path)"
+                )
             if sp.speculative_token_map is not None:
                 raise ConfigError("--speculative-token-map needs --speculative-algorithm DSPARK")
             if sp.speculative_draft_model_path is not None and not prefill:

@@ -26,7 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [T, G, D] bf16, cos and signed sin [T, 1, D] bf16 -> RoPE(x) [T, G, D] bf16, equal to "
         "layers.apply_rope's torch ops");
   m.def("markov_greedy", &markov_greedy,
-        "u [R, B, V] bf16, W1 [V_all, r] bf16, W2 as a bf16 KernelLinear, vocab [V] int64 or "
+        "u [R, B, V] bf16, W1 [V_all, r] bf16, W2 as a KernelLinear, vocab [V] int64 or "
         "None, anchors [R] -> [drafts [R, B], Z [R, B, V] fp32]: the vanilla Markov head's greedy "
         "block",
         py::arg("u"), py::arg("w1"), py::arg("w2"), py::arg("vocab"), py::arg("anchors"));

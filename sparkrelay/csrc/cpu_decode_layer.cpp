@@ -35,11 +35,14 @@ torch::Tensor KernelLinear::operator()(const torch::Tensor& x) const {
   return linear_bf16(even, packed_, n_, bias_, c10::nullopt, c10::nullopt);
 }
 
-void KernelLinear::into(const torch::Tensor& x, const torch::Tensor& base,
-                        torch::Tensor& out) const {
-  TORCH_CHECK(!scale_, "KernelLinear.into: bf16 weights only");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k_ && k_ % 2 == 0,
-              "KernelLinear.into: x must be [M, ", k_, "] with an even K");
+void KernelLinear::add_into(const torch::Tensor& x, const torch::Tensor& base,
+                            torch::Tensor& out) const {
+  if (scale_ || k_ % 2) {  // as kernels.add_linear's other path: out = base, out += x W^T
+    out.copy_(base);
+    out.add_((*this)(x));
+    return;
+  }
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k_, "KernelLinear.add_into: x must be [M, ", k_, "]");
   linear_bf16(x.contiguous(), packed_, n_, bias_, base, out);
 }
 

@@ -74,9 +74,9 @@ class KernelLinear {
   KernelLinear(torch::Tensor packed, int64_t n, int64_t k, c10::optional<torch::Tensor> bias,
                c10::optional<torch::Tensor> scale, c10::optional<torch::Tensor> qsum);
   torch::Tensor operator()(const torch::Tensor& x) const;  // x [M, K] -> [M, N] in x's dtype
-  // bf16 only: out [M, N] (fp32 or bf16, N contiguous) = x [M, K] W^T + base [M, N] (bf16), the
-  // sum rounded once
-  void into(const torch::Tensor& x, const torch::Tensor& base, torch::Tensor& out) const;
+  // out [M, N] (fp32 or bf16, N contiguous) = base [M, N] (bf16) + x [M, K] W^T: bf16 weights
+  // (even K) in one pass, the sum rounded once; int8 as out = base, out += the product
+  void add_into(const torch::Tensor& x, const torch::Tensor& base, torch::Tensor& out) const;
   int64_t n() const { return n_; }
   int64_t k() const { return k_; }
 

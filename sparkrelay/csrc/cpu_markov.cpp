@@ -6,14 +6,14 @@
 // same order on the same operands, so drafts and Z are bit-equal to models/dspark.py's
 // markov_sample for an all-greedy batch:
 //
-//   prev_0 = anchor;  Z_k = U_k + W2 W1[prev_k]  (fp32, the product's sum rounded once);
+//   prev_0 = anchor;  Z_k = U_k + W2 W1[prev_k]  (fp32: kernels.add_linear's sum, bf16 or int8 W2);
 //   pick = argmax Z_k;  prev_{k+1} = vocab[pick] (the draft vocabulary's token ids) or pick
 
 #include "cpu_kernels.h"
 
 namespace sparkrelay {
 
-// u [R, B, V] bf16 (V contiguous), w1 [V_all, r] bf16, w2 [V, r] as a bf16 KernelLinear, vocab [V]
+// u [R, B, V] bf16 (V contiguous), w1 [V_all, r] bf16, w2 [V, r] as a KernelLinear, vocab [V]
 // int64 or None, anchors [R] int64 -> {drafts [R, B] int64 (token ids), Z [R, B, V] fp32}
 std::vector<torch::Tensor> markov_greedy(const torch::Tensor& u, const torch::Tensor& w1,
                                          const KernelLinear& w2,
@@ -37,7 +37,7 @@ std::vector<torch::Tensor> markov_greedy(const torch::Tensor& u, const torch::Te
   torch::Tensor prev = anchors;
   for (int64_t k = 0; k < slots; ++k) {
     torch::Tensor zk = z.select(1, k);                   // [R, V], rows B * V apart
-    w2.into(w1.index_select(0, prev), u.select(1, k), zk);  // Z_k = U_k + W2 W1[prev]
+    w2.add_into(w1.index_select(0, prev), u.select(1, k), zk);  // Z_k = U_k + W2 W1[prev]
     const torch::Tensor pick = argmax_rows(zk);            // [R]
     prev = vocab ? vocab->index_select(0, pick) : pick;
     drafts.select(1, k).copy_(prev);

@@ -107,6 +107,7 @@ def build_schema(
         draft=draft,
         stream_tokens=STREAM_TOKENS,
         grammar=grammar_identity(config.scheduler.grammar_backend),
+        draft_weights=(config.draft_torchao_config or "unquant") if draft else "none",
     )
 
 

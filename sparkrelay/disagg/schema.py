@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-SCHEMA_VERSION = 6  # 2: the metadata row carries the first token's logprobs; 3: the transfer backend; 4: streamed;
+SCHEMA_VERSION = 7  # 2: the metadata row carries the first token's logprobs; 3: the transfer backend; 4: streamed;
 # 5: a decode's cached prefix (TRANSFER_INFO prefix: the prefill sends only the pieces from there); 6: the
-# grammar backend
+# grammar backend; 7: the drafter's weights (draft-kv)
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,9 @@ class HandoffSchema:
     # --grammar-backend and its version ("llguidance==1.9.1", or "none"): the prefill samples a
     # constrained request's first token under it, the decode every later one
     grammar: str = "none"
+    # draft-kv: the context products' weights, "unquant" or "int8wo" (--speculative-draft-model-
+    # quantization, else --torchao-config): the prefill's K/V must be the decode drafter's; else "none"
+    draft_weights: str = "none"
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -105,6 +108,7 @@ COMPARED = (
     "draft",
     "stream_tokens",
     "grammar",
+    "draft_weights",
 )
 
 

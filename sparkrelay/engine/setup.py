@@ -163,7 +163,9 @@ def build_proposer(
         ) from e
     if sp.speculative_token_map is not None:
         drafter.restrict_vocab(read_token_map(sp.speculative_token_map, model.spec.vocab_size))
-    apply_torchao_config(drafter, config.model.torchao_config)
+    # fc stays in --dtype: a draft-kv prefill sums its column blocks stage by stage in --dtype
+    # (ContextProjector.partial), so both sides' C, and the K/V made from it, are alike
+    apply_torchao_config(drafter, config.draft_torchao_config, keep=("fc",))
     cap = sp.speculative_num_draft_tokens or drafter.spec.block_size
     return DSparkProposer(
         drafter,

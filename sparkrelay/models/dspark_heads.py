@@ -8,7 +8,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from sparkrelay.models.kernels import AvxLinear, add_linear, frozen_linear
+from sparkrelay.models import cpu_kernels
+from sparkrelay.models.kernels import KERNEL_ROWS, add_linear, frozen_linear
 
 
 class MarkovHead(nn.Module):
@@ -54,16 +55,19 @@ class MarkovHead(nn.Module):
         """Serving, an all-greedy block without a grammar: (drafts [R, B] token ids, Z [R, B, V]
         float32) from u [R, B, V] (V = Vh over the draft vocabulary `vocab` [Vh], else every token),
         in one call of the CPU kernels (csrc/cpu_markov.cpp), bit-equal to the slot-by-slot loop of
-        markov_sample; None where they do not serve (another head, W2 not on the bf16 kernel). Why:
+        markov_sample; None where they do not serve (another head, W2 off the kernels, more rows
+        than they take). Why:
         each slot's Python-level calls cost several times its two small kernels."""
         w2 = self.markov_w2 if vocab is None else self.vocab_w2
         w1 = self.markov_w1.weight
-        if self.kind != "vanilla" or not isinstance(w2, AvxLinear):  # the bf16 kernel's layer
+        # W2 on a kernel (AvxLinear, Int8Linear), for as many rows as add_linear gives it
+        kernel = getattr(w2, "kernel", None)
+        if self.kind != "vanilla" or kernel is None or u.shape[0] > KERNEL_ROWS:
             return None
         if u.dtype != torch.bfloat16 or w1.dtype != torch.bfloat16 or u.stride(-1) != 1:
             return None
-        drafts, z = w2._ext.markov_greedy(u, w1.detach(), w2.kernel, vocab, anchors.long())
-        return drafts, z
+        ext = cpu_kernels.load()
+        return tuple(ext.markov_greedy(u, w1.detach(), kernel, vocab, anchors.long()))
 
     def mix(
         self, h: Optional[torch.Tensor], prev: torch.Tensor, state: Optional[torch.Tensor]

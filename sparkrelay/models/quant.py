@@ -103,14 +103,16 @@ class Int8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def quantize_int8wo(model: nn.Module) -> int:
+def quantize_int8wo(model: nn.Module, keep: tuple[str, ...] = ()) -> int:
     """Replace every frozen linear of `model` (after `fuse`: the layers' q/k/v, o, gate/up, down, the
-    LM head's fast copy; a drafter's fc, context K/V and Markov W2) by an Int8Linear. -> how many."""
+    LM head's fast copy; a drafter's context K/V and Markov W2), but those named in `keep` (module
+    paths, e.g. a drafter's "fc"), by an Int8Linear. -> how many."""
     found = [
         (parent, name, child)
-        for parent in model.modules()
+        for path, parent in model.named_modules()
         for name, child in parent.named_children()
         if isinstance(child, (TLinear, PackedLinear, AvxLinear))
+        and f"{path}.{name}".lstrip(".") not in keep
     ]
     count = len(found)
     while found:  # each bf16 layer freed as soon as its int8 one replaces it (peak memory)
@@ -120,9 +122,9 @@ def quantize_int8wo(model: nn.Module) -> int:
     return count
 
 
-def apply_torchao_config(model: nn.Module, config: str) -> None:
+def apply_torchao_config(model: nn.Module, config: str, keep: tuple[str, ...] = ()) -> None:
     """`--torchao-config` on a loaded, fused model: "" leaves it as it is; "int8wo" quantizes its
-    linears (cpu)."""
+    linears (cpu) but those named in `keep` (quantize_int8wo)."""
     if config not in TORCHAO_CONFIGS:
         raise ConfigError(f"--torchao-config {config!r} is not one of {TORCHAO_CONFIGS}")
     if not config:
@@ -133,7 +135,7 @@ def apply_torchao_config(model: nn.Module, config: str) -> None:
             f"--torchao-config {config}: torch's int8 weight-packed product runs on cpu only, "
             f"not on {device}"
         )
-    if not quantize_int8wo(model):
+    if not quantize_int8wo(model, keep):
         raise ConfigError(
             f"--torchao-config {config}: the model has no fused linear layers to quantize"
         )

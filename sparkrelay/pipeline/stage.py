@@ -27,6 +27,7 @@ from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.decoder import CausalLM, StageOutput
 from sparkrelay.models.dspark_context import ContextProjector, load_context_projector
+from sparkrelay.models.quant import apply_torchao_config
 from sparkrelay.pipeline.capture import CaptureSpec, StagePayload
 from sparkrelay.pipeline.descriptor import MicroBatch, SeqDesc, reply_shape, token_width
 from sparkrelay.pipeline.partition import stage_taps
@@ -141,6 +142,8 @@ def build_stage(
         projector = load_context_projector(
             capture.drafter_path, model.spec, dtype, str(device), config.model.load_format
         )
+        # the decode drafter's context products, quantized alike (bit-equal K/V)
+        apply_torchao_config(projector, config.draft_torchao_config)
         if projector.spec.target_layer_ids != capture.target_layer_ids:
             raise ConfigError(
                 f"capture target layer ids {list(capture.target_layer_ids)} != the drafter's "

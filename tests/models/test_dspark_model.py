@@ -457,16 +457,23 @@ def test_markov_bf16_sums_in_float32(tmp_path, target_dir, target_spec, kind):
 
 @torch.no_grad()
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels are not built here")
-@pytest.mark.parametrize("restricted", [False, True])
+@pytest.mark.parametrize("restricted, int8", [(False, False), (True, False), (True, True)])
 def test_markov_greedy_block_in_one_call_equals_the_slot_loop(
-    tmp_path, target_dir, target_spec, restricted
+    tmp_path, target_dir, target_spec, restricted, int8
 ):
     """An all-greedy bf16 block on the kernels runs as one call (csrc/cpu_markov.cpp): drafts and Z
-    bit-equal to markov_sample's slot-by-slot loop, over every token and over a draft vocabulary."""
+    bit-equal to markov_sample's slot-by-slot loop, over every token and over a draft vocabulary,
+    with W2 in bf16 or int8 (--speculative-draft-model-quantization int8wo)."""
+    from sparkrelay.models.quant import Int8Linear, apply_torchao_config
+
     folder = write(tmp_path, target_dir, "vanilla", weight_dtype=torch.float32)
     model = load_dspark(folder, target_spec, dtype=torch.bfloat16)
     if restricted:
         model.restrict_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(4))[:999])
+    if int8:
+        apply_torchao_config(model, "int8wo", keep=("fc",))
+        assert isinstance(model.markov_head.vocab_w2, Int8Linear)
+        assert not isinstance(model.fc, Int8Linear)  # fc stays bf16 (as the prefill's sums)
     width = 999 if restricted else V
     gen = torch.Generator().manual_seed(3)
     u = (3 * torch.randn(3, 7, width, generator=gen)).to(torch.bfloat16)

@@ -15,7 +15,9 @@ engine drafts among that vocabulary (--speculative-token-map), the deployed conf
 
 Speed: decode tokens per second of DSpark against plain decoding, batch 1 (one request at a time)
 and batch 8 (8 concurrent requests), in bfloat16 and float32, on `--speed-prompts` evaluation
-prompts, the variants interleaved over `--rounds` rounds (min and median reported). Decode time is
+prompts, the variants interleaved over `--rounds` rounds (min and median reported); one DSpark
+engine per `--speed-draft-weights` entry (the drafter's linears as the target's dtype, `unquant`,
+or `int8wo`). Decode time is
 from a request's first token to its last. PD (`--pd-modes hidden,draft-kv`): for each mode, router +
 prefill (`--pp-size 2`, no drafter) + DSpark decode as subprocesses; every greedy evaluation prompt
 goes through the router (`--pd-concurrency` at a time), and its tokens and verify rounds must equal
@@ -46,6 +48,7 @@ from sparkrelay.tools.bench.common import (
     write_json,
     write_markdown,
 )
+from sparkrelay.config import DRAFT_QUANTIZATIONS
 from sparkrelay.tools.corpus import PROMPT_SETS, read_prompt_set
 
 PAPER_TABLE1 = {
@@ -58,7 +61,11 @@ PAPER_TABLE1 = {
 }  # Qwen3-4B + its DSpark drafter, temperature 1.0 (DSpark paper, Table 1)
 
 
-def engine(args: argparse.Namespace, dtype: str, dspark: bool, batch: int):
+def engine(
+    args: argparse.Namespace, dtype: str, dspark: bool, batch: int, draft_weights: str = "unquant"
+):
+    """An offline engine of the target, plain or DSpark (its drafter's linears `draft_weights`:
+    --speculative-draft-model-quantization)."""
     from sparkrelay import LLM
 
     spec = (
@@ -66,6 +73,7 @@ def engine(args: argparse.Namespace, dtype: str, dspark: bool, batch: int):
             speculative_algorithm="DSPARK",
             speculative_draft_model_path=args.drafter,
             speculative_token_map=args.token_map,
+            speculative_draft_model_quantization=draft_weights,
         )
         if dspark
         else {}
@@ -271,29 +279,32 @@ def timed_wave(llm, wave: list[list[int]], params) -> dict:
 
 
 def speed_runs(args, prompts: list[list[int]]) -> list[dict]:
-    """Per (dtype, batch): plain and DSpark alternate wave by wave (batch 1: prompt by prompt), so
-    that the shared machine's load falls on both alike, after one untimed warm-up wave each (the
-    first products of a shape build oneDNN's primitives); min and median tok/s over the rounds."""
+    """Per (dtype, batch): plain and a DSpark engine per --speed-draft-weights alternate wave by wave
+    (batch 1: prompt by prompt), so that the shared machine's load falls on all alike, after one
+    untimed warm-up wave each (the first products of a shape build oneDNN's primitives); min and
+    median tok/s over the rounds, each DSpark engine's ratio to plain per round."""
     from sparkrelay import SamplingParams
 
     greedy = SamplingParams(max_new_tokens=args.max_new, temperature=0.0)
     warm = SamplingParams(max_new_tokens=min(32, args.max_new), temperature=0.0)
+    modes = ["plain"] + [f"dspark {w}" for w in args.speed_draft_weights]
     engines = {}
     rates: dict[tuple, list[float]] = {}
     for r in range(args.rounds):
         for dt in ("bfloat16", "float32"):
-            for m in ("plain", "dspark"):
+            for m in modes:
                 if (dt, m) not in engines:
-                    engines[(dt, m)] = engine(args, dt, m == "dspark", 8)
+                    w = m.split()[-1]
+                    engines[(dt, m)] = engine(args, dt, m != "plain", 8, w)
                     for b in (1, 8):
                         run_timed(engines[(dt, m)], prompts[:b], warm)
             for b in (1, 8):
                 waves = [prompts[i : i + b] for i in range(0, len(prompts), b)]
-                outs: dict[str, list[dict]] = {"plain": [], "dspark": []}
+                outs: dict[str, list[dict]] = {m: [] for m in modes}
                 for wave in waves:
-                    for m in ("plain", "dspark"):
+                    for m in modes:
                         outs[m].append(timed_wave(engines[(dt, m)], wave, greedy))
-                for m in ("plain", "dspark"):
+                for m in modes:
                     rates.setdefault((dt, b, m), []).append(decode_rate(outs[m]))
                     print(
                         f"round {r + 1}: {dt} batch {b} {m} {rates[(dt, b, m)][-1]:.1f} tok/s",
@@ -302,20 +313,23 @@ def speed_runs(args, prompts: list[list[int]]) -> list[dict]:
     rows = []
     for dt in ("bfloat16", "float32"):
         for b in (1, 8):
-            plain, spec = rates[(dt, b, "plain")], rates[(dt, b, "dspark")]
-            ratios = [s / p for s, p in zip(spec, plain)]
-            rows.append(
-                {
-                    "dtype": dt,
-                    "batch": b,
-                    "plain_min": min(plain),
-                    "plain_median": statistics.median(plain),
-                    "dspark_min": min(spec),
-                    "dspark_median": statistics.median(spec),
-                    "speedup_min": min(ratios),
-                    "speedup_median": statistics.median(ratios),
-                }
-            )
+            plain = rates[(dt, b, "plain")]
+            for w in args.speed_draft_weights:
+                spec = rates[(dt, b, f"dspark {w}")]
+                ratios = [s / p for s, p in zip(spec, plain)]
+                rows.append(
+                    {
+                        "dtype": dt,
+                        "batch": b,
+                        "draft_weights": w,
+                        "plain_min": min(plain),
+                        "plain_median": statistics.median(plain),
+                        "dspark_min": min(spec),
+                        "dspark_median": statistics.median(spec),
+                        "speedup_min": min(ratios),
+                        "speedup_median": statistics.median(ratios),
+                    }
+                )
     return rows
 
 
@@ -366,6 +380,7 @@ def report(args, rows: list[dict], speed: list[dict], pd: list[dict], argv: list
         [
             "dtype",
             "batch",
+            "drafter's linears",
             "plain tok/s (min / median)",
             "DSpark tok/s (min / median)",
             "DSpark / plain (min / median)",
@@ -374,6 +389,7 @@ def report(args, rows: list[dict], speed: list[dict], pd: list[dict], argv: list
             [
                 s["dtype"],
                 s["batch"],
+                s.get("draft_weights", "unquant"),
                 f"{s['plain_min']:.1f} / {s['plain_median']:.1f}",
                 f"{s['dspark_min']:.1f} / {s['dspark_median']:.1f}",
                 f"{s['speedup_min']:.2f}x / {s['speedup_median']:.2f}x",
@@ -479,6 +495,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pd-concurrency", type=int, default=8)
     p.add_argument("--no-speed", action="store_true", help="skip the speed runs")
+    p.add_argument(
+        "--speed-draft-weights",
+        type=lambda t: [w for w in t.split(",") if w],
+        default=["unquant"],
+        help="comma-separated --speculative-draft-model-quantization values, a DSpark engine each "
+        "in the speed runs (e.g. unquant,int8wo); acceptance and PD use the drafter unquantized",
+    )
     p.add_argument("--out-dir", default="benchmarks/results/acceptance")
     p.add_argument(
         "--resume",
@@ -559,7 +582,11 @@ def measure_sets(args, spec_llm, plain_llm, prompts: dict[str, list[list[int]]])
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    bad = [w for w in args.speed_draft_weights if w not in DRAFT_QUANTIZATIONS]
+    if bad or not args.speed_draft_weights:
+        parser.error(f"--speed-draft-weights {bad}: each must be one of {DRAFT_QUANTIZATIONS}")
     texts = {s: read_prompt_set(args.prompts, s, "eval") for s in args.sets}
     texts = {s: t[: args.limit] if args.limit else t for s, t in texts.items()}
     spec_llm, plain_llm = engine(args, "float32", True, 8), engine(args, "float32", False, 8)
