@@ -39,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 
+from sparkrelay.config import DRAFT_QUANTIZATIONS
 from sparkrelay.tools.bench.common import (
     bar_chart,
     header_lines,
@@ -48,7 +49,6 @@ from sparkrelay.tools.bench.common import (
     write_json,
     write_markdown,
 )
-from sparkrelay.config import DRAFT_QUANTIZATIONS
 from sparkrelay.tools.corpus import PROMPT_SETS, read_prompt_set
 
 PAPER_TABLE1 = {
