@@ -356,8 +356,8 @@ def report(args, rows: list[dict], speed: list[dict], pd: list[dict], argv: list
             [
                 r["set"],
                 r["prompts"],
-                r["tau_greedy"],
-                r["tau_t1"],
+                f"{r['tau_greedy']:.2f}",  # two decimals: a mean of 2.48 is not 2.5
+                f"{r['tau_t1']:.2f}",
                 PAPER_TABLE1.get(r["set"], "-"),
                 f"{r['greedy_equal']}/{r['prompts']}",
                 " ".join(f"{x:.2f}" for x in r["accept_rate_greedy"]),
@@ -368,8 +368,8 @@ def report(args, rows: list[dict], speed: list[dict], pd: list[dict], argv: list
             [
                 "mean of sets",
                 sum(r["prompts"] for r in rows),
-                round(statistics.fmean(r["tau_greedy"] for r in rows), 3),
-                round(statistics.fmean(r["tau_t1"] for r in rows), 3),
+                f"{statistics.fmean(r['tau_greedy'] for r in rows):.2f}",
+                f"{statistics.fmean(r['tau_t1'] for r in rows):.2f}",
                 round(statistics.fmean(PAPER_TABLE1[r["set"]] for r in rows), 2),
                 "",
                 "",
@@ -408,7 +408,8 @@ def report(args, rows: list[dict], speed: list[dict], pd: list[dict], argv: list
         [[r["mode"], r["set"], r["prompts"], r["same_tokens"], r["same_acceptance"]] for r in pd],
     )
     curve = learning_curve(args.drafter, out)
-    body = acc + "\n\n" + spd + ("\n\n" + pdt if pd else "") + ("\n\n" + curve if curve else "")
+    parts = [acc, spd if speed else "", pdt if pd else "", curve]
+    body = "\n\n".join(p for p in parts if p)
     write_markdown(out / "acceptance.md", "DSpark acceptance and speed", header, body)
     slim = [{k: v for k, v in r.items() if k != "greedy_runs"} for r in rows]
     write_json(
