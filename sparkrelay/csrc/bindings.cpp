@@ -37,7 +37,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "and qsum (each padded to 32 columns)",
            py::arg("packed"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(),
            py::arg("scale") = py::none(), py::arg("qsum") = py::none())
-      .def("__call__", &KernelLinear::operator(), "x [M, K] -> [M, N] in x's dtype");
+      .def("__call__", &KernelLinear::operator(), "x [M, K] -> [M, N] in x's dtype")
+      .def("add_into", &KernelLinear::add_into,
+           "out [M, N] (fp32 or bf16) = base [M, N] bf16 + x [M, K] W^T (kernels.add_linear)");
   py::class_<DecodeLayer>(m, "DecodeLayer")
       .def(py::init<KernelLinear, KernelLinear, KernelLinear, KernelLinear, torch::Tensor,
                     torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, double,

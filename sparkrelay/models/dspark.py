@@ -365,8 +365,7 @@ class Qwen3DSparkModel(nn.Module):
             .float()
         )
         all_greedy = bool(greedy.all())
-        if all_greedy and constrain is None and self.markov_head is not None:
-            # the same loop in one kernel call where it serves (MarkovHead.greedy_block)
+        if all_greedy and constrain is None and self.markov_head is not None:  # one kernel call
             served = self.markov_head.greedy_block(u, anchors, self.vocab if in_vocab else None)
             if served is not None:
                 return served

@@ -183,23 +183,22 @@ class AvxLinear(nn.Module):
 def add_linear(
     layer: nn.Module, x: torch.Tensor, base: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
-    """out [R, N] = base [R, N] + layer(x [R, in]): in one pass of the kernel where `layer` is an AvxLinear it
-    serves (bf16 x and base, the sum rounded once to out's dtype), else as out = base, out += layer(x).
-    The DSpark Markov head's logits, Z_k = U_k + W2 m_k: one read of U, one write of Z per slot."""
-    rows = x.shape[0]
-    fused = (
-        isinstance(layer, AvxLinear)
-        and rows <= KERNEL_ROWS
+    """out [R, N] = base [R, N] + layer(x [R, in]): through the layer's kernel where it serves
+    (`KernelLinear.add_into`: bf16 weights in one pass, the sum rounded once to out's dtype; int8 as
+    below), else as out = base, out += layer(x). The DSpark Markov head's logits, Z_k = U_k + W2 m_k:
+    one read of U, one write of Z per slot; csrc/cpu_markov.cpp makes the same call."""
+    kernel = getattr(layer, "kernel", None)  # AvxLinear, Int8Linear on the kernels
+    served = (
+        kernel is not None
+        and x.shape[0] <= KERNEL_ROWS
         and x.dtype == base.dtype == torch.bfloat16
-        and layer.in_features % 2 == 0
         and base.stride(-1) == 1
         and out.stride(-1) == 1
         and not torch.compiler.is_compiling()
     )
-    if fused:
-        return layer._ext.linear_bf16(
-            x.contiguous(), layer.tiles, layer.out_features, layer.tile_bias, base, out
-        )
+    if served:
+        kernel.add_into(x, base, out)
+        return out
     out.copy_(base)
     return out.add_(layer.forward(x))
 
