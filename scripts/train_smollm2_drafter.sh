@@ -4,8 +4,9 @@
 #      committed data/smollm2-answers/*.jsonl.gz are unpacked first, so only what they lack is generated), and with
 #      STAGES including `sampled` its sampled answers to the same prompts (DeepSpec's regeneration: temperature 0.7,
 #      top-p 0.8, top-k 20), which the drafter then trains on beside the greedy ones,
-#      with STAGES including `variants`, its greedy answers to 2 number variants of each gsm8k and math500
-#      training prompt (chat_data.py --variants: the integers redrawn), more word problems to train on,
+#      (SAMPLE_SETS: which sets, default all six), with STAGES including `variants`, its greedy answers to
+#      VARIANTS (default 2) number variants of each training prompt with a digit of VARIANT_SETS (default gsm8k
+#      math500; chat_data.py --variants: the integers redrawn), more word problems to train on,
 #   2. its answers to 8 evaluation prompts per set (the learning curve's offline acceptance; never trained on),
 #   3. the drafter: resumed from .cache/train_smollm2_dspark/ckpt.pt when there is one, else continued from the
 #      committed drafter's weights (a fresh optimizer); one cosine lr cycle from LR (default 1e-3) over
@@ -31,11 +32,11 @@ if [[ $STAGES == *answers* ]]; then
 fi
 if [[ $STAGES == *sampled* ]]; then
     python -m sparkrelay.tools.train.chat_data --prompts "$PROMPTS" --out "$WORK/answers" --mode sample \
-        --max-new 256 --batch 48 --chunk 256 >> "$WORK/answers_sample.log" 2>&1
+        --sets ${SAMPLE_SETS:-gsm8k math500 humaneval mbpp mt-bench livecodebench} --max-new 256 --batch 48 --chunk 256 >> "$WORK/answers_sample.log" 2>&1
 fi
 if [[ $STAGES == *variants* ]]; then
-    python -m sparkrelay.tools.train.chat_data --prompts "$PROMPTS" --out "$WORK/answers" --sets gsm8k math500 \
-        --variants 2 --max-new 256 --batch 48 --chunk 192 >> "$WORK/answers_variants.log" 2>&1
+    python -m sparkrelay.tools.train.chat_data --prompts "$PROMPTS" --out "$WORK/answers" --sets ${VARIANT_SETS:-gsm8k math500} \
+        --variants "${VARIANTS:-2}" --max-new 256 --batch 48 --chunk 192 >> "$WORK/answers_variants.log" 2>&1
 fi
 ANSWERS=("$WORK/answers/greedy.jsonl")
 for name in sample greedy_variants; do

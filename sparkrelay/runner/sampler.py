@@ -158,20 +158,36 @@ def penalize(
     return apply_penalties(logits, rows)
 
 
+def _keep_ranked(ranked: torch.Tensor, sb: SamplingBatch, vocab: int) -> torch.Tensor:
+    """ranked [R, C] logits in descending order (C <= V) -> the same with the ranks that top-k and
+    top-p drop at -inf."""
+    rank = torch.arange(ranked.shape[1], device=ranked.device).unsqueeze(0)  # [1, C]
+    k = torch.where(sb.top_k > 0, sb.top_k, vocab).unsqueeze(1)  # [R, 1]
+    drop = rank >= k
+    probs = ranked.masked_fill(drop, float("-inf")).softmax(-1)
+    # top-p keeps the smallest prefix whose mass reaches top_p (the first token always stays)
+    drop |= (probs.cumsum(-1) - probs) >= sb.top_p.unsqueeze(1)
+    return ranked.masked_fill(drop, float("-inf"))
+
+
 def filter_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """logits [R, V] -> probabilities [R, V] after temperature, top-k, top-p and min-p (float32)."""
+    """logits [R, V] -> probabilities [R, V] after temperature, top-k, top-p and min-p (float32).
+
+    When every row has a top-k, only the largest k of the batch are ranked (`topk`, not a sort of
+    the vocabulary: a batch of 48 at top-k 20 ranks 48 x 20 logits instead of 48 x 49,152)."""
     logits = logits.float() / sb.temperature.clamp(min=1e-5).unsqueeze(1)
+    vocab = logits.shape[1]
     if bool((sb.top_k > 0).any()) or bool((sb.top_p < 1).any()):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
-        rank = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
-        k = torch.where(sb.top_k > 0, sb.top_k, logits.shape[1]).unsqueeze(1)
-        drop = rank >= k
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-        # top-p keeps the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop |= (probs.cumsum(-1) - probs) >= sb.top_p.unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-    probs = logits.softmax(-1)
+        # every row ranked: its candidates' probabilities, zero elsewhere
+        k_max = int(torch.where(sb.top_k > 0, sb.top_k, vocab).clamp(max=vocab).max())
+        if k_max * 8 <= vocab:
+            ranked, order = logits.topk(k_max, dim=-1)  # [R, k_max], descending
+        else:
+            ranked, order = logits.sort(dim=-1, descending=True)  # [R, V]
+        kept = _keep_ranked(ranked, sb, vocab).softmax(-1)  # [R, C]
+        probs = torch.zeros_like(logits).scatter(1, order, kept)
+    else:
+        probs = logits.softmax(-1)
     if bool((sb.min_p > 0).any()):
         floor = sb.min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
@@ -185,10 +201,20 @@ def exponential_noise(
     shared: torch.Generator,
     device: torch.device,
 ) -> torch.Tensor:
-    noise = torch.empty(shape, device=device).exponential_(generator=shared)
+    """Exp(1) noise [R, V]: a seeded row's from its own generator, the others' from `shared`
+    (each row is filled once)."""
+    noise = torch.empty(shape, device=device)
+    unseeded = [row for row, gen in enumerate(generators) if gen is None]
+    if len(unseeded) == len(generators):
+        return noise.exponential_(generator=shared)
     for row, gen in enumerate(generators):
         if gen is not None:
             noise[row].exponential_(generator=gen)
+    if unseeded:
+        idx = torch.tensor(unseeded, device=device)
+        noise[idx] = torch.empty(len(unseeded), shape[1], device=device).exponential_(
+            generator=shared
+        )
     return noise
 
 

@@ -54,3 +54,27 @@ def test_greedy_rows_and_seeds():
         logits, batch(3, generators=[torch.Generator().manual_seed(7)] * 3), torch.Generator()
     )
     assert int(ids[0]) == int(again[0])  # the same seed gives the same draw in another batch
+
+
+def test_ranking_the_batch_top_k_equals_sorting_the_vocabulary():
+    # row 0 alone ranks its 20 best (topk); beside a row without top-k the batch sorts all 400
+    logits = torch.randn(2, 400, generator=torch.Generator().manual_seed(3)) * 3
+    for top_p in (1.0, 0.8, 0.3):
+        alone = filter_probs(logits[:1], batch(1, temperature=0.7, top_k=20, top_p=top_p))
+        both = batch(2, temperature=0.7, top_k=20, top_p=top_p)
+        both.top_k[1] = 0
+        sorted_rows = filter_probs(logits, both)
+        torch.testing.assert_close(alone[0], sorted_rows[0])
+        assert int((alone[0] > 0).sum()) <= 20
+        assert abs(float(alone.sum()) - 1) < 1e-5
+
+
+def test_seeded_and_shared_rows_each_get_one_noise_draw():
+    from sparkrelay.runner.sampler import exponential_noise
+
+    gens = [None, torch.Generator().manual_seed(5), None]
+    noise = exponential_noise((3, 64), gens, torch.Generator().manual_seed(1), torch.device("cpu"))
+    own = torch.empty(64).exponential_(generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(noise[1], own)
+    shared = torch.empty(2, 64).exponential_(generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(noise[[0, 2]], shared)
