@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sparkrelay.tools.bench.acceptance import learning_curve
+from sparkrelay.tools.bench.acceptance_report import learning_curve
 
 
 def write_report(folder, points: int) -> None:
