@@ -60,7 +60,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from sparkrelay.models.decoder import DecoderSpec
 from sparkrelay.models.dspark import DSparkSpec, Qwen3DSparkModel
@@ -89,9 +88,8 @@ from sparkrelay.tools.train.drafter_data import (
     unused_byte_token,
 )
 from sparkrelay.tools.train.drafter_eval import acceptance, chat_eval_set, eval_set
-
-LOSS_WEIGHTS = {"ce": 0.1, "l1": 0.9, "bce": 1.0}
-DECAY = 4.0  # slot weight exp(-k / 4), k = 0..B-1 (DeepSpec loss_decay_gamma)
+from sparkrelay.tools.train.drafter_loss import LOSS_WEIGHTS, block_loss, pick_anchors
+from sparkrelay.tools.train.drafter_report import curve_point, log_line, write_report
 
 
 def new_drafter(target_folder: str, args) -> tuple[Qwen3DSparkModel, dict]:
@@ -124,90 +122,6 @@ def new_drafter(target_folder: str, args) -> tuple[Qwen3DSparkModel, dict]:
     if args.autocast:
         model.lm_head.to(torch.bfloat16)
     return model, cfg
-
-
-def block_loss(
-    model: Qwen3DSparkModel,
-    feats: torch.Tensor,
-    final: torch.Tensor,
-    head: torch.nn.Module,
-    x: torch.Tensor,
-    anchors: torch.Tensor,
-    loss_mask: torch.Tensor,
-) -> dict[str, torch.Tensor]:
-    """One sequence: feats [S, n_taps*d], the target's final hidden states [S, d] and its LM head, x [S], anchors
-    [A], loss_mask [S] (slots whose label is outside it carry no loss) -> weighted loss sums and counts.
-
-    All A blocks run as one row of A*B queries over [the S context rows ; the A*B block rows] under
-    the mask of docs/dspark.md §1.5 (block a sees context positions < a and its own B tokens), so
-    the context K/V is computed and stored once, not once per block."""
-    s, a, b = x.shape[0], anchors.shape[0], model.spec.block_size
-    c = model.project_context(feats)  # [S, d]
-    kv = model.context_kv(c, torch.arange(s))  # per layer ([S, n_kv, hd], [S, n_kv, hd])
-    pos = anchors[:, None] + torch.arange(b)  # [A, B]: slot k sits at a+k and predicts a+k+1
-    ids = torch.full((a, b), model.spec.mask_token_id)
-    ids[:, 0] = x[anchors]
-    block = torch.arange(a).repeat_interleave(b)  # [A*B]: the block of each query
-    # [A*B, S]: context strictly < anchor
-    sees_ctx = torch.arange(s)[None, :] < anchors[block][:, None]
-    mask = torch.cat([sees_ctx, block[:, None] == block[None, :]], dim=1)[
-        None, None
-    ]  # [1, 1, A*B, S + A*B]
-    h = model.block_forward(
-        ids.view(1, a * b),
-        pos.view(1, a * b),
-        [k[None] for k, _ in kv],
-        [v[None] for _, v in kv],
-        None,
-        mask=mask,
-    ).view(a, b, -1)  # [A, B, d]
-    label_pos = (pos + 1).clamp(max=s - 1)
-    # a contiguous prefix of valid slots
-    valid = ((pos + 1 < s) & loss_mask[label_pos]).int().cumprod(1).bool()
-    labels = x[label_pos]  # [A, B]
-    prev = torch.cat([x[anchors, None], labels[:, :-1]], dim=1)  # teacher forcing
-    z = model.base_logits(h) + model.markov_bias(h, prev)  # [A, B, V]
-    # the target's logits at each slot, its head applied once per distinct position
-    with torch.no_grad():
-        where, inverse = pos.clamp(max=s - 1).unique(return_inverse=True)  # [U], [A, B]
-        t_logits = head(final[where])  # [U, V]
-    l1, ce = fused_l1_and_ce(z, t_logits, inverse, labels)
-    bce = F.binary_cross_entropy_with_logits(
-        model.confidence(h, prev).float(), (1 - 0.5 * l1).detach(), reduction="none"
-    )
-    w = torch.exp(-torch.arange(b) / DECAY) * valid  # [A, B]
-    hit0 = (z[:, 0].argmax(-1) == t_logits[inverse[:, 0]].argmax(-1)).float() * valid[:, 0]
-    return {
-        "ce": (w * ce).sum(),
-        "l1": (w * l1).sum(),
-        "bce": (w * bce).sum(),
-        "w": w.sum(),
-        "hit0": hit0.sum(),
-        "n0": valid[:, 0].sum().float(),
-        "slots": valid.sum(),
-    }
-
-
-def l1_and_ce(
-    z: torch.Tensor, t_logits: torch.Tensor, inverse: torch.Tensor, labels: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """z [A, B, V] draft logits, t_logits [U, V] the target's logits at the distinct slot positions, inverse [A, B]
-    each slot's row of them, labels [A, B] -> (|p_d - p_t|_1, -log p_d(label)), each [A, B], in float32."""
-    logp = z.float().log_softmax(-1)
-    p_t = t_logits.float().softmax(-1)[inverse]  # [A, B, V]
-    return (logp.exp() - p_t).abs().sum(-1), -logp.gather(-1, labels[..., None]).squeeze(-1)
-
-
-# Fused by inductor into a few passes over the [A, B, V] tensors: ~8x faster than eager on CPU
-# (measured on 2 cores).
-fused_l1_and_ce = torch.compile(l1_and_ce, dynamic=True)
-
-
-def pick_anchors(loss_mask: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
-    """Up to n anchors, sorted, among positions a with loss_mask[a] and loss_mask[a + 1] (DeepSpec's
-    candidates: the anchor is a committed answer token and its first label is one too)."""
-    ok = (loss_mask[:-1] & loss_mask[1:]).nonzero().flatten()  # a in [0, S-2]
-    return ok[torch.randperm(ok.numel(), generator=gen)[:n]].sort().values
 
 
 def lr_at(progress: float, peak: float, warmup: float = 0.04) -> float:
@@ -306,47 +220,6 @@ def warm_start(model: Qwen3DSparkModel, folder: str, work: Path) -> dict:
         "seconds": report["train_seconds"],
         "cpu": report["cpu_hours"] * 3600,
     }
-
-
-def log_line(st: dict, keys, n: int) -> None:
-    mean = {k: sum(r[k] for r in st["recent"][-n:]) / n for k in keys}
-    total = totals(st)
-    print(
-        f"step {total['step']} {st['elapsed']:.0f}s cpu {total['cpu'] / 3600:.2f}h lr {mean['lr']:.2e} "
-        f"loss {mean['loss']:.3f} ce {mean['ce']:.3f} l1 {mean['l1']:.3f} bce {mean['bce']:.3f} "
-        f"slot0-match {mean['hit0']:.3f}",
-        flush=True,
-    )
-
-
-def totals(st: dict) -> dict:
-    """Steps, wall seconds and CPU seconds over this run and the runs it continues
-    (`--init-from`)."""
-    b = st.get("before", {"step": 0, "seconds": 0.0, "cpu": 0.0})
-    return {
-        "step": b["step"] + st["step"],
-        "seconds": b["seconds"] + st["elapsed"],
-        "cpu": b["cpu"] + st["cpu"],
-    }
-
-
-def curve_point(work: Path, st: dict, result: dict) -> None:
-    """One learning-curve point: step, wall and CPU hours, and the evaluation's figures, appended to
-    curve.jsonl."""
-    total = totals(st)
-    point = {
-        "step": total["step"],
-        "train_hours": round(total["seconds"] / 3600, 3),
-        "cpu_hours": round(total["cpu"] / 3600, 3),
-        **result,
-    }
-    with (work / "curve.jsonl").open("a") as f:
-        f.write(json.dumps(point) + "\n")
-    print(
-        f"eval at step {st['step']}: "
-        + " ".join(f"{k} {v}" for k, v in result.items() if k != "per_set"),
-        flush=True,
-    )
 
 
 def train_step(
@@ -476,57 +349,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parse_work_args(build_parser(), argv)
-
-
-def write_report(
-    args: argparse.Namespace, st: dict, evals: dict, eval_what: str, t_start: float
-) -> None:
-    """train_report.json in the drafter folder: the run's data, size, time, final losses and offline
-    acceptance."""
-    last = st["recent"][-args.log_every :] or [{}]
-    losses = {
-        k: round(sum(r.get(k, 0.0) for r in last) / len(last), 4)
-        for k in ("loss", "ce", "l1", "bce", "hit0")
-    }
-    total = totals(st)
-    report = {
-        "data": data_description(args),
-        "steps": total["step"],
-        "sequences": total["step"] * args.batch,
-        "block_slots_this_run": st["slots"],
-        "train_seconds": round(total["seconds"]),
-        "cpu_hours": round(total["cpu"] / 3600, 3),
-        "this_run": {"from_step": totals(st)["step"] - st["step"], "init_from": args.init_from},
-        "total_seconds_this_run": round(time.time() - t_start),
-        "final_losses": losses,
-        "offline_greedy_acceptance": {"eval": eval_what, **evals},
-        "hyper_parameters": {
-            k: v for k, v in vars(args).items() if k not in ("target", "out", "work_dir")
-        },
-        "torch_threads": torch.get_num_threads(),
-    }
-    if args.data == "stdlib":
-        report["tokens"] = st["step"] * args.batch * args.seq
-    curve = Path(args.work_dir) / "curve.jsonl"
-    if curve.is_file():
-        report["learning_curve"] = [json.loads(line) for line in curve.read_text().splitlines()]
-    (Path(args.out) / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
-
-
-def data_description(args: argparse.Namespace) -> dict:
-    if args.data == "stdlib":
-        return {
-            "kind": "stdlib",
-            "what": "windows of the stdlib train split and the target's greedy continuations",
-        }
-    rows = sum(len(Path(a).read_text().splitlines()) for a in args.answers)
-    return {
-        "kind": "chat",
-        "answers": args.answers,
-        "rows": rows,
-        "what": "training-split prompts of the six DSpark evaluation sets (tools/corpus.py prompt_split) under "
-        "the chat template, answered by the target (tools/train/chat_data.py)",
-    }
 
 
 def main(argv: list[str] | None = None) -> None:
