@@ -12,7 +12,7 @@
 // a tile read for the first 8 rows is still in cache for the next 8. Layout, loop order, prefetch
 // and threads are described in docs/cpu_kernels.md.
 //
-// On a CPU with AMX (amx_bf16, amx_int8), bf16 products (int8 ones from 2 rows) go through the
+// On a CPU with AMX (amx_bf16, amx_int8), bf16 and int8 products go through the
 // tile unit instead: the same packed bytes are its B operand (16 pairs or quads of one 16-column block = 16 rows of 64
 // bytes, 128 bytes apart), so 8 rows cost about what 1 costs, where on the vector path the dot
 // products, not memory, bound an 8-row product. The vector loop finishes the leftover K and the
@@ -104,17 +104,25 @@ void check_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
   }
 }
 
-// ---- int8 weights (weight-only: per-channel scales), activations quantized per row to uint8 ----
+// ---- int8 weights (weight-only: per-channel scales), activations as 16-bit integers per row ----
 //
 //   int8: [N/32 tiles][K/4 quads][2 blocks][16 lanes][4]  -> 128 contiguous bytes per (tile, quad)
 //
-// A row x is quantized to xq = round(x / sx) + 128 in 0..255 (sx = max |x| / 127), so that
-// _mm512_dpbusd_epi32 (unsigned x signed bytes, four products per int32 lane) accumulates
-// sum_k xq[k] q[n, k]; then y[n] = sx * s[n] * (acc[n] - 128 * qsum[n]) + bias[n].
+// A row x is quantized to x16 = round(x / sx) in -32767..32767 (sx = max |x| / 32767: finer than
+// bf16's own 8-bit mantissa, so the product is weight-only in effect; 8-bit activations cost a
+// real model 2% of held-out loss, docs/cpu_kernels.md), written as two byte rows that
+// _mm512_dpbusd_epi32 (unsigned x signed bytes, four products per int32 lane) takes like any other:
+//
+//   u = x16 + 32768 = 256 * hi + lo,  hi = (x16 >> 8) + 128 (zero point 128),  lo = u & 255
+//   sum_k x16[k] q[n, k] = 256 * (acc_hi[n] - 128 * qsum[n]) + acc_lo[n]
+//
+// so a row is two "byte rows" (hi, then lo) to the loops below, and
+// y[n] = sx * s[n] * (256 * (acc_hi[n] - 128 * qsum[n]) + acc_lo[n]) + bias[n].
 
 constexpr int64_t kQuadStep = 4 * kTile;  // int8 elements per (tile, quad): 128 bytes
 
-// y is fp32 or bf16 (uint16_t), the input's dtype
+// M byte rows (M / 2 rows of x, M even) -> y [M / 2, cols]; y is fp32 or bf16 (uint16_t), the
+// input's dtype
 template <int M, typename Out>
 void tile_int8(const uint8_t* xq, int64_t ldx, const float* sx, const int8_t* w, int64_t q0,
                int64_t quads, const int32_t* init, const float* scale, const int32_t* qsum,
@@ -146,14 +154,15 @@ void tile_int8(const uint8_t* xq, int64_t ldx, const float* sx, const int8_t* w,
   const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + kLanes);
   const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   const __m512 b1 = bias ? _mm512_loadu_ps(bias + kLanes) : _mm512_setzero_ps();
-  for (int m = 0; m < M; ++m) {
-    const __m512 r = _mm512_set1_ps(sx[m]);
-    const __m512 y0 = _mm512_fmadd_ps(
-        _mm512_cvtepi32_ps(_mm512_sub_epi32(acc0[m], z0)), _mm512_mul_ps(r, s0), b0);
-    const __m512 y1 = _mm512_fmadd_ps(
-        _mm512_cvtepi32_ps(_mm512_sub_epi32(acc1[m], z1)), _mm512_mul_ps(r, s1), b1);
-    store16(y + m * ldy, keep0, y0);
-    store16(y + m * ldy + kLanes, keep1, y1);
+  const __m512 hi = _mm512_set1_ps(256.f);
+  for (int m = 0; m + 1 < M; m += 2) {
+    const __m512 r = _mm512_set1_ps(sx[m / 2]);
+    const __m512 d0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc0[m], z0)), hi,
+                                      _mm512_cvtepi32_ps(acc0[m + 1]));
+    const __m512 d1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc1[m], z1)), hi,
+                                      _mm512_cvtepi32_ps(acc1[m + 1]));
+    store16(y + m / 2 * ldy, keep0, _mm512_fmadd_ps(d0, _mm512_mul_ps(r, s0), b0));
+    store16(y + m / 2 * ldy + kLanes, keep1, _mm512_fmadd_ps(d1, _mm512_mul_ps(r, s1), b1));
   }
 }
 
@@ -163,46 +172,49 @@ using Int8TileFn = void (*)(const uint8_t*, int64_t, const float*, const int8_t*
                             int64_t, int64_t);
 template <typename Out>
 constexpr Int8TileFn<Out> kInt8TileFns[kMaxRows + 1] = {
-    nullptr,           tile_int8<1, Out>, tile_int8<2, Out>, tile_int8<3, Out>, tile_int8<4, Out>,
-    tile_int8<5, Out>, tile_int8<6, Out>, tile_int8<7, Out>, tile_int8<8, Out>};
+    nullptr, nullptr, tile_int8<2, Out>, nullptr, tile_int8<4, Out>,
+    nullptr, tile_int8<6, Out>, nullptr, tile_int8<8, Out>};  // byte rows: two per row of x
 
-// one row of K values -> ldq bytes round(x / s) + 128 (128 past K), s = max |x| / 127 (1 if 0)
+// one row of K values -> x16 = round(x / s), s = max |x| / 32767 (1 if 0), as the byte rows hi
+// (zero point 128) and lo, ldq bytes each (x16 = 0 past K: hi 128, lo 0)
 template <typename T>
-void quantize_row(const T* row, int64_t k, uint8_t* out, int64_t ldq, float* scale) {
+void quantize_row(const T* row, int64_t k, uint8_t* hi, uint8_t* lo, int64_t ldq, float* scale) {
   __m512 amax = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; i += kLanes) {
     amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(row + i, first(k - i))));
   }
   const float top = _mm512_reduce_max_ps(amax);
-  const float s = top > 0.f ? top / 127.f : 1.f;
+  const float s = top > 0.f ? top / 32767.f : 1.f;
   *scale = s;
   const __m512 inv = _mm512_set1_ps(1.f / s);
-  const __m512i zero_point = _mm512_set1_epi32(128);
+  const __m512i offset = _mm512_set1_epi32(32768), low = _mm512_set1_epi32(255);
   for (int64_t i = 0; i < ldq; i += kLanes) {
     const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(row + i, first(k - i)), inv));
-    const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_add_epi32(q, zero_point));
-    _mm_mask_storeu_epi8(out + i, first(ldq - i), bytes);
+    const __m512i u = _mm512_add_epi32(q, offset);  // 1..65535
+    _mm_mask_storeu_epi8(hi + i, first(ldq - i), _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 8)));
+    _mm_mask_storeu_epi8(lo + i, first(ldq - i), _mm512_cvtepi32_epi8(_mm512_and_si512(u, low)));
   }
 }
 
-// x [M, K] (rows contiguous) -> xq [M, K padded to 4] uint8 (zero point 128), sx [M]
+// x [M, K] (rows contiguous) -> xq [2M, K padded to 4] uint8 (row m: byte rows 2m = hi, 2m + 1 =
+// lo), sx [M]
 void quantize_rows(const torch::Tensor& x, torch::Tensor& xq, torch::Tensor& sx) {
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   const torch::Tensor src = bf16 ? x.contiguous() : x.to(torch::kFloat32).contiguous();
   const int64_t rows = src.size(0), k = src.size(1), ldq = xq.size(1);
   for (int64_t m = 0; m < rows; ++m) {
-    uint8_t* out = xq.data_ptr<uint8_t>() + m * ldq;
+    uint8_t* out = xq.data_ptr<uint8_t>() + 2 * m * ldq;
     float* scale = sx.data_ptr<float>() + m;
     if (bf16) {
       quantize_row(reinterpret_cast<const uint16_t*>(src.data_ptr<at::BFloat16>()) + m * k, k, out,
-                   ldq, scale);
+                   out + ldq, ldq, scale);
     } else {
-      quantize_row(src.data_ptr<float>() + m * k, k, out, ldq, scale);
+      quantize_row(src.data_ptr<float>() + m * k, k, out, out + ldq, ldq, scale);
     }
   }
 }
 
-// ---- the tile unit (AMX): 1 to 8 rows (int8: 2 to 8) on CPUs that have it ----
+// ---- the tile unit (AMX): groups of 1 to 8 rows (int8: 2 to 16 byte rows) on CPUs that have it ----
 //
 // Tiles 0 and 1 hold activations (rows x 64 bytes: 16 pairs or quads), 2, 3, 6 and 7 weights (16
 // rows of 64 bytes, 128 bytes apart: one block of 16 packed steps), 4 and 5 the two blocks' sums
@@ -210,11 +222,10 @@ void quantize_rows(const torch::Tensor& x, torch::Tensor& xq, torch::Tensor& sx)
 // run; software prefetch measured slower here (the streams are sequential).
 
 constexpr int64_t kAmxSteps = 16;   // pairs (bf16) or quads (int8) per tile product
-// rows from which a product goes to the tile unit: a bf16 row streams ~10% faster through its tile
-// loads than through the vector loop; an int8 row streams alike on both, and the vector loop's
-// epilogue is then the shorter path (benchmarks/results/linears/)
-constexpr int64_t kAmxMinRowsBf16 = 1;
-constexpr int64_t kAmxMinRowsInt8 = 2;
+// every product of 16 steps or more goes to the tile unit where it is on: a bf16 row streams ~10%
+// faster through its tile loads than through the vector loop, and an int8 row (two byte rows)
+// ~7% faster (benchmarks/results/linears/)
+constexpr int64_t kAmxRows = 16;  // rows of one activation tile: an int8 group's byte rows
 constexpr int64_t kStepBytes = 128; // packed bytes per (tile, pair) or (tile, quad)
 
 std::atomic<bool> g_amx{false};
@@ -294,7 +305,7 @@ bool request_tile_state() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
 struct TileRun {
   bool amx;
   int64_t configured = 0;
-  alignas(64) int32_t sums[kMaxRows * kTile];
+  alignas(64) int32_t sums[kAmxRows * kTile];
 
   template <bool kInt8>
   int64_t start(const uint8_t* x, int64_t ldx, const uint8_t* w, int64_t steps, int64_t m) {
@@ -318,24 +329,28 @@ struct Int8Operands {  // linear_int8's checked inputs, as pointers
   int64_t rows, quads, n;
 };
 
-// every tile and row group of y [rows, n] (fp32 or bf16), tiles split over threads
+// every tile and row group of y [rows, n] (fp32 or bf16), tiles split over threads; a group is
+// 16 byte rows (8 rows of x) on the tile unit, 8 on the vector loop, whose epilogue takes 8 at a time
 template <typename Out>
 void run_int8(const Int8Operands& o, Out* y) {
-  const int64_t ldx = o.quads * 4, tiles = (o.n + kTile - 1) / kTile;
-  const bool amx = g_amx && o.rows >= kAmxMinRowsInt8 && o.quads >= kAmxSteps;
+  const int64_t ldx = o.quads * 4, tiles = (o.n + kTile - 1) / kTile, bytes = 2 * o.rows;
+  const bool amx = g_amx && o.quads >= kAmxSteps;
+  const int64_t group = amx ? kAmxRows : kMaxRows;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     TileRun run{amx};
     for (int64_t t = begin; t < end; ++t) {
       const int8_t* wt = o.w + t * o.quads * kQuadStep;
       const int64_t cols = std::min(kTile, o.n - t * kTile), c0 = t * kTile;
-      for (int64_t r = 0; r < o.rows; r += kMaxRows) {
-        const int64_t m = std::min(kMaxRows, o.rows - r);
+      for (int64_t r = 0; r < bytes; r += group) {
+        const int64_t m = std::min(group, bytes - r);
         const uint8_t* xr = o.xq + r * ldx;
-        const auto* wb = reinterpret_cast<const uint8_t*>(wt);
-        const int64_t q0 = run.start<true>(xr, ldx, wb, o.quads, m);
-        kInt8TileFns<Out>[m](xr, ldx, o.sx + r, wt, q0, o.quads, amx ? run.sums : nullptr,
-                             o.scale + c0, o.qsum + c0, o.bias ? o.bias + c0 : nullptr,
-                             y + r * o.n + c0, o.n, cols);
+        const int64_t q0 = run.start<true>(xr, ldx, reinterpret_cast<const uint8_t*>(wt), o.quads, m);
+        for (int64_t h = 0; h < m; h += kMaxRows) {
+          kInt8TileFns<Out>[std::min(kMaxRows, m - h)](
+              xr + h * ldx, ldx, o.sx + (r + h) / 2, wt, q0, o.quads,
+              amx ? run.sums + h * kTile : nullptr, o.scale + c0, o.qsum + c0,
+              o.bias ? o.bias + c0 : nullptr, y + (r + h) / 2 * o.n + c0, o.n, cols);
+        }
       }
     }
   });
@@ -360,7 +375,7 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed,
     TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->numel() == tiles * kTile,
                 "linear_int8: bias must be float32 with N padded to a multiple of 32");
   }
-  torch::Tensor xq = torch::empty({rows, quads * 4}, x.options().dtype(torch::kUInt8));
+  torch::Tensor xq = torch::empty({2 * rows, quads * 4}, x.options().dtype(torch::kUInt8));
   torch::Tensor sx = torch::empty({rows}, x.options().dtype(torch::kFloat32));
   quantize_rows(x, xq, sx);
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
@@ -385,7 +400,7 @@ void run_bf16(const uint16_t* xp, int64_t ldx, const uint16_t* wp, const float* 
               const uint16_t* base, int64_t ldb, int64_t rows, int64_t pairs, int64_t n, Out* yp,
               int64_t ldy) {
   const int64_t tiles = (n + kTile - 1) / kTile;
-  const bool amx = g_amx && rows >= kAmxMinRowsBf16 && pairs >= kAmxSteps;
+  const bool amx = g_amx && pairs >= kAmxSteps;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     TileRun run{amx};
     for (int64_t t = begin; t < end; ++t) {

@@ -4,7 +4,7 @@ torch.utils.cpp_extension (g++ and ninja) and loaded from build/cpu_kernels/ aft
 is redone when a source or the flags change.
 
 They are used where the CPU has the instructions (avx512f/bw/vl, avx512_bf16, avx512_vnni) unless
-SPARKRELAY_CPU_KERNELS=0; on a CPU with AMX their bf16 products (int8 ones from 2 rows) run on
+SPARKRELAY_CPU_KERNELS=0; on a CPU with AMX their bf16 and int8 products run on
 the tile unit unless SPARKRELAY_CPU_AMX=0 (so 8 rows cost about what one does). Anywhere else, or when the build fails
 (no compiler, no ninja), the linears stay on oneDNN (kernels.PackedLinear), and the reason is
 logged once as a warning: a missing kernel costs speed, never a start. Set-up builds them:
@@ -147,7 +147,7 @@ def amx_wanted() -> bool:
 
 
 def amx_on() -> bool:
-    """After load(): whether the kernels' products (int8: from 2 rows) run on AMX."""
+    """After load(): whether the kernels' products run on AMX."""
     load()
     return bool(_state["amx"])
 

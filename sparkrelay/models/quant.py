@@ -6,14 +6,17 @@ without a dequantized copy.
     y = x @ wᵀ ≈ (x @ qᵀ) * s                  torch.ops.aten._weight_int8pack_mm(x [T, in], q, s) -> [T, out]
 
 torchao's own int8 weight-only (0.18.0) dequantizes per call and was slower than bfloat16 F.linear,
-so on a CPU with AVX-512 VNNI the few rows of a decode step (up to kernels.KERNEL_ROWS) go through
-sparkrelay's int8 kernel (models/cpu_kernels.py: activations quantized per row, fp32 epilogue), and
-otherwise torch's kernel is used: it reads half the bytes of bfloat16 and wins at one row, but it is
-compute-bound and its cost grows with the rows. From DEQUANT_ROWS rows on (prefill, wide verifies),
-dequantizing the weight for the call (a temporary) and F.linear is faster. Figures: speed notes of
-docs/architecture.md. The LM head's fast copy is quantized too (a decode step reads it whole: at
-0.6B it is a quarter of the weights), with one scale per vocabulary row; the embedding table stays
-in the model dtype (a lookup reads one row).
+so on a CPU with AVX-512 VNNI sparkrelay's int8 kernel (models/cpu_kernels.py: activations as
+16-bit integers per row, weight-only in effect; exact int32 sums, fp32 epilogue) takes every call of
+fewer than `kernel_rows()` rows: a decode step, a DSpark verify or draft block of a whole batch, a
+prefill chunk (on the tile unit where the CPU has AMX). Above, dequantizing the weight for the call
+(a temporary) and F.linear is faster. Without the kernel, torch's int8 product runs below
+DEQUANT_ROWS rows: it reads half the bytes of bfloat16 and wins at one row, but its cost grows fast
+with the rows (56 rows of a drafter's linears: 2.6 ms in bfloat16, 53 ms in float32, against 0.3 ms
+through the kernel).
+Figures: docs/cpu_kernels.md, Dispatch. The LM head's fast copy is quantized too (a decode step
+reads it whole: at 0.6B it is a quarter of the weights), with one scale per vocabulary row; the
+embedding table stays in the model dtype (a lookup reads one row).
 """
 
 from __future__ import annotations
@@ -24,10 +27,19 @@ from torch import nn
 
 from sparkrelay.config import ConfigError
 from sparkrelay.models import cpu_kernels
-from sparkrelay.models.kernels import KERNEL_ROWS, AvxLinear, PackedLinear, TLinear
+from sparkrelay.models.kernels import AvxLinear, PackedLinear, TLinear
 
 TORCHAO_CONFIGS = ("", "int8wo")
-DEQUANT_ROWS = 64  # rows from which dequantize + F.linear beats the int8 kernel (measured: docs/architecture.md)
+# without the kernel: rows from which dequantize + F.linear beats torch's int8 product
+DEQUANT_ROWS = 64
+# rows from which dequantize + F.linear beats the kernel, on the tile unit or the vector loop (bf16
+# activations; float32 ones favour the kernel further): docs/architecture.md, speed notes
+KERNEL_INT8_ROWS = {"amx": 1024, "vector": 96}
+
+
+def kernel_rows() -> int:
+    """After cpu_kernels.load(): calls of fewer rows than this go through the int8 kernel."""
+    return KERNEL_INT8_ROWS["amx" if cpu_kernels.amx_on() else "vector"]
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,8 +67,9 @@ class Int8Linear(nn.Module):
         ext = cpu_kernels.load() if q.device.type == "cpu" else None
         # sparkrelay's kernel (csrc/cpu_decode_layer.cpp's KernelLinear, shared with the fused
         # decoder layer): its own packed copy, fp32 epilogue terms
-        self.kernel = None
+        self.kernel, self.kernel_rows = None, 0
         if ext is not None:
+            self.kernel_rows = kernel_rows()
             self.register_buffer("tiles", cpu_kernels.pack_int8(q), persistent=False)
             self.register_buffer(
                 "tile_scale", cpu_kernels.pad_to_tile(scales.float()), persistent=False
@@ -87,13 +100,13 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)  # [T, in]: the kernels take 2-D inputs only
         if (
             self.kernel is not None
-            and rows.shape[0] <= KERNEL_ROWS
+            and rows.shape[0] < self.kernel_rows
             and not torch.compiler.is_compiling()
         ):
             y = self.kernel(rows)  # [T, out], bias included
             return y.view(*x.shape[:-1], self.out_features)
         # torch's int8 product needs K a multiple of 16 (it crashes otherwise): dequantize then
-        if rows.shape[0] >= DEQUANT_ROWS or self.in_features % 16:
+        if self.kernel is not None or rows.shape[0] >= DEQUANT_ROWS or self.in_features % 16:
             y = F.linear(rows, self.weight)
         else:
             # [T, out]

@@ -171,7 +171,7 @@ def held_out_loss(
     model, ids: torch.Tensor, dtype: torch.dtype, seq: int = 48
 ) -> tuple[float, torch.Tensor]:
     """Mean next-token loss over windows of `ids`, and the argmax token at every position (windows
-    shorter than quant.DEQUANT_ROWS: the int8 kernel runs)."""
+    shorter than quant.kernel_rows(): the int8 kernel runs)."""
     losses, top = [], []
     for window in (w for w in ids.split(seq) if w.numel() == seq):
         pool = KVPool(
