@@ -157,9 +157,11 @@ SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path is 108 with its
 
 def socket_folder(prefix: str, longest_name: str) -> str:
     """A new private (0700) folder under TMPDIR for Unix sockets (ZMQ ipc://) named at most like
-    `longest_name`; a ConfigError naming TMPDIR when such a socket's path would be too long to
-    bind."""
-    folder = tempfile.mkdtemp(prefix=prefix)
+    `longest_name`, its name holding this process's pid; a ConfigError naming TMPDIR when such a
+    socket's path would be too long to bind. The folders of `prefix` whose process is gone are
+    removed first: a server killed by SIGKILL never reaches its own cleanup."""
+    remove_orphan_folders(prefix)
+    folder = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
     path = os.path.join(folder, longest_name)
     if len(path.encode()) > SOCKET_PATH_MAX:
         shutil.rmtree(folder, ignore_errors=True)
@@ -169,3 +171,31 @@ def socket_folder(prefix: str, longest_name: str) -> str:
             "shorter folder (e.g. /tmp)"
         )
     return folder
+
+
+def remove_orphan_folders(prefix: str) -> list[str]:
+    """Remove this user's `{prefix}{pid}-*` folders under TMPDIR whose pid no longer runs -> their
+    paths. A reused pid only keeps a stale folder a while longer; a live server's is never taken."""
+    root, removed = tempfile.gettempdir(), []
+    for name in os.listdir(root):
+        pid = name[len(prefix) :].split("-", 1)[0]
+        path = os.path.join(root, name)
+        if not (name.startswith(prefix) and pid.isdigit()) or pid_alive(int(pid)):
+            continue
+        try:
+            if os.stat(path).st_uid == os.getuid():
+                shutil.rmtree(path)
+                removed.append(path)
+        except OSError:  # gone meanwhile (another server swept it) or not ours to remove
+            pass
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
