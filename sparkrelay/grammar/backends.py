@@ -52,6 +52,9 @@ class Matcher(Protocol):
     def rollback(self, count: int) -> None:
         """Undo the last `count` consumed tokens."""
 
+    def allows(self, tokens: list[int]) -> bool:
+        """Whether the grammar takes `tokens`, in order, from the current state (left unchanged)."""
+
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """bitmask int32 [R, W]: row `row` gets the tokens allowed next, one bit each (token t is
         bit t % 32 of word t // 32)."""
@@ -114,6 +117,9 @@ class _LLMatcher:
     def rollback(self, count: int) -> None:
         if count:
             self._m.rollback(count)
+
+    def allows(self, tokens: list[int]) -> bool:
+        return self._m.validate_tokens(tokens) == len(tokens)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         v = bitmask[row]
@@ -180,6 +186,13 @@ class _XGMatcher:
     def rollback(self, count: int) -> None:
         if count:
             self._m.rollback(count)
+
+    def allows(self, tokens: list[int]) -> bool:
+        taken = 0
+        while taken < len(tokens) and self._m.accept_token(tokens[taken]):
+            taken += 1
+        self.rollback(taken)
+        return taken == len(tokens)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)

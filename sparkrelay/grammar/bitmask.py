@@ -37,13 +37,19 @@ def constrain(
     if bitmask is None or (rows is not None and not rows):
         return logits
     out = logits.to(torch.float32, copy=True)  # [R, V]
-    if rows is None or len(rows) == out.shape[0]:
-        _apply(out, bitmask if rows is None else bitmask[rows].contiguous())
-        return out
-    idx = torch.tensor(rows, dtype=torch.long, device=out.device)
-    part = out.index_select(0, idx)  # [M, V]
-    _apply(part, bitmask[rows].contiguous())
-    return out.index_copy_(0, idx, part)
+    ban_(out, bitmask, rows)
+    return out
+
+
+def ban_(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[list[int]] = None) -> None:
+    """In place: -inf on each banned token of `rows` (every row when None) of logits float32 [R, V]
+    (rows at any stride, V contiguous; bitmask int32 [R, W]): for a buffer the caller owns, such as
+    the drafter's slot logits, which need no copy."""
+    if rows is None or len(rows) == logits.shape[0]:
+        _apply(logits, bitmask.contiguous())
+        return
+    for r in rows:
+        _apply(logits[r : r + 1], bitmask[r : r + 1].contiguous())
 
 
 def _apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -345,6 +345,7 @@ class Qwen3DSparkModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequential sampling over the B slots (§2.2 step 3): Z_k = U_k + β(prev); prev_0 = anchor,
         prev_k = draft k-1. `constrain(k, prev [R], Z_k [R, V])` -> Z_k with banned tokens at -inf
+        (in place or a new tensor)
         (a grammar's mask), before the slot is sampled.
 
         u [R, B, V]; anchors [R]; temperature [R] (ignored where greedy [R] is True); h [R, B, d] (needed by the gated
@@ -380,7 +381,9 @@ class Qwen3DSparkModel(nn.Module):
                 hk = None if h is None else h[:, k]
                 state = self.markov_head.add_step(u[:, k], hk, prev, state, z, in_vocab)
             if constrain is not None:
-                masked = constrain(k, prev, z)  # z itself when no row of this slot is constrained
+                masked = constrain(
+                    k, prev, z
+                )  # z itself when it masked z in place (or had nothing to mask)
                 if masked is not z:
                     z.copy_(masked)
             pick = argmax(z)

@@ -127,7 +127,7 @@ class ModelRunner:
             self.shared_gen,
             [r.prompt_ids for r in reqs],
             [r.output_ids for r in reqs],
-            masks([r.grammar for r in reqs], logits.shape[1]),
+            masks([r.grammar for r in reqs], logits.shape[1], [r.params.greedy for r in reqs]),
         )
 
     def sampling_batch(

@@ -19,7 +19,6 @@ from typing import Hashable, Optional
 
 import torch
 
-from sparkrelay.grammar.bitmask import constrain
 from sparkrelay.grammar.rows import Masks
 from sparkrelay.models.argmax import argmax
 from sparkrelay.scheduler.request import SamplingParams
@@ -243,7 +242,7 @@ def draw(
     each grammar's banned tokens at -inf (`masks`: one row per logits row)."""
     scores = penalize(logits, params, prompts, outputs)
     if masks is not None:
-        scores = constrain(scores, masks.bitmask, masks.rows)
+        scores = masks.apply(scores, writable=scores is not logits)
     if all(p.greedy for p in params):
         return argmax(scores).tolist()
     return sample(scores, SamplingBatch.build(params, keys, gens), shared).tolist()

@@ -16,7 +16,6 @@ from typing import Optional
 
 import torch
 
-from sparkrelay.grammar.bitmask import constrain
 from sparkrelay.grammar.rows import DraftGuide, Masks
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.decoder import StageOutput
@@ -55,7 +54,12 @@ class SpecRunner(ModelRunner):
         tables = [r.block_ids for r in reqs]
         sb = self.sampling_batch(reqs)
         vocab = self.model.spec.vocab_size
-        guide = DraftGuide.of([r.grammar for r in reqs], self.proposer.block_size, vocab)
+        guide = DraftGuide.of(
+            [r.grammar for r in reqs],
+            self.proposer.block_size,
+            vocab,
+            [r.params.greedy for r in reqs],
+        )
         prop = self.proposer.propose(
             [r.all_ids[-1] for r in reqs],
             starts,
@@ -80,7 +84,7 @@ class SpecRunner(ModelRunner):
             prop.num_drafts,
             prop.draft_probs,
             self._target_probs(
-                reqs, n, drafts, out.logits, guide.verify_masks(n) if guide else None
+                reqs, n, drafts, out.logits, guide.verify_masks(n, drafts) if guide else None
             ),
             sb.greedy,
             sb.generators,
@@ -140,7 +144,7 @@ class SpecRunner(ModelRunner):
         other rows). Verify row j of request r follows d_1..d_j, so its penalty history is the request's tokens
         plus those drafts: exactly what plain decoding would have seen had they been accepted. The drafter itself
         proposes from unpenalised logits; that only lowers acceptance, never changes what is committed."""
-        reps = [k + 1 for k in n]
+        reps, raw = [k + 1 for k in n], logits
         # else the raw logits, as before penalties existed
         if any(r.params.penalized for r in reqs):
             rows = [r for r, k in zip(reqs, reps) for _ in range(k)]
@@ -151,9 +155,11 @@ class SpecRunner(ModelRunner):
             logits = penalize(
                 logits, [r.params for r in rows], [r.prompt_ids for r in rows], outputs
             )
-        # row j of a request with a grammar: its mask after d_1..d_j (grammar/rows.py DraftGuide)
+        # row j of a request with a grammar: its mask after d_1..d_j (grammar/rows.py DraftGuide);
+        # the raw logits are read again only for logprobs
         if masks is not None:
-            logits = constrain(logits, masks.bitmask, masks.rows)
+            fresh = logits is not raw or not any(r.params.return_logprob for r in reqs)
+            logits = masks.apply(logits, writable=fresh)
         greedy = all(r.params.greedy for r in reqs)
         # greedy verification only compares argmaxes of the rows a request verified
         probs = logits if greedy else filter_probs(logits, self.sampling_batch(reqs, reps))

@@ -12,7 +12,7 @@ import torch
 
 from sparkrelay.grammar import bitmask as bm
 from sparkrelay.grammar.backends import BACKENDS, Grammar, GrammarError, backend_class, check
-from sparkrelay.grammar.rows import DraftGuide
+from sparkrelay.grammar.rows import DraftGuide, masks
 from sparkrelay.models import cpu_kernels
 from sparkrelay.scheduler.request import RequestError, SamplingParams
 from testkit.models import BUNDLED
@@ -135,17 +135,17 @@ def test_draft_guide_masks_each_slot_and_keeps_them_for_verify(backend, tokenize
     for k in range(slots):
         z = torch.zeros(2, vocab)
         out = guide(k, prev, z)
-        assert torch.equal(out[0], z[0])  # no grammar: untouched
+        assert torch.equal(out[0], torch.zeros(vocab))  # no grammar: untouched
         if k <= 2:  # slots 0..2 follow the accepted drafts; the refused one closes the request
             want = _fresh_mask(backend, compiled, head + drafts[:k], vocab)
             allowed = torch.tensor([(int(want[t // 32]) >> (t % 32)) & 1 for t in range(vocab)])
             assert torch.equal(out[1] == 0, allowed.bool()), k
         else:
-            assert torch.equal(out[1], z[1]), k
+            assert torch.equal(out[1], torch.zeros(vocab)), k
         prev = torch.tensor([0, drafts[k]])
     guide.finish(torch.tensor([[0] * slots, drafts]))
     got = guide.verify_masks([2, slots])
-    assert got.rows == list(range(3, 3 + slots + 1))  # request 1's rows follow request 0's 3
+    assert got.rows == [3, 4, 5]  # request 1's rows follow request 0's 3; those under its grammar
     for j in range(3):
         assert torch.equal(
             got.bitmask[3 + j], _fresh_mask(backend, compiled, head + drafts[:j], vocab)
@@ -153,6 +153,93 @@ def test_draft_guide_masks_each_slot_and_keeps_them_for_verify(backend, tokenize
     # rows 3 and 4 of request 1 follow the refused draft: open
     assert torch.equal(got.bitmask[6:], bm.allowing_all(2, vocab))
     assert m.consume(good[0]) and m.consume(good[1])  # the matcher is where it was
+
+
+def _logits(vocab: int, *ranked: int) -> torch.Tensor:
+    """float32 [V]: the tokens `ranked` first, in that order, every other token below them."""
+    z = torch.zeros(vocab)
+    for i, t in enumerate(ranked):
+        z[t] = 10.0 - i
+    return z
+
+
+def _eager_argmax(backend, compiled, tokens: list[int], row: torch.Tensor) -> int:
+    """The argmax of `row` under the mask after `tokens`: what a fully masked row picks."""
+    out = bm.constrain(row[None].clone(), _fresh_mask(backend, compiled, tokens, len(row))[None])
+    return int(out[0].argmax())
+
+
+def test_a_greedy_row_is_masked_only_where_its_argmax_is_refused(backend, tokenizer):
+    """A greedy row whose argmax the grammar allows keeps its logits (same object, no mask
+    computed); one whose argmax is refused gets the full mask, so the pick is the masked argmax."""
+    compiled = backend.compile(Grammar("json_schema", SCHEMA))
+    m = backend.matcher(compiled)
+    head = tokenizer.encode('{"n": ')
+    for t in head:
+        assert m.consume(t)
+    vocab, four, x = len(tokenizer), tokenizer.encode("4")[0], tokenizer.encode("x")[0]
+    allowed = _logits(vocab, four, x)[None]
+    got = masks([m], vocab, [True])
+    assert got.rows == [] and got.apply(allowed) is allowed
+    refused = _logits(vocab, x, four)[None]
+    out = masks([m], vocab, [True]).apply(refused)
+    assert torch.equal(out[0] == float("-inf"), _fresh_mask_banned(backend, compiled, head, vocab))
+    assert int(out[0].argmax()) == four and refused[0, x] == 10.0  # the input is left alone
+    assert m.allows([four]) and not m.allows([x])  # and the matcher did not move
+
+
+def _fresh_mask_banned(backend, compiled, tokens: list[int], vocab: int) -> torch.Tensor:
+    want = _fresh_mask(backend, compiled, tokens, vocab)
+    return torch.tensor([not (int(want[t // 32]) >> (t % 32)) & 1 for t in range(vocab)])
+
+
+def test_greedy_verify_rows_settle_to_the_masked_argmax_up_to_the_first_mismatch(
+    backend, tokenizer
+):
+    """A greedy request's drafter slots and verify rows: a slot or row whose argmax is allowed is
+    not masked; the first verify row whose argmax is refused gets the mask after its drafts, and
+    every row up to the first mismatch picks what the fully masked row picks; rows after it are
+    never read (left alone)."""
+    compiled = backend.compile(Grammar("json_schema", SCHEMA))
+    m = backend.matcher(compiled)
+    head = tokenizer.encode('{"n": ')
+    for t in head:
+        assert m.consume(t)
+    drafts = tokenizer.encode('42, "ok"')[:3]
+    vocab, slots, x = len(tokenizer), 3, tokenizer.encode("x")[0]
+    guide = DraftGuide.of([m], slots, vocab, [True])
+    prev = torch.tensor([head[-1]])
+    for k in range(slots):  # slot 1's argmax is refused: masked there, its second choice drafted
+        z = _logits(vocab, x, drafts[k])[None] if k == 1 else _logits(vocab, drafts[k])[None]
+        before = z.clone()
+        out = guide(k, prev, z)
+        assert torch.equal(out, before) == (k != 1), k
+        assert int(out[0].argmax()) == drafts[k]
+        prev = torch.tensor([drafts[k]])
+    guide.finish(torch.tensor([drafts]))
+    seven = tokenizer.encode("7")[0]
+    cases = [  # verify rows 0..3 (after the anchor and drafts "4", "2", ",") and the rows masked
+        # row 1 refused, its masked argmax "7" is not the draft "2": rows 2 and 3 never read
+        ([[drafts[0]], [x, seven], [x], [x]], [1]),
+        # every refused row's masked argmax is its draft: the chain goes on to the last row
+        ([[drafts[0]], [x, drafts[1]], [x], [x]], [1, 2, 3]),
+    ]
+    for ranked, masked in cases:
+        logits = torch.stack([_logits(vocab, *r) for r in ranked])  # [4, V]
+        got = guide.verify_masks([slots], [drafts])
+        assert got.rows == []
+        out = got.apply(logits)
+        for j in range(4):
+            if j in masked:
+                banned = _fresh_mask_banned(backend, compiled, head + drafts[:j], vocab)
+                assert torch.equal(out[j] == float("-inf"), banned), (ranked, j)
+            else:
+                assert torch.equal(out[j], logits[j]), (ranked, j)
+            if j <= max(masked):  # rows up to the first mismatch pick what a masked row picks
+                want = _eager_argmax(backend, compiled, head + drafts[:j], logits[j])
+                assert int(out[j].argmax()) == want, (ranked, j)
+        assert int(out[1].argmax()) == (seven if masked == [1] else drafts[1])
+    assert m.allows(drafts) and m.consume(drafts[0])  # the matcher is where it began
 
 
 def test_descriptor_carries_a_sampling_sequence_mask():

@@ -20,15 +20,17 @@ import json
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
 from sparkrelay import LLM, SamplingParams
+from sparkrelay.grammar import rows as grammar_rows
 from sparkrelay.grammar.backends import BACKENDS, Grammar, backend_class, version
 from sparkrelay.grammar.bitmask import constrain
-from sparkrelay.grammar.rows import DraftGuide
+from sparkrelay.grammar.rows import Deferred, DraftGuide, Masks
 from sparkrelay.tools.bench import common as bc
 from sparkrelay.tools.bench.schemas import SCHEMAS, request_text
 from sparkrelay.tools.cluster import PDSettings, start_pd
@@ -150,9 +152,90 @@ def guided_round(matchers: list, drafts: list[list[int]], vocab: int) -> float:
     return time.perf_counter() - t0
 
 
-def backend_costs(model: str, answers: list[list[int]], repeats: int) -> list[dict]:
-    """Per backend: tokenizer tables (s), compile (ms, median of the twenty), and one batch-8
-    verify step's masks + -inf fill (ms, median and max over `repeats` steps)."""
+@contextmanager
+def grammar_clock() -> Iterator[dict]:
+    """While open: the seconds spent in the grammar's part of each DSpark round (the guide's slots,
+    its finish, the verify rows' masks) and the masks computed, summed into the dict it yields."""
+    acc = {"s": 0.0, "masks": 0}
+    timed = [(DraftGuide, n) for n in ("__init__", "__call__", "finish", "verify_masks")]
+    timed.append((Masks, "apply"))
+    saved = [(cls, n, getattr(cls, n)) for cls, n in timed]
+    fill_rows, fill_one = grammar_rows._fill, Deferred.fill
+
+    def clocked(f):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                acc["s"] += time.perf_counter() - t0
+
+        return run
+
+    def fill_counted(entries, bitmask):
+        acc["masks"] += len(entries)
+        fill_rows(entries, bitmask)
+
+    def one_counted(self, bitmask):
+        acc["masks"] += 1
+        fill_one(self, bitmask)
+
+    for cls, n, f in saved:
+        setattr(cls, n, clocked(f))
+    grammar_rows._fill, Deferred.fill = fill_counted, one_counted
+    try:
+        yield acc
+    finally:
+        for cls, n, f in saved:
+            setattr(cls, n, f)
+        grammar_rows._fill, Deferred.fill = fill_rows, fill_one
+
+
+def engine_rounds(model: str, drafter: str, backend: str, temperature: float) -> dict:
+    """The twenty schemas' requests through the DSpark engine, BATCH decoding at once (the rest
+    queued): the grammar's ms and masks in each decode round that ran BATCH of them (median and
+    max), and how many such rounds there were."""
+    llm = LLM(
+        model,
+        grammar_backend=backend,
+        speculative_algorithm="DSPARK",
+        speculative_draft_model_path=drafter,
+        max_running_requests=BATCH,
+    )
+    prompts = [chat_ids(llm.tokenizer, request_text(what)) for what, _ in SCHEMAS]
+    params = [
+        SamplingParams(
+            max_new_tokens=MAX_TOKENS, temperature=temperature, json_schema=json.dumps(schema)
+        )
+        for _, schema in SCHEMAS
+    ]
+    llm.generate(prompts[:1], params[:1])  # warm-up: the backend's tokenizer tables
+    runner, per_round = llm.engine.runner, []
+    run = runner.run
+
+    def timed_run(batch):
+        with grammar_clock() as acc:
+            out = run(batch)
+        if batch.kind == "decode" and len(batch.seqs) == BATCH:
+            per_round.append((1e3 * acc["s"], acc["masks"]))
+        return out
+
+    runner.run = timed_run
+    llm.generate(prompts, params)
+    llm.engine.close()
+    ms, masks = [r[0] for r in per_round], [r[1] for r in per_round]
+    return {
+        "rounds": len(per_round),
+        "ms_median": statistics.median(ms) if ms else None,
+        "ms_max": max(ms) if ms else None,
+        "masks_median": statistics.median(masks) if masks else None,
+    }
+
+
+def backend_costs(model: str, drafter: str, answers: list[list[int]], repeats: int) -> list[dict]:
+    """Per backend: tokenizer tables (s), compile (ms, median of the twenty), one synthetic batch-8
+    round with every row masked (ms, median and max over `repeats`), and the grammar's part of the
+    engine's own batch-8 DSpark rounds, greedy and at temperature 1 (engine_rounds)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
@@ -187,6 +270,8 @@ def backend_costs(model: str, answers: list[list[int]], repeats: int) -> list[di
                 "compile_ms": statistics.median(compile_ms),
                 "step_ms_median": statistics.median(steps),
                 "step_ms_max": max(steps),
+                "engine_greedy": engine_rounds(model, drafter, name, 0.0),
+                "engine_sampled": engine_rounds(model, drafter, name, 1.0),
             }
         )
     return out
@@ -210,7 +295,7 @@ def measure_model(key: str, args) -> dict:
         "pd_equals_plain": sum(a == b for a, b in zip(plain["texts"], pd["texts"])) if pd else None,
         "tau_grammar": spec["tau"],
         "tau_free": free["tau"],
-        "backends": backend_costs(model, plain["ids"], args.repeats),
+        "backends": backend_costs(model, drafter, plain["ids"], args.repeats),
         "examples": plain["texts"][:3],
     }
 
@@ -220,6 +305,13 @@ def _valid_cell(v: Optional[dict], n: int) -> str:
     if v is None:
         return "-"
     return f"{v['valid']}/{n} ({v['valid_of_stopped']}/{v['stopped']})"
+
+
+def _engine_cell(e: dict) -> str:
+    """'median / max; masks' of engine_rounds' figures."""
+    if not e["rounds"]:
+        return "-"
+    return f"{bc.fmt(e['ms_median'], 2)} / {bc.fmt(e['ms_max'], 2)}; {bc.fmt(e['masks_median'], 0)}"
 
 
 def report(args, record: dict) -> None:
@@ -257,8 +349,9 @@ def report(args, record: dict) -> None:
             b["backend"],
             bc.fmt(b["tables_s"], 2),
             bc.fmt(b["compile_ms"], 2),
-            bc.fmt(b["step_ms_median"], 2),
-            bc.fmt(b["step_ms_max"], 2),
+            f"{bc.fmt(b['step_ms_median'], 2)} / {bc.fmt(b['step_ms_max'], 2)}",
+            _engine_cell(b["engine_greedy"]),
+            _engine_cell(b["engine_sampled"]),
         ]
         for m in record["models"]
         for b in m["backends"]
@@ -269,8 +362,9 @@ def report(args, record: dict) -> None:
             "backend",
             "tokenizer tables (s)",
             "compile (ms, median)",
-            f"batch-{BATCH} DSpark round (ms, median)",
-            "(ms, max)",
+            "every row masked (ms, median / max)",
+            "engine, greedy (ms, median / max; masks)",
+            "engine, T=1 (ms, median / max; masks)",
         ],
         cost_rows,
     )
@@ -281,9 +375,14 @@ def report(args, record: dict) -> None:
         "(finish_reason stop; the others ran out of tokens). "
         "tau: DSpark's mean acceptance length over the twenty requests (bonus token included).",
         "",
-        f"What a grammar adds to one engine step: a DSpark round of {BATCH} requests, the drafter's "
-        f"{ROWS - 1} slots masked as they are sampled and the {ROWS} verify rows masked with the same "
-        "masks (matchers halfway through real answers), per backend:",
+        f"What a grammar adds to one engine step at batch {BATCH}, per backend. Every row masked: a "
+        f"synthetic DSpark round of {BATCH} requests, the drafter's {ROWS - 1} slots masked as they are "
+        f"sampled and the {ROWS} verify rows with the same masks (matchers halfway through real "
+        "answers), what a sampled round must do. Engine: the grammar's part (the drafter's slots, the "
+        "verify rows' masks, the matchers' walk) of each DSpark round of the engine that ran "
+        f"{BATCH} constrained requests at once (the twenty requests, {BATCH} decoding, the rest "
+        "queued), with the masks it computed: a greedy row is masked only where the grammar refuses "
+        "its argmax (grammar/rows.py).",
         "",
         costs,
     ]
@@ -298,10 +397,17 @@ def report(args, record: dict) -> None:
         out / "structured.png",
         groups,
         {
-            "median": [b["step_ms_median"] for m in record["models"] for b in m["backends"]],
-            "max": [b["step_ms_max"] for m in record["models"] for b in m["backends"]],
+            "every row masked": [
+                b["step_ms_median"] for m in record["models"] for b in m["backends"]
+            ],
+            "engine, greedy": [
+                b["engine_greedy"]["ms_median"] for m in record["models"] for b in m["backends"]
+            ],
+            "engine, T=1": [
+                b["engine_sampled"]["ms_median"] for m in record["models"] for b in m["backends"]
+            ],
         },
-        f"grammar work of a batch-{BATCH} DSpark round",
+        f"grammar work of a batch-{BATCH} DSpark round (median)",
         "ms per step",
     )
     print((out / "structured.md").read_text())
