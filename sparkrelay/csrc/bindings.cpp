@@ -16,6 +16,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sequence seq [T] and visible keys lengths [T] of each query -> [T, H, D] bf16");
   m.def("argmax_rows", &argmax_rows,
         "x [R, V] float32 or bf16 (V contiguous) -> int64 [R], as torch.argmax(x, -1)");
+  m.def("draw_rows", &draw_rows,
+        "weights [R, V] float32 >= 0, u [R] float64 in [0, 1) -> int64 [R]: the first index whose "
+        "running sum exceeds u * the row's total (a draw from the weights)");
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "logits [R, V] float32, in place: -inf where bitmask int32 [R, ceil(V / 32)] has a 0 bit");
   m.def("rms_norm_bf16", &rms_norm_bf16,

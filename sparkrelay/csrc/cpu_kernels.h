@@ -59,6 +59,9 @@ torch::Tensor decode_attention_bf16(const torch::Tensor& q, const torch::Tensor&
                                     double scale);
 // cpu_argmax.cpp
 torch::Tensor argmax_rows(const torch::Tensor& x);
+
+// cpu_draw.cpp
+torch::Tensor draw_rows(const torch::Tensor& weights, const torch::Tensor& u);
 // cpu_mask.cpp
 void apply_token_bitmask(torch::Tensor& logits, const torch::Tensor& bitmask);
 // cpu_norm.cpp

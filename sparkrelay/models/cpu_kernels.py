@@ -36,6 +36,7 @@ SOURCES = [
         "cpu_attention.cpp",
         "cpu_mask.cpp",
         "cpu_argmax.cpp",
+        "cpu_draw.cpp",
         "cpu_elementwise.cpp",
         "cpu_decode_layer.cpp",
         "cpu_markov.cpp",

@@ -23,6 +23,7 @@ from torch import nn
 from sparkrelay.models.argmax import argmax
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.decoder import DecoderLayer, DecoderSpec
+from sparkrelay.models.draw import draw_rows
 from sparkrelay.models.dspark_heads import ConfidenceHead, MarkovHead
 from sparkrelay.models.kernels import frozen_linear
 from sparkrelay.models.layers import RMSNorm, apply_rope, fuse_linears, rms_norm, transposed
@@ -349,7 +350,7 @@ class Qwen3DSparkModel(nn.Module):
         (a grammar's mask), before the slot is sampled.
 
         u [R, B, V]; anchors [R]; temperature [R] (ignored where greedy [R] is True); h [R, B, d] (needed by the gated
-        and RNN heads); noise from `generators[row]` when given, else `generator`.
+        and RNN heads); a row draws from `generators[row]` when given, else from `generator`.
         -> drafts [R, B] (long), Z [R, B, V] float32 (the draft distribution is softmax(Z_k / T)).
         `in_vocab` (after restrict_vocab, no `constrain`): u is over the draft vocabulary, V = Vh, and
         Z's column i is token vocab[i].
@@ -388,12 +389,8 @@ class Qwen3DSparkModel(nn.Module):
                     z.copy_(masked)
             pick = argmax(z)
             if not all_greedy:
-                noise = torch.empty_like(z).exponential_(generator=generator)
-                for row, gen in enumerate(generators or []):
-                    if gen is not None:
-                        noise[row].exponential_(generator=gen)
-                # exponential race: a draw from softmax
-                drawn = argmax(torch.softmax(z / temp, dim=-1) / noise)
+                own = generators or [None] * z.shape[0]
+                drawn = draw_rows(torch.softmax(z / temp, dim=-1), own, generator)
                 pick = torch.where(greedy, pick, drawn)
             prev = self.vocab[pick] if in_vocab else pick  # token ids
             drafts.append(prev)

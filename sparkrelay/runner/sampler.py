@@ -7,9 +7,8 @@ Penalties act on the raw logits before anything else (vLLM's rule, Hugging Face'
 batch whose requests all leave them at their defaults never calls `apply_penalties`. A grammar's
 mask comes next (banned tokens at -inf), then temperature and the filters.
 
-Sampling uses the exponential race (argmax of p / E with E ~ Exp(1) is a draw from p), so a request
-with its own seed gets its noise from its own generator and draws the same tokens whatever batch it
-shares.
+A row is drawn by models/draw.py (the inverse CDF, one uniform per row), so a request with its own
+seed takes its uniform from its own generator and draws the same tokens whatever batch it shares.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import torch
 
 from sparkrelay.grammar.rows import Masks
 from sparkrelay.models.argmax import argmax
+from sparkrelay.models.draw import draw_rows
 from sparkrelay.scheduler.request import SamplingParams
 
 
@@ -194,37 +194,12 @@ def filter_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return probs
 
 
-def exponential_noise(
-    shape: tuple[int, int],
-    generators: list[Optional[torch.Generator]],
-    shared: torch.Generator,
-    device: torch.device,
-) -> torch.Tensor:
-    """Exp(1) noise [R, V]: a seeded row's from its own generator, the others' from `shared`
-    (each row is filled once)."""
-    noise = torch.empty(shape, device=device)
-    unseeded = [row for row, gen in enumerate(generators) if gen is None]
-    if len(unseeded) == len(generators):
-        return noise.exponential_(generator=shared)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            noise[row].exponential_(generator=gen)
-    if unseeded:
-        idx = torch.tensor(unseeded, device=device)
-        noise[idx] = torch.empty(len(unseeded), shape[1], device=device).exponential_(
-            generator=shared
-        )
-    return noise
-
-
 def sample(logits: torch.Tensor, sb: SamplingBatch, shared: torch.Generator) -> torch.Tensor:
     """logits [R, V] -> token ids [R]."""
     greedy_ids = argmax(logits)
     if sb.all_greedy:
         return greedy_ids
-    probs = filter_probs(logits, sb)
-    noise = exponential_noise(tuple(probs.shape), sb.generators, shared, probs.device)
-    drawn = argmax(probs / noise)
+    drawn = draw_rows(filter_probs(logits, sb), sb.generators, shared)
     return torch.where(sb.greedy, greedy_ids, drawn)
 
 

@@ -19,30 +19,13 @@ from typing import Optional
 import torch
 
 from sparkrelay.models.argmax import argmax
+from sparkrelay.models.draw import draw_rows, row_uniforms
 
 
 @dataclass
 class VerifyResult:
     accepted: torch.Tensor  # [R] a: drafts accepted per row (0..n_r)
     next_ids: torch.Tensor  # [R] the correction or bonus token
-
-
-def _row_noise(
-    shape: tuple[int, ...],
-    kind: str,
-    generators: list[Optional[torch.Generator]],
-    shared: torch.Generator,
-    device: torch.device,
-) -> torch.Tensor:
-    """Per-row uniform or Exp(1) noise [R, *shape]; a row with its own generator draws from it."""
-    out = torch.empty((len(generators), *shape), device=device)
-    out.uniform_(generator=shared) if kind == "uniform" else out.exponential_(generator=shared)
-    for r, gen in enumerate(generators):
-        if gen is not None:
-            out[r].uniform_(generator=gen) if kind == "uniform" else out[r].exponential_(
-                generator=gen
-            )
-    return out
 
 
 def verify(
@@ -69,7 +52,7 @@ def verify(
     # [R, N] p_i(d_{i+1})
     p_d = target_probs[:, :n_max].gather(2, draft_ids.unsqueeze(2)).squeeze(2)
     q_d = draft_probs.gather(2, draft_ids.unsqueeze(2)).squeeze(2)  # [R, N] q_i(d_{i+1})
-    u = _row_noise((n_max,), "uniform", generators, shared, dev)
+    u = row_uniforms(generators, shared, n_max, device=dev)  # [R, N]
     ok_sampled = u < torch.clamp(p_d / q_d.clamp(min=1e-8), max=1.0)
     ok_greedy = draft_ids == argmax(target_probs[:, :n_max])
     ok = torch.where(greedy.unsqueeze(1), ok_greedy, ok_sampled) & valid
@@ -97,6 +80,5 @@ def _next_tokens(
     mass = residual.sum(dim=1, keepdim=True)
     use_residual = rejected & (mass > 1e-8)
     dist = torch.where(use_residual, residual / mass.clamp(min=1e-30), p_a)
-    noise = _row_noise((dist.shape[1],), "exponential", generators, shared, dist.device)
-    drawn = argmax(dist / noise)  # exponential race: a draw from `dist`
+    drawn = draw_rows(dist.contiguous(), generators, shared)
     return torch.where(greedy, argmax(p_a), drawn)

@@ -69,12 +69,14 @@ def test_ranking_the_batch_top_k_equals_sorting_the_vocabulary():
         assert abs(float(alone.sum()) - 1) < 1e-5
 
 
-def test_seeded_and_shared_rows_each_get_one_noise_draw():
-    from sparkrelay.runner.sampler import exponential_noise
+def test_a_seeded_row_draws_its_uniform_from_its_own_generator():
+    """Row 1's uniform is its generator's first draw wherever it sits in the batch; the other rows
+    come from the shared generator."""
+    from sparkrelay.models.draw import row_uniforms
 
     gens = [None, torch.Generator().manual_seed(5), None]
-    noise = exponential_noise((3, 64), gens, torch.Generator().manual_seed(1), torch.device("cpu"))
-    own = torch.empty(64).exponential_(generator=torch.Generator().manual_seed(5))
-    torch.testing.assert_close(noise[1], own)
-    shared = torch.empty(2, 64).exponential_(generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(noise[[0, 2]], shared)
+    u = row_uniforms(gens, torch.Generator().manual_seed(1), 4)
+    own = torch.empty(4).uniform_(generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(u[1], own)
+    shared = torch.empty(3, 4).uniform_(generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(u[[0, 2]], shared[[0, 2]])
