@@ -1,8 +1,7 @@
 // One draw per row from non-negative float32 weights by the inverse CDF: the first index whose
 // running sum exceeds u * total, sums in double. It replaces the exponential race (the argmax of
-// p / E, E ~ Exp(1)), which needs one exponential per vocabulary entry: torch's exponential_
-// takes ~20 ms for [8, 49,152] on this CPU, where a row here is two passes over data in cache and
-// one uniform. A zero weight is never drawn; the weights need not sum to one (a residual).
+// p / E, E ~ Exp(1)), which needs one exponential per vocabulary entry, where a row here is two
+// passes over data in cache and one uniform (figures: docs/architecture.md, speed notes). A zero weight is never drawn; the weights need not sum to one (a residual).
 
 #include "cpu_kernels.h"
 

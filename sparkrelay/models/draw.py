@@ -5,7 +5,8 @@ test use.
 A draw is the inverse CDF: the first index whose running sum of the row's weights exceeds u * the
 row's total, u one uniform from the row's generator, sums in double (csrc/cpu_draw.cpp, or torch's
 float64 cumsum where the kernel is not built). It replaced the exponential race (argmax of p / E,
-E ~ Exp(1)), whose one exponential per vocabulary entry cost ~20 ms a [8, 49,152] step here. A
+E ~ Exp(1)), whose one exponential per vocabulary entry was the slowest part of a sampled step
+(figures: docs/architecture.md, speed notes). A
 request with its own seed takes its uniform from its own generator, so its draws do not depend on
 the batch it shares; a zero weight is never drawn.
 """
