@@ -10,7 +10,9 @@ bfloat16, at one row and at several (figures: speed notes of docs/architecture.m
 Where the CPU has AVX-512 bf16, a bfloat16 weight is an AvxLinear: sparkrelay's own kernel
 (models/cpu_kernels.py) for the few rows of a decode step, oneDNN for more. Elsewhere, and for
 float32, every large weight is reordered once into oneDNN's blocked layout (PackedLinear, an opaque
-mkldnn tensor that `_linear_pointwise` reads as it is, for any row count). A small float32 weight (<
+mkldnn tensor that `_linear_pointwise` reads as it is, for any row count), but a bfloat16 one on a CPU
+whose oneDNN has no bfloat16 product (AVX2 only), which is widened once to float32 (WideLinear). A
+small float32 weight (<
 PACK_MIN_FP32
 elements: the bundled tiny model's) keeps both layouts (SmallLinear, a few MB at most): one row goes
 to MKL, whose `x @ weight_t` dispatches faster for a small weight, several rows (a DSpark verify or
@@ -200,18 +202,68 @@ def add_linear(
         kernel.add_into(x, base, out)
         return out
     out.copy_(base)
+    if isinstance(layer, WideLinear):  # its float32 product, rounded once in the sum
+        return out.add_(layer.product(x))
     return out.add_(layer.forward(x))
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 products on this CPU (avx512bw/vl/dq or avx_ne_convert): without
+    them it refuses to reorder a bfloat16 weight."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def can_pack(weight: torch.Tensor) -> bool:
     """oneDNN's packed product is the fast one for bfloat16 and float32 weights on CPU (module
-    docstring)."""
-    usable = weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-    return usable and weight.dtype in (torch.bfloat16, torch.float32)
+    docstring), bfloat16 only where oneDNN runs it."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and onednn_bf16())
+
+
+class WideLinear(nn.Module):
+    """A frozen bfloat16 Linear on a CPU where oneDNN has no bfloat16 product: the weight widened once
+    to float32 in oneDNN's packed layout, x widened per call, the result rounded to x's dtype. aten's
+    bfloat16 product there is scalar code, several times slower from 8 rows up (figures:
+    docs/cpu_kernels.md), so twice the weight's memory buys DSpark's verify and prefill their speed.
+    x [..., in] -> [..., out]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.wide = frozen_linear(weight.float(), None if bias is None else bias.float())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """[out, in] in bfloat16 (exact: widened from it)."""
+        return self.wide.weight.to(torch.bfloat16)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        b = self.wide.bias
+        return None if b is None else b.to(torch.bfloat16)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> float32 [..., out], never rounded to bfloat16."""
+        return self.wide(x.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x).to(x.dtype)
+
+
+def frozen_kinds() -> tuple[type[nn.Module], ...]:
+    """Every layer frozen_linear may return (what int8wo quantization and the roofline's step
+    profile look for)."""
+    return (TLinear, WideLinear, PackedLinear, AvxLinear)
 
 
 def frozen_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
     """weight [out, in] (+ bias [out]) -> the fastest frozen layer for its dtype and device (module docstring)."""
+    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not onednn_bf16():
+        return WideLinear(weight, bias)
     if not can_pack(weight):
         return TLinear(weight, bias)
     if weight.dtype == torch.bfloat16:

@@ -27,7 +27,7 @@ from torch import nn
 
 from sparkrelay.config import ConfigError
 from sparkrelay.models import cpu_kernels
-from sparkrelay.models.kernels import AvxLinear, PackedLinear, TLinear
+from sparkrelay.models.kernels import frozen_kinds
 
 TORCHAO_CONFIGS = ("", "int8wo")
 # without the kernel: rows from which dequantize + F.linear beats torch's int8 product
@@ -124,7 +124,8 @@ def quantize_int8wo(model: nn.Module, keep: tuple[str, ...] = ()) -> int:
         (parent, name, child)
         for path, parent in model.named_modules()
         for name, child in parent.named_children()
-        if isinstance(child, (TLinear, PackedLinear, AvxLinear))
+        if isinstance(child, frozen_kinds())
+        and not isinstance(parent, frozen_kinds())  # a layout kept inside one (AvxLinear's oneDNN)
         and f"{path}.{name}".lstrip(".") not in keep
     ]
     count = len(found)

@@ -13,12 +13,14 @@ from sparkrelay.disagg.handoff import build_schema
 from sparkrelay.disagg.schema import compare
 from sparkrelay.envs import DisaggEnv
 from sparkrelay.models.decoder import DecoderSpec
-from sparkrelay.models.kernels import AvxLinear, PackedLinear
+from sparkrelay.models.kernels import AvxLinear, PackedLinear, WideLinear, onednn_bf16
 from sparkrelay.models.loader import read_config
 from sparkrelay.models.quant import Int8Linear
 from testkit.models import BUNDLED, PROMPT_SOURCE, code_prompts
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+
+BF16_OFF = PackedLinear if onednn_bf16() else WideLinear  # with the kernels off
 
 
 @pytest.mark.parametrize("target, draft", [("", "int8wo"), ("int8wo", "unquant")])
@@ -35,11 +37,11 @@ def test_the_drafter_takes_its_own_weights_and_stays_lossless(bundled_drafter_di
         **settings,
     )
     drafter, model = llm.engine.proposer.drafter, llm.engine.runner.model
-    drafted = Int8Linear if draft == "int8wo" else (AvxLinear, PackedLinear)
+    drafted = Int8Linear if draft == "int8wo" else (AvxLinear, BF16_OFF)
     layers = [m for layer in drafter.layers for m in (layer.self_attn.qkv, layer.mlp.down_proj)]
     assert all(isinstance(m, drafted) for m in layers + [drafter.context.product])
     assert not isinstance(drafter.fc, Int8Linear)  # --dtype, as the prefill's column sums
-    target_kind = Int8Linear if target else (AvxLinear, PackedLinear)
+    target_kind = Int8Linear if target else (AvxLinear, BF16_OFF)
     assert isinstance(model.model.layers["0"].mlp.down_proj, target_kind)
     got = [o["output_ids"] for o in llm.generate(prompts, GREEDY)]
     assert llm.engine.stats()["spec_accept_length"] > 1.0

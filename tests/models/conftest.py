@@ -3,7 +3,7 @@ GGUF, dummy loads, kernels, the DSpark drafter and its context projection."""
 
 import pytest
 
-from sparkrelay.models import cpu_kernels
+from sparkrelay.models import cpu_kernels, kernels
 
 
 @pytest.fixture
@@ -13,3 +13,16 @@ def cpu_kernels_off(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_state", {})
     yield
     monkeypatch.setattr(cpu_kernels, "_state", {})
+
+
+@pytest.fixture(params=["onednn", "float32"])
+def bf16_fallback(request, monkeypatch):
+    """The layer kind a bfloat16 weight gets with the kernels off, both ways on every host: oneDNN's
+    packed product where it runs bfloat16, a float32 copy where it does not (forced here, so a CPU
+    with oneDNN bfloat16 tests that path too)."""
+    if request.param == "onednn":
+        if not kernels.onednn_bf16():
+            pytest.skip("oneDNN has no bfloat16 product on this CPU")
+        return kernels.PackedLinear
+    monkeypatch.setattr(kernels, "onednn_bf16", lambda: False)
+    return kernels.WideLinear

@@ -470,7 +470,8 @@ def test_the_environment_turns_them_off(cpu_kernels_off):
 
 def test_no_compiler_means_the_fallback(tmp_path):
     """PATH without a compiler and an empty build folder: one warning names the compiler and the
-    fallback, the bf16 linears are oneDNN's, and a bfloat16 model generates."""
+    fallback, the bf16 linears are oneDNN's (a float32 copy where oneDNN has no bf16), and a
+    bfloat16 model generates."""
     bin_dir = tmp_path / "bin"  # empty: no c++, no ninja (this interpreter is called by its path)
     bin_dir.mkdir()
     script = textwrap.dedent(f"""
@@ -478,10 +479,11 @@ def test_no_compiler_means_the_fallback(tmp_path):
         logging.basicConfig(level=logging.WARNING)
         from sparkrelay import LLM, SamplingParams
         from sparkrelay.models import cpu_kernels
-        from sparkrelay.models.kernels import PackedLinear, frozen_linear
+        from sparkrelay.models.kernels import WideLinear, PackedLinear, frozen_linear, onednn_bf16
         assert cpu_kernels.load() is None
         print("WHY", cpu_kernels.why_off())
-        assert isinstance(frozen_linear(torch.randn(64, 64).to(torch.bfloat16)), PackedLinear)
+        kind = PackedLinear if onednn_bf16() else WideLinear
+        assert isinstance(frozen_linear(torch.randn(64, 64).to(torch.bfloat16)), kind)
         llm = LLM({str(Path("models/tiny-qwen3").resolve())!r}, dtype="bfloat16", max_total_tokens=1024)
         out = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
         print("TOKENS", len(out[0]["output_ids"]))

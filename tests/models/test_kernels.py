@@ -19,6 +19,7 @@ from sparkrelay.models.kernels import (
     AvxLinear,
     PackedLinear,
     SmallLinear,
+    WideLinear,
     fast_head,
     frozen_linear,
 )
@@ -33,6 +34,8 @@ from testkit.models import PROMPT_SOURCE, code_prompts, make_random_qwen3
 
 BF16 = dict(rtol=1.6e-2, atol=2e-2)  # a bfloat16 ulp is 2^-8 relative; outputs here are O(1)
 ROWS = (1, 8, 33)
+# a bfloat16 weight's layer with the kernels off: oneDNN's where it runs bfloat16, else aten's
+BF16_OFF = PackedLinear if kernels.onednn_bf16() else WideLinear
 
 
 def weights(
@@ -48,10 +51,10 @@ def weights(
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(384, 256), (256, 768), (1000, 96)])
 @torch.inference_mode()
-def test_packed_bf16_equals_f_linear(rows, bias, shape, cpu_kernels_off):
+def test_packed_bf16_equals_f_linear(rows, bias, shape, cpu_kernels_off, bf16_fallback):
     w, b = weights(*shape, bias)
     layer = frozen_linear(w, b)
-    assert isinstance(layer, PackedLinear)
+    assert isinstance(layer, bf16_fallback)
     x = torch.randn(rows, shape[1]).to(torch.bfloat16)
     got = layer(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, shape[0])
@@ -84,7 +87,7 @@ def test_float32_layouts(rows, cpu_kernels_off):
         )
     # CPU heads get a packed copy
     assert isinstance(fast_head(torch.randn(100_000, 64)), PackedLinear)
-    assert isinstance(fast_head(torch.randn(1000, 64).to(torch.bfloat16)), PackedLinear)
+    assert isinstance(fast_head(torch.randn(1000, 64).to(torch.bfloat16)), BF16_OFF)
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -93,7 +96,7 @@ def test_float32_layouts(rows, cpu_kernels_off):
 def test_fused_qkv_packed_equals_separate_products(rows, bias, cpu_kernels_off):
     lins = [nn.Linear(128, n, bias=bias).to(torch.bfloat16) for n in (256, 64, 64)]
     fused = fuse_linears(*lins)
-    assert isinstance(fused, PackedLinear)
+    assert isinstance(fused, BF16_OFF)
     x = torch.randn(rows, 128).to(torch.bfloat16)
     want = torch.cat([F.linear(x, l.weight, l.bias) for l in lins], dim=-1)  # [T, 384]
     torch.testing.assert_close(fused(x), want, **BF16)
@@ -230,13 +233,13 @@ def test_dspark_bf16_drafter_is_packed_and_accepts(bundled_model_dir, bundled_dr
         **settings,
     )
     drafter = llm.engine.proposer.drafter
-    kind = Int8Linear if tao else (PackedLinear, AvxLinear)  # AvxLinear: sparkrelay's kernels
+    kind = Int8Linear if tao else (BF16_OFF, AvxLinear)  # AvxLinear: sparkrelay's kernels
     assert all(
         isinstance(m, kind) for l in drafter.layers for m in (l.self_attn.qkv, l.mlp.down_proj)
     )
     assert isinstance(drafter.context.product, kind)  # every layer's context k/v
     # fc stays in --dtype under int8wo: a draft-kv prefill sums its column blocks in --dtype
-    assert isinstance(drafter.fc, (PackedLinear, AvxLinear))
+    assert isinstance(drafter.fc, (BF16_OFF, AvxLinear))
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
     same = sum(a["output_ids"] == b for a, b in zip(outs, plain))
     print(
@@ -257,7 +260,7 @@ def test_layers_compile(kind):
     """--enable-torch-compile: inductor takes both layers (the packed weight through an opaque
     op)."""
     w, b = weights(256, 128, True, seed=2)
-    layer = PackedLinear(w, b) if kind == "packed" else Int8Linear(w, b, torch.bfloat16)
+    layer = BF16_OFF(w, b) if kind == "packed" else Int8Linear(w, b, torch.bfloat16)
     compiled = torch.compile(layer.forward, dynamic=True)
     for rows in (1, 5):
         x = torch.randn(rows, 128).to(torch.bfloat16)

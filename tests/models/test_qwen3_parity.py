@@ -71,7 +71,9 @@ def test_taps_equal_hidden_states(model_dir):
     taps = tuple(range(-1, n - 1))
     out = run_stage(ours, fresh_pool(ours), ids, 0, len(ids), list(range(8)), 4, taps=taps)
     for i in taps:
-        torch.testing.assert_close(out.taps[i], ref[i + 1][0], atol=1e-5, rtol=0, msg=f"tap {i}")
+        # float32 rounding: the residual stream reaches ~15 on the bundled model, where a float32 ulp
+        # is ~1e-6 and the CPU's reduction order (AVX-512 or AVX2 oneDNN) moves a value by a few
+        torch.testing.assert_close(out.taps[i], ref[i + 1][0], atol=1e-5, rtol=2e-6, msg=f"tap {i}")
 
 
 @torch.inference_mode()

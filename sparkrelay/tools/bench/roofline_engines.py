@@ -190,10 +190,10 @@ def outer_linears(model) -> list:
     copy for many rows): what the step profile times."""
     from torch import nn
 
-    from sparkrelay.models.kernels import AvxLinear, PackedLinear, TLinear
+    from sparkrelay.models.kernels import frozen_kinds
     from sparkrelay.models.quant import Int8Linear
 
-    kinds = (nn.Linear, TLinear, PackedLinear, AvxLinear, Int8Linear)
+    kinds = (nn.Linear, Int8Linear, *frozen_kinds())
     chosen: list[str] = []
     for name, module in model.named_modules():  # parents before their children
         if isinstance(module, kinds) and not any(name.startswith(c + ".") for c in chosen):
