@@ -38,6 +38,7 @@ from sparkrelay.models.loader import (
     decoder_key_owner,
     is_dummy,
     load_weights,
+    on_meta,
     read_config,
 )
 
@@ -384,7 +385,7 @@ def load_causal_lm(
     # an unserved architecture; an unsupported RoPE kind stays NotImplementedError
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    with torch.device("meta"):
+    with on_meta():
         model = CausalLM(spec, start, end, device=device)
     model = model.to(dtype).to_empty(device=device)  # allocated once, in `dtype`
     model.rotary = spec.rotary(device)

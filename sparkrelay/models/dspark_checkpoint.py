@@ -24,6 +24,7 @@ from sparkrelay.models.loader import (
     checkpoint_tensors,
     is_dummy,
     load_weights,
+    on_meta,
     read_config,
 )
 
@@ -185,7 +186,7 @@ def load_dspark(
             f"{folder}: architectures {archs!r} is not [{ARCHITECTURE!r}] (not a Qwen3 DSpark/DFlash drafter)"
         )
     spec = DSparkSpec.from_hf(hf, target_spec)
-    with torch.device("meta"):
+    with on_meta():
         model = Qwen3DSparkModel(spec, device="cpu")
     model = model.to(dtype).to_empty(device=device)  # allocated once, in `dtype`
     model.rotary = spec.body.rotary(device)

@@ -36,6 +36,7 @@ from sparkrelay.models.loader import (
     CheckpointError,
     is_dummy,
     load_weights,
+    on_meta,
     read_config,
 )
 
@@ -109,7 +110,7 @@ class ContextProjector(nn.Module):
 def _drafter_names(spec: DSparkSpec) -> set[str]:
     """Every parameter name of the full drafter (built on the meta device: no memory, nothing
     read)."""
-    with torch.device("meta"):
+    with on_meta():
         return {name for name, _ in Qwen3DSparkModel(spec, device="meta").named_parameters()}
 
 
@@ -130,7 +131,7 @@ def load_context_projector(
             f"{folder}: architectures {hf.get('architectures')!r} is not [{ARCHITECTURE!r}]"
         )
     spec = DSparkSpec.from_hf(hf, target_spec)
-    with torch.device("meta"):
+    with on_meta():
         model = ContextProjector(spec, device="meta")
     model = model.to(dtype).to_empty(device=device)
     s = spec.body

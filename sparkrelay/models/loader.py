@@ -8,6 +8,7 @@ an error that names the keys.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -32,6 +33,24 @@ SHAPE_FIELDS = (
     "num_hidden_layers",
     "num_attention_heads",
 )
+
+
+INITIALIZERS = ("uniform_", "normal_", "kaiming_uniform_", "ones_", "zeros_", "constant_")
+
+
+@contextlib.contextmanager
+def on_meta() -> Iterator[None]:
+    """Build modules on the meta device with their initializers skipped (the weights are loaded
+    after): initializing a meta tensor imports torch._dynamo, ~2.4 s of a server's start here."""
+    saved = {name: getattr(nn.init, name) for name in INITIALIZERS}
+    for name in INITIALIZERS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 class CheckpointError(ValueError):

@@ -27,6 +27,7 @@ from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.models.attention import AttnMeta
 from sparkrelay.models.decoder import CausalLM, StageOutput
 from sparkrelay.models.dspark_context import ContextProjector, load_context_projector
+from sparkrelay.models.loader import on_meta
 from sparkrelay.models.quant import apply_torchao_config
 from sparkrelay.pipeline.capture import CaptureSpec, StagePayload
 from sparkrelay.pipeline.descriptor import MicroBatch, SeqDesc, reply_shape, token_width
@@ -106,7 +107,7 @@ def model_view(full: CausalLM, start: int, end: int) -> CausalLM:
     loading)."""
     if (full.start, full.end) == (start, end):
         return full
-    with torch.device("meta"):
+    with on_meta():
         view = CausalLM(full.spec, start, end, device="meta")
     view.model.embed_tokens = full.model.embed_tokens if start == 0 else None
     view.model.layers = nn.ModuleDict(

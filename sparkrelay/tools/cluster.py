@@ -141,6 +141,40 @@ def healthy(url: str, path: str = "/health") -> bool:
         return False
 
 
+def launch(
+    name: str, argv: list[str], port: int, log_dir: str, env: Optional[dict] = None
+) -> Server:
+    """Run `argv` in its own process group, its output in log_dir/NAME.log; does not wait."""
+    log = open(os.path.join(log_dir, f"{name}.log"), "w")
+    proc = subprocess.Popen(
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
+    return Server(name, f"http://127.0.0.1:{port}", proc, log.name)
+
+
+def wait_healthy(server: Server, timeout: float = 180.0, health: str = "/health") -> Server:
+    """Until GET url+health answers 200; a server that exits or stays unhealthy past `timeout` is
+    stopped and raises with its log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(
+                f"{server.name} exited with code {server.proc.returncode}:\n{server.log_tail()}"
+            )
+        if healthy(server.url, health):
+            return server
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(
+        f"{server.name} did not become healthy within {timeout:.0f} s:\n{server.log_tail()}"
+    )
+
+
 def start(
     name: str,
     argv: list[str],
@@ -150,31 +184,8 @@ def start(
     timeout: float = 180.0,
     health: str = "/health",
 ) -> Server:
-    """Run `argv` in its own process group, wait until GET url+health answers 200 (or fail with its
-    log)."""
-    log_path = os.path.join(log_dir, f"{name}.log")
-    log = open(log_path, "w")
-    full_env = {**os.environ, **(env or {})}
-    proc = subprocess.Popen(
-        argv,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=full_env,
-        start_new_session=True,
-        stdin=subprocess.DEVNULL,
-    )
-    server = Server(name, f"http://127.0.0.1:{port}", proc, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{server.log_tail()}")
-        if healthy(server.url, health):
-            return server
-        time.sleep(0.2)
-    server.stop()
-    raise RuntimeError(
-        f"{name} did not become healthy within {timeout:.0f} s:\n{server.log_tail()}"
-    )
+    """launch, then wait_healthy."""
+    return wait_healthy(launch(name, argv, port, log_dir, env), timeout, health)
 
 
 @dataclass
@@ -233,7 +244,9 @@ def start_pd(s: PDSettings, log_dir: str) -> PDCluster:
     boot, pport, dport = free_port(), free_port(), free_port()
     common = ["--dspark-pd-handoff", s.handoff]
     draft = ["--speculative-draft-model-path", s.drafter] if s.drafter else []
-    prefill = start(
+    # both start at once (neither needs the other to come up): their imports and model loads
+    # overlap, which about halves a PD deployment's start on two cores
+    prefill = launch(
         "prefill",
         server_argv(
             s.model,
@@ -254,9 +267,10 @@ def start_pd(s: PDSettings, log_dir: str) -> PDCluster:
         log_dir,
         {**s.env, **s.prefill_env},
     )
+    decode: Optional[Server] = None
     try:
         spec = ["--speculative-algorithm", "DSPARK", *draft] if s.drafter else []
-        decode = start(
+        decode = launch(
             "decode",
             server_argv(
                 s.model,
@@ -275,8 +289,12 @@ def start_pd(s: PDSettings, log_dir: str) -> PDCluster:
             log_dir,
             {**s.env, **s.decode_env},
         )
+        wait_healthy(prefill)
+        wait_healthy(decode)
     except BaseException:
-        prefill.stop()
+        for server in (prefill, decode):
+            if server is not None:
+                server.stop()
         raise
     cluster = PDCluster(prefill, decode, None, boot)
     if s.router != "none":
