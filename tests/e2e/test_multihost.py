@@ -351,6 +351,7 @@ def aggregated_nodes(h: Hosts, tmp_path: Path) -> Deployment:
     return d
 
 
+@pytest.mark.slow  # ~34 s; the default run keeps test_pp2_prefill_across_hosts_dspark_decode_router
 def test_pp4_over_two_hosts_equals_one_host_and_stops_cleanly(tmp_path, prompts):
     """Greedy tokens of a PP=4 server over two hosts equal plain one-process decoding; SIGTERM to node 0 stops
     node 1 too, with exit code 0."""

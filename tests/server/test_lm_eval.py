@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from testkit.http import UvicornThread, make_app
 
 MC = [
@@ -44,6 +46,8 @@ def _tasks(folder: Path) -> Path:
     return folder
 
 
+# ~42 s: lm-eval, a server and its hf model on SmolLM2; echo scoring: test_echo.py (default run)
+@pytest.mark.slow
 def test_lm_eval_through_the_server_equals_its_hf_model(tmp_path, smollm2_dir):
     import lm_eval  # a test extra
     from lm_eval.tasks import TaskManager

@@ -391,6 +391,7 @@ def test_roofline_on_a_config_without_weights(tiny_pair, tmp_path):
     assert spark["greedy_agreement"] == 1.0  # the same dummy weights in both engines
 
 
+@pytest.mark.slow  # ~17 s: the roofline tool twice; its one-run files: test_roofline_run_writes_consistent_files
 def test_roofline_resume_keeps_finished_rows(tiny_pair, tmp_path, monkeypatch):
     import torch
 

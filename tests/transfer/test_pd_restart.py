@@ -320,6 +320,9 @@ def _pair(pool, prefill_url: str, decode_url: str, boot: int, timeout: float = 6
     return fp.result(timeout + 5), fd.result(timeout + 5)
 
 
+# ~34 s: two real servers; test_schema_mismatch_then_fixed_prefill_serves_the_next_room covers the
+# rule in the default run
+@pytest.mark.slow
 def test_restarted_prefill_after_schema_mismatch_serves_the_next_request(tmp_path):
     boot, pport, dport = free_port(), free_port(), free_port()
     prefill = _prefill("prefill-tail", pport, boot, str(tmp_path), "tail")
