@@ -92,9 +92,21 @@ def _group(pgid: int) -> list[int]:
     return pids
 
 
+def _listens() -> list[tuple[int, str]]:
+    """(port, socket inode) of every TCP socket in LISTEN state on this host, IPv4 and IPv6."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A":  # LISTEN
+                    out.append((int(cols[1].rsplit(":", 1)[1], 16), cols[9]))
+    return out
+
+
 def _listening_ports(pgid: int) -> set[int]:
     """The TCP ports the group's processes listen on (their socket inodes looked up in
-    /proc/net/tcp)."""
+    /proc/net/tcp and tcp6)."""
     inodes = set()
     for pid in _group(pgid):
         with contextlib.suppress(OSError):
@@ -103,31 +115,17 @@ def _listening_ports(pgid: int) -> set[int]:
                     target = os.readlink(f"/proc/{pid}/fd/{fd}")
                     if target.startswith("socket:["):
                         inodes.add(target[8:-1])
-    ports = set()
-    with contextlib.suppress(OSError), open("/proc/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            cols = line.split()
-            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
-                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
-    return ports
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        # as the servers bind: TIME_WAIT does not count
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+    return {port for port, inode in _listens() if inode in inodes}
 
 
 def _wait_gone(pgid: int, ports: set[int], timeout: float) -> None:
-    """Until no process of the group runs and the ports it listened on can be bound again: a killed
-    process's sockets are closed after it stops running, not always before its parent reaps it."""
+    """Until no process of the group runs and no socket listens on the ports it listened on: a
+    killed process's sockets are closed after it stops running, not always before its parent reaps
+    it. (Not until each port can be bound again: a transfer library's port, bound without
+    SO_REUSEADDR, stays unbindable for the kernel's FIN timeout while its peers hold connections
+    to it; sparkrelay's own servers bind with SO_REUSEADDR.)"""
     deadline = time.monotonic() + timeout
-    while _group(pgid) or not all(map(_port_free, ports)):
+    while _group(pgid) or ports & {port for port, _ in _listens()}:
         if time.monotonic() > deadline:
             return
         time.sleep(0.02)
