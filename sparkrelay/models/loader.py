@@ -41,7 +41,8 @@ INITIALIZERS = ("uniform_", "normal_", "kaiming_uniform_", "ones_", "zeros_", "c
 @contextlib.contextmanager
 def on_meta() -> Iterator[None]:
     """Build modules on the meta device with their initializers skipped (the weights are loaded
-    after): initializing a meta tensor imports torch._dynamo, ~2.4 s of a server's start here."""
+    after): initializing a meta tensor imports torch._dynamo, a large part of a server's start (figure:
+    docs/architecture.md)."""
     saved = {name: getattr(nn.init, name) for name in INITIALIZERS}
     for name in INITIALIZERS:
         setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)

@@ -235,58 +235,30 @@ def server_argv(model: str, port: int, extra: list[str]) -> list[str]:
     ]
 
 
+def _role_flags(s: PDSettings, role: str, boot: int) -> list[str]:
+    """launch_server flags of the prefill or decode server of `s` (after the model and port)."""
+    draft = ["--speculative-draft-model-path", s.drafter] if s.drafter else []
+    common = ["--disaggregation-mode", role, "--disaggregation-bootstrap-port", str(boot)]
+    handoff = ["--dspark-pd-handoff", s.handoff]
+    if role == "prefill":
+        return [*common, "--pp-size", str(s.pp_size), *draft, *handoff, *s.prefill_args]
+    spec = ["--speculative-algorithm", "DSPARK", *draft] if s.drafter else []
+    return [*common, *spec, *handoff, *s.decode_args]
+
+
 def start_pd(s: PDSettings, log_dir: str) -> PDCluster:
     """Prefill (--pp-size, no drafter: it reads only the drafter's config, or its context weights
     for draft-kv), decode (DSpark when a drafter is given), and a router in front unless s.router ==
     'none'."""
     boot, pport, dport = free_port(), free_port(), free_port()
-    common = ["--dspark-pd-handoff", s.handoff]
-    draft = ["--speculative-draft-model-path", s.drafter] if s.drafter else []
     # both start at once (neither needs the other to come up): their imports and model loads
     # overlap, which about halves a PD deployment's start on two cores
-    prefill = launch(
-        "prefill",
-        server_argv(
-            s.model,
-            pport,
-            [
-                "--disaggregation-mode",
-                "prefill",
-                "--pp-size",
-                str(s.pp_size),
-                "--disaggregation-bootstrap-port",
-                str(boot),
-                *draft,
-                *common,
-                *s.prefill_args,
-            ],
-        ),
-        pport,
-        log_dir,
-        {**s.env, **s.prefill_env},
-    )
+    prefill_argv = server_argv(s.model, pport, _role_flags(s, "prefill", boot))
+    prefill = launch("prefill", prefill_argv, pport, log_dir, {**s.env, **s.prefill_env})
     decode: Optional[Server] = None
     try:
-        spec = ["--speculative-algorithm", "DSPARK", *draft] if s.drafter else []
-        decode = launch(
-            "decode",
-            server_argv(
-                s.model,
-                dport,
-                [
-                    "--disaggregation-mode",
-                    "decode",
-                    "--disaggregation-bootstrap-port",
-                    str(boot),
-                    *spec,
-                    *common,
-                    *s.decode_args,
-                ],
-            ),
-            dport,
-            log_dir,
-            {**s.env, **s.decode_env},
-        )
+        decode_argv = server_argv(s.model, dport, _role_flags(s, "decode", boot))
+        decode = launch("decode", decode_argv, dport, log_dir, {**s.env, **s.decode_env})
         wait_healthy(prefill)
         wait_healthy(decode)
     except BaseException:
