@@ -6,6 +6,7 @@ loop."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -46,7 +47,18 @@ def check_device(device: str) -> torch.device:
 
 def load_tokenizer(path: str, chat_template: Optional[str] = None):
     """The tokenizer of a model folder, or of a GGUF file (its vocabulary, merges and chat
-    template); `chat_template`: a Jinja file that replaces its template (--chat-template)."""
+    template); `chat_template`: a Jinja file that replaces its template (--chat-template). Loaded once
+    per process and path (until the path changes): the forked engine process gets the HTTP
+    process's, where a GGUF file's vocabulary alone takes ~12 s to parse."""
+    try:
+        stamp = os.stat(path).st_mtime_ns
+    except OSError:
+        stamp = None  # a hub id or a missing path: transformers says what is wrong
+    return _load_tokenizer(path, chat_template, stamp)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer(path: str, chat_template: Optional[str], stamp: Optional[int]):
     from transformers import AutoTokenizer
 
     if is_gguf(path):

@@ -38,6 +38,7 @@ from sparkrelay.models.loader import (
     decoder_key_owner,
     is_dummy,
     load_weights,
+    materialize,
     on_meta,
     read_config,
 )
@@ -387,7 +388,7 @@ def load_causal_lm(
         raise CheckpointError(f"{path}: {e}") from None
     with on_meta():
         model = CausalLM(spec, start, end, device=device)
-    model = model.to(dtype).to_empty(device=device)  # allocated once, in `dtype`
+    model = materialize(model, dtype, device)  # allocated once, in `dtype`
     model.rotary = spec.rotary(device)
     if spec.tie_word_embeddings and model.is_last and model.model.embed_tokens is not None:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -24,6 +24,7 @@ from sparkrelay.models.loader import (
     checkpoint_tensors,
     is_dummy,
     load_weights,
+    materialize,
     on_meta,
     read_config,
 )
@@ -188,7 +189,7 @@ def load_dspark(
     spec = DSparkSpec.from_hf(hf, target_spec)
     with on_meta():
         model = Qwen3DSparkModel(spec, device="cpu")
-    model = model.to(dtype).to_empty(device=device)  # allocated once, in `dtype`
+    model = materialize(model, dtype, device)  # allocated once, in `dtype`
     model.rotary = spec.body.rotary(device)
     shares = {"embed_tokens": share_embedding_from, "lm_head": share_lm_head_from}
     # dummy: the embedding and LM head are the target's (frozen copies in a released drafter), never

@@ -36,6 +36,7 @@ from sparkrelay.models.loader import (
     CheckpointError,
     is_dummy,
     load_weights,
+    materialize,
     on_meta,
     read_config,
 )
@@ -133,7 +134,7 @@ def load_context_projector(
     spec = DSparkSpec.from_hf(hf, target_spec)
     with on_meta():
         model = ContextProjector(spec, device="meta")
-    model = model.to(dtype).to_empty(device=device)
+    model = materialize(model, dtype, device)  # allocated once, in `dtype`
     s = spec.body
     model.rotary = s.rotary(device)
     if dummy:

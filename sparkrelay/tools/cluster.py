@@ -6,30 +6,83 @@ sglang-router's)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 _HANDED_OUT: set[int] = set()
+# ports handed out by any process of this user on this host, with when: a server binds its port
+# seconds after it is chosen, and another process (a second deployment, a parallel test worker)
+# must not be given it meanwhile
+LEDGER = Path("/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()) / (
+    f"sparkrelay-ports-{os.getuid()}"
+)
+LEDGER_S = 600.0  # an entry older than this is forgotten: its server has bound the port, or failed
+FIRST_PORT = 10000  # chosen below the kernel's ephemeral range: a bind to port 0 never takes one
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port() -> int:
-    """A port free now and never handed out before by this process (the kernel may offer a
-    just-closed port twice, and a deployment asks for several before any is bound)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+    """A port free now, never handed out before by this process, nor in the last LEDGER_S by any
+    process of this user on this host (the ledger file, under a lock), and outside the kernel's
+    ephemeral range (a process binding port 0 or connecting cannot take it before its server binds
+    it)."""
+    end = _ephemeral_start()
+    with open(LEDGER, "a+", encoding="ascii") as ledger:
+        fcntl.flock(ledger, fcntl.LOCK_EX)  # released when the file is closed
+        ledger.seek(0)
+        now, taken = time.time(), {}
+        for line in ledger.read().split():
+            port, _, when = line.partition("@")
+            with contextlib.suppress(ValueError):
+                if now - float(when) < LEDGER_S:
+                    taken[int(port)] = float(when)
+        for _ in range(1000):
+            port = random.randrange(FIRST_PORT, end) if end > FIRST_PORT + 1000 else _kernel_port()
+            if port not in taken and port not in _HANDED_OUT and _bindable(port):
+                break
+        else:
+            raise RuntimeError(f"no free port found in [{FIRST_PORT}, {end}) (ledger {LEDGER})")
+        _HANDED_OUT.add(port)
+        taken[port] = now
+        ledger.seek(0)
+        ledger.truncate()
+        ledger.write("".join(f"{p}@{w:.3f}\n" for p, w in taken.items()))
+    return port
+
+
+def _kernel_port() -> int:
+    """A port the kernel picks (hosts whose ephemeral range leaves no room below it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass

@@ -17,6 +17,7 @@ import pytest
 from sparkrelay.config import Config
 from sparkrelay.envs import ENV_VARS
 from sparkrelay.launch_server import main
+from sparkrelay.tools.cluster import free_port
 
 MODEL, DRAFTER = "models/tiny-qwen3", "models/tiny-qwen3-dspark"
 
@@ -104,9 +105,7 @@ def test_port_in_use_exits_2_naming_the_flag_before_loading(
 ):
     argv = ["--model-path", MODEL] + [f.format(port=taken_port) for f in flags]
     if "--port" not in flags:
-        with socket.socket() as s:  # a free HTTP port, so only the flag under test clashes
-            s.bind(("127.0.0.1", 0))
-            argv += ["--port", str(s.getsockname()[1])]
+        argv += ["--port", str(free_port())]  # a free HTTP port: only the flag under test clashes
     code, out = run_main(argv, capsys)
     flag = next(f for f in flags if f.endswith("port"))
     assert code == 2
@@ -117,9 +116,7 @@ def test_port_in_use_exits_2_naming_the_flag_before_loading(
 
 
 def test_one_port_for_two_flags_exits_2(no_model_load, capsys):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     code, out = run_main(
         [
             "--model-path",
@@ -175,7 +172,7 @@ def test_real_start_logs_the_url_users_wait_for():
     """The HTTP socket is bound before the model loads and handed to uvicorn, which then logs no URL
     by itself: the server logs README's `Uvicorn running on http://HOST:PORT` line once it
     listens."""
-    from sparkrelay.tools.cluster import free_port, healthy
+    from sparkrelay.tools.cluster import healthy
 
     port = free_port()
     proc = subprocess.Popen(
@@ -374,8 +371,6 @@ def test_prefill_without_usable_taps_refuses_to_start(flags, env, message):
     serving (it used to start, and every request then failed at the handshake with a 502)."""
     import os
 
-    from sparkrelay.tools.cluster import free_port
-
     argv = [
         sys.executable,
         "-m",
@@ -438,9 +433,7 @@ def test_a_tmpdir_too_long_for_unix_sockets_is_named(pp, tmp_path):
     long" from deep inside."""
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.run(
         [
             sys.executable,

@@ -20,15 +20,6 @@ def reference():
     return prompts, [o["output_ids"] for o in plain.generate(prompts, GREEDY)]
 
 
-def drafter_dir(kind, tmp_path_factory, request):
-    if kind == "bundled":
-        return request.getfixturevalue("bundled_drafter_dir")
-    folder = tmp_path_factory.mktemp(f"draft_{kind}") / "d"
-    return write_random_checkpoint(
-        folder, BUNDLED, markov_head_type=kind, target_layer_ids=[-1, 2, 6]
-    )
-
-
 def spec_llm(folder, threshold=0.0, **kw):
     return LLM(
         str(BUNDLED),
@@ -63,19 +54,45 @@ def test_bundled_drafter_is_lossless(reference, bundled_drafter_dir, batch, thre
     assert llm.engine.blocks.num_used == 0
 
 
-@pytest.fixture(scope="module", params=["vanilla", "gated", "rnn"])
-def random_drafter(request, tmp_path_factory):
-    return drafter_dir(request.param, tmp_path_factory, request)
+@pytest.fixture(scope="module")
+def random_drafter(tmp_path_factory):
+    """kind -> the folder of a random drafter with that Markov head, written once per module."""
+    folders = {}
+
+    def get(kind):
+        if kind not in folders:
+            folder = tmp_path_factory.mktemp(f"draft_{kind}") / "d"
+            folders[kind] = write_random_checkpoint(
+                folder, BUNDLED, markov_head_type=kind, target_layer_ids=[-1, 2, 6]
+            )
+        return folders[kind]
+
+    return get
 
 
-# batch 1: ~25 s per head and threshold
-@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 8])
-@pytest.mark.parametrize("threshold", [0.0, 0.5])
+# The default run covers each head once and each threshold (~15 s a case); the other combinations,
+# and batch 1 (~25 s a case), run with -m slow. The bundled drafter (vanilla) runs both thresholds.
+DEFAULT_CASES = {("vanilla", 0.5, 8), ("gated", 0.0, 8), ("rnn", 0.5, 8)}
+HEAD_CASES = [
+    pytest.param(
+        kind,
+        threshold,
+        batch,
+        marks=() if (kind, threshold, batch) in DEFAULT_CASES else pytest.mark.slow,
+        id=f"{kind}-{threshold}-{batch}",
+    )
+    for kind in ("vanilla", "gated", "rnn")
+    for threshold in (0.0, 0.5)
+    for batch in (1, 8)
+]
+
+
+@pytest.mark.parametrize("kind,threshold,batch", HEAD_CASES)
 def test_random_drafters_of_every_head_type_are_lossless(
-    reference, random_drafter, batch, threshold
+    reference, random_drafter, kind, threshold, batch
 ):
     prompts, expected = reference
-    llm = spec_llm(random_drafter, threshold=threshold)
+    llm = spec_llm(random_drafter(kind), threshold=threshold)
     assert generate_in_batches(llm, prompts, batch) == expected
 
 

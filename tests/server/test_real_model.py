@@ -21,6 +21,10 @@ def chat(tokenizer, text: str) -> str:
     )
 
 
+# ~30 s, two thirds of it gguf's reader parsing SmolLM2's 49k-token vocabulary twice (transformers'
+# tokenizer and the weights); tests/models/test_gguf.py keeps the rule (a GGUF file of Q4_0/Q4_1/Q8_0
+# tensors serves the tokens of its converted folder) in the default run.
+@pytest.mark.slow
 def test_gguf_and_converted_folder_serve_the_same_tokens(smollm2_dir, smollm2_gguf):
     greedy = SamplingParams(max_new_tokens=24, temperature=0)
     settings = dict(max_total_tokens=4096)

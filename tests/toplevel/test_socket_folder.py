@@ -2,9 +2,11 @@
 (a server killed by SIGKILL never runs its cleanup) are removed when the next one is made."""
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -12,11 +14,15 @@ from sparkrelay.host import remove_orphan_folders, socket_folder
 
 
 @pytest.fixture
-def tmpdir_env(tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+def tmpdir_env(monkeypatch):
+    # a short folder of its own: pytest's tmp_path under a parallel worker (.../popen-gw0/<test>/)
+    # leaves a socket path past the 107 bytes a Unix socket allows
+    folder = Path(tempfile.mkdtemp(prefix="srk-", dir="/tmp"))
+    monkeypatch.setenv("TMPDIR", str(folder))
     monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
-    yield tmp_path
+    yield folder
     tempfile.tempdir = None
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def dead_pid() -> int:
