@@ -18,7 +18,7 @@ import torch
 
 from sparkrelay.disagg.metadata import TORCH_DTYPES, MetadataLayout
 from sparkrelay.disagg.schema import HandoffSchema
-from sparkrelay.kvcache.pool import KVPool, zeros
+from sparkrelay.kvcache.pool import KVPool
 from sparkrelay.transfer.base import Part, PartSpec, piece_name, split_piece
 from sparkrelay.transfer.landing import Landing
 
@@ -42,13 +42,13 @@ class LandingBuffers:
         self.draft = draft_pool if schema.handoff == "draft-kv" else None
         slots = pool.num_blocks * pool.page_size
         self.hidden = (
-            zeros(slots, schema.hidden_width, dtype=TORCH_DTYPES[schema.dtype])
+            torch.zeros(slots, schema.hidden_width, dtype=TORCH_DTYPES[schema.dtype])
             if schema.handoff == "hidden"
             else None
         )  # [slots, W]
         self.meta_bytes = MetadataLayout.of(schema).nbytes
         # [blocks, row bytes]
-        self.meta = zeros(pool.num_blocks, self.meta_bytes, dtype=torch.uint8)
+        self.meta = torch.zeros(pool.num_blocks, self.meta_bytes, dtype=torch.uint8)
 
     def regions(self) -> list[tuple[int, int]]:
         """(address, bytes) of each buffer to register with the engine."""

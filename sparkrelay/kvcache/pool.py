@@ -3,24 +3,7 @@ index."""
 
 from __future__ import annotations
 
-import math
-import mmap
-
 import torch
-
-
-def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A zeroed tensor whose CPU pages the OS maps on first touch (an anonymous mapping): a pool's
-    untouched slots cost neither start-up time (torch.zeros writes every page: ~1 s a GiB) nor
-    resident memory."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(*shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.zeros(*shape, dtype=dtype)
-    # private, as malloc's memory (copied on write across a fork); the tensor keeps the mapping alive
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class KVPool:
@@ -42,7 +25,9 @@ class KVPool:
         """extra_slots: slots past the pages, addressed by no block table (the drafter's scratch)."""
         slots = num_blocks * page_size + extra_slots
         self.num_blocks, self.page_size = num_blocks, page_size
-        self.buffer = zeros(2 * len(layers), slots, n_kv, head_dim, dtype=dtype, device=device)
+        self.buffer = torch.zeros(
+            2 * len(layers), slots, n_kv, head_dim, dtype=dtype, device=device
+        )
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
             layer: (self.buffer[2 * i], self.buffer[2 * i + 1]) for i, layer in enumerate(layers)
         }
