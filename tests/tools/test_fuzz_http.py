@@ -29,7 +29,7 @@ needs_schemathesis = pytest.mark.skipif(
     reason="schemathesis is not installed (pip install -e .[test])",
 )
 
-FUZZ_CONTEXT = 64  # short generations keep the valid fuzz cases cheap
+FUZZ_CONTEXT = 32  # short generations keep the valid fuzz cases cheap
 
 
 @pytest.fixture(scope="module")
