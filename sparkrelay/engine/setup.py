@@ -49,7 +49,7 @@ def load_tokenizer(path: str, chat_template: Optional[str] = None):
     """The tokenizer of a model folder, or of a GGUF file (its vocabulary, merges and chat
     template); `chat_template`: a Jinja file that replaces its template (--chat-template). Loaded once
     per process and path (until the path changes): the forked engine process gets the HTTP
-    process's, where a GGUF file's vocabulary alone takes ~12 s to parse."""
+    process's, where parsing a GGUF file's vocabulary is most of a start (docs/reliability.md)."""
     try:
         stamp = os.stat(path).st_mtime_ns
     except OSError:

@@ -56,8 +56,8 @@ def on_meta() -> Iterator[None]:
 
 def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
     """Give a meta-built module uninitialized storage on `device`, floating-point tensors in `dtype`
-    (as `.to(dtype).to_empty(device)`): to_empty's empty_like of a meta tensor imports sympy, ~1.2 s
-    of every model-loading process's start."""
+    (as `.to(dtype).to_empty(device)`): to_empty's empty_like of a meta tensor imports sympy, a large
+    part of a model-loading process's start (figure: docs/reliability.md)."""
 
     def empty(t: torch.Tensor) -> torch.Tensor:
         return torch.empty(
