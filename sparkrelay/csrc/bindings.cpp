@@ -1,14 +1,26 @@
-// The extension's Python functions (models/cpu_kernels.py loads them).
+// The extension's Python functions (models/cpu_kernels.py loads them). The AVX2 build
+// (SPARKRELAY_AVX2_ONLY) exports the bf16 linear and KernelLinear alone.
 #include "cpu_kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace sparkrelay;
-  m.def("use_amx", &use_amx, "turn the AMX path on or off; returns whether it is on");
   m.def("linear_bf16", &linear_bf16,
         "x [M, K] bf16 @ packed bf16 weight (+ bias, + base [M, N] bf16) -> out [M, N] fp32 or "
         "bf16, or a new bf16 [M, N]",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
         py::arg("base") = py::none(), py::arg("out") = py::none());
+  py::class_<KernelLinear>(m, "KernelLinear")
+      .def(py::init<torch::Tensor, int64_t, int64_t, c10::optional<torch::Tensor>,
+                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
+           "a frozen linear in a kernel's packed layout: bf16 tiles, or int8 tiles with scale "
+           "and qsum (each padded to 32 columns)",
+           py::arg("packed"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(),
+           py::arg("scale") = py::none(), py::arg("qsum") = py::none())
+      .def("__call__", &KernelLinear::operator(), "x [M, K] -> [M, N] in x's dtype")
+      .def("add_into", &KernelLinear::add_into,
+           "out [M, N] (fp32 or bf16) = base [M, N] bf16 + x [M, K] W^T (kernels.add_linear)");
+#ifndef SPARKRELAY_AVX2_ONLY
+  m.def("use_amx", &use_amx, "turn the AMX path on or off; returns whether it is on");
   m.def("linear_int8", &linear_int8,
         "x [M, K] @ packed int8 weight (per-channel scales) -> [M, N] in x's dtype (+ bias)");
   m.def("decode_attention_bf16", &decode_attention_bf16,
@@ -33,16 +45,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "None, anchors [R] -> [drafts [R, B], Z [R, B, V] fp32]: the vanilla Markov head's greedy "
         "block",
         py::arg("u"), py::arg("w1"), py::arg("w2"), py::arg("vocab"), py::arg("anchors"));
-  py::class_<KernelLinear>(m, "KernelLinear")
-      .def(py::init<torch::Tensor, int64_t, int64_t, c10::optional<torch::Tensor>,
-                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
-           "a frozen linear in a kernel's packed layout: bf16 tiles, or int8 tiles with scale "
-           "and qsum (each padded to 32 columns)",
-           py::arg("packed"), py::arg("n"), py::arg("k"), py::arg("bias") = py::none(),
-           py::arg("scale") = py::none(), py::arg("qsum") = py::none())
-      .def("__call__", &KernelLinear::operator(), "x [M, K] -> [M, N] in x's dtype")
-      .def("add_into", &KernelLinear::add_into,
-           "out [M, N] (fp32 or bf16) = base [M, N] bf16 + x [M, K] W^T (kernels.add_linear)");
   py::class_<DecodeLayer>(m, "DecodeLayer")
       .def(py::init<KernelLinear, KernelLinear, KernelLinear, KernelLinear, torch::Tensor,
                     torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, double,
@@ -51,4 +53,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecodeLayer::forward,
            "h [T, d], cos / sin [T, 1, D], the layer's K/V pools, slots [T], kv_index [B, Lk], "
            "seq [T], lengths [T] -> [T, d]; writes the fed tokens' K/V");
+#endif  // SPARKRELAY_AVX2_ONLY
 }

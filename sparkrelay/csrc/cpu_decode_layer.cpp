@@ -8,43 +8,11 @@
 //   x = norm(h); qkv = x W_qkv; q, k = rope(qk_norm(q, k)); pools[slots] = k, v;
 //   a = attention(q, pools); h = h + a W_o; g = silu_mul(norm(h) W_gate_up); h = h + g W_down
 //
-// KernelLinear is one frozen linear in a kernel's packed layout; the Python modules that own the
-// weights (models/kernels.py AvxLinear, models/quant.py Int8Linear) call it too.
+// Its linears are KernelLinears (cpu_kernel_linear.cpp).
 
 #include "cpu_kernels.h"
 
 namespace sparkrelay {
-
-KernelLinear::KernelLinear(torch::Tensor packed, int64_t n, int64_t k,
-                           c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> scale,
-                           c10::optional<torch::Tensor> qsum)
-    : packed_(std::move(packed)), bias_(std::move(bias)), scale_(std::move(scale)),
-      qsum_(std::move(qsum)), n_(n), k_(k) {
-  TORCH_CHECK(scale_.has_value() == qsum_.has_value(),
-              "KernelLinear: an int8 weight needs both scale and qsum");
-  TORCH_CHECK(packed_.scalar_type() == (scale_ ? torch::kInt8 : torch::kBFloat16),
-              "KernelLinear: packed must be int8 (with scale and qsum) or bfloat16");
-}
-
-torch::Tensor KernelLinear::operator()(const torch::Tensor& x) const {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k_, "KernelLinear: x must be [M, ", k_, "]");
-  const torch::Tensor rows = x.contiguous();
-  if (scale_) return linear_int8(rows, packed_, *scale_, *qsum_, n_, bias_);
-  // the bf16 kernel reads activations in pairs: an odd K gets a zero column
-  const torch::Tensor even = k_ % 2 ? at::constant_pad_nd(rows, {0, 1}) : rows;
-  return linear_bf16(even, packed_, n_, bias_, c10::nullopt, c10::nullopt);
-}
-
-void KernelLinear::add_into(const torch::Tensor& x, const torch::Tensor& base,
-                            torch::Tensor& out) const {
-  if (scale_ || k_ % 2) {  // as kernels.add_linear's other path: out = base, out += x W^T
-    out.copy_(base);
-    out.add_((*this)(x));
-    return;
-  }
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k_, "KernelLinear.add_into: x must be [M, ", k_, "]");
-  linear_bf16(x.contiguous(), packed_, n_, bias_, base, out);
-}
 
 DecodeLayer::DecodeLayer(KernelLinear qkv, KernelLinear o, KernelLinear gate_up,
                          KernelLinear down, torch::Tensor input_norm, torch::Tensor post_norm,

@@ -1,4 +1,6 @@
 // sparkrelay's CPU kernels: what the sources share (AVX-512 helpers) and what bindings.cpp exports.
+// The AVX2 build (SPARKRELAY_AVX2_ONLY: cpu_linear_avx2.cpp, cpu_kernel_linear.cpp, bindings.cpp)
+// sees the declarations only: the helpers need AVX-512 to compile.
 #pragma once
 
 #include <immintrin.h>
@@ -8,6 +10,7 @@
 
 namespace sparkrelay {
 
+#ifndef SPARKRELAY_AVX2_ONLY
 constexpr int64_t kLanes = 16;  // fp32 values per zmm register
 
 inline __mmask16 first(int64_t count) {  // the first min(count, 16) lanes, none when count <= 0
@@ -42,13 +45,29 @@ inline __m512 round_bf16(__m512 v) {  // v rounded to bf16 (nearest even) and ba
   const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+#endif  // SPARKRELAY_AVX2_ONLY
 
-// cpu_linear.cpp
-bool use_amx(bool on);
+// cpu_kernel_linear.cpp: the checked bf16 product over one build's bf16_product
+constexpr int64_t kPackedCols = 32;  // output columns per packed tile (models/cpu_kernels.py TILE)
+constexpr int64_t kPackedPair = 64;  // bf16 elements per (tile, pair of K)
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                           const c10::optional<torch::Tensor>& bias,
                           const c10::optional<torch::Tensor>& base,
                           const c10::optional<torch::Tensor>& out);
+// y [rows, n] (N contiguous, ldy apart) = x [rows, 2 pairs] W^T + bias + base, as checked there
+struct Bf16Operands {
+  const uint16_t* x;     // [rows, 2 pairs] bf16, ldx apart
+  int64_t ldx;
+  const uint16_t* w;     // packed (cpu_linear.cpp's order)
+  const float* bias;     // [n padded to 32] or null
+  const uint16_t* base;  // [rows, n] bf16, ldb apart, or null
+  int64_t ldb, rows, pairs, n, ldy;
+};
+// cpu_linear.cpp (AVX-512, AMX) or cpu_linear_avx2.cpp (AVX2): one of them per build
+void bf16_product(const Bf16Operands& o, float* y);
+void bf16_product(const Bf16Operands& o, uint16_t* y);
+// cpu_linear.cpp
+bool use_amx(bool on);
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed,
                           const torch::Tensor& scale, const torch::Tensor& qsum, int64_t n,
                           const c10::optional<torch::Tensor>& bias);
@@ -70,7 +89,7 @@ torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight,
 torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up);
 torch::Tensor rope_bf16(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 
-// cpu_decode_layer.cpp
+// cpu_kernel_linear.cpp
 // one frozen linear in a kernel's packed layout: bf16, or int8 with per-column scale and sums
 class KernelLinear {
  public:
@@ -89,6 +108,7 @@ class KernelLinear {
   int64_t n_, k_;
 };
 
+// cpu_decode_layer.cpp
 // a decoder layer's forward for a few bf16 rows, bit-equal to models/decoder.py's on the kernels
 class DecodeLayer {
  public:

@@ -87,23 +87,6 @@ constexpr TileFn<Out> kTileFns[kMaxRows + 1] = {
     nullptr,           tile_bf16<1, Out>, tile_bf16<2, Out>, tile_bf16<3, Out>, tile_bf16<4, Out>,
     tile_bf16<5, Out>, tile_bf16<6, Out>, tile_bf16<7, Out>, tile_bf16<8, Out>};
 
-void check_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2,
-              "linear_bf16: x must be a 2-D bfloat16 CPU tensor");
-  TORCH_CHECK(x.stride(1) == 1 && x.size(1) % 2 == 0,
-              "linear_bf16: x rows must be contiguous, K even");
-  const int64_t tiles = (n + kTile - 1) / kTile;
-  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == torch::kBFloat16 &&
-                  packed.numel() == tiles * (x.size(1) / 2) * kPairStep,
-              "linear_bf16: packed does not match N = ", n, " and K = ", x.size(1));
-  if (bias) {
-    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == torch::kFloat32 &&
-                    bias->numel() == tiles * kTile,
-                "linear_bf16: bias must be float32 with N padded to a multiple of 32");
-  }
-}
-
 // ---- int8 weights (weight-only: per-channel scales), activations as 16-bit integers per row ----
 //
 //   int8: [N/32 tiles][K/4 quads][2 blocks][16 lanes][4]  -> 128 contiguous bytes per (tile, quad)
@@ -396,24 +379,22 @@ namespace {
 
 // the rows of y [rows, n] (fp32 or bf16) = x @ W + bias + base, tiles split over threads
 template <typename Out>
-void run_bf16(const uint16_t* xp, int64_t ldx, const uint16_t* wp, const float* bp,
-              const uint16_t* base, int64_t ldb, int64_t rows, int64_t pairs, int64_t n, Out* yp,
-              int64_t ldy) {
-  const int64_t tiles = (n + kTile - 1) / kTile;
+void run_bf16(const Bf16Operands& o, Out* yp) {
+  const int64_t tiles = (o.n + kTile - 1) / kTile, pairs = o.pairs, ldx = o.ldx;
   const bool amx = g_amx && pairs >= kAmxSteps;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     TileRun run{amx};
     for (int64_t t = begin; t < end; ++t) {
-      const uint16_t* wt = wp + t * pairs * kPairStep;
-      const int64_t cols = std::min(kTile, n - t * kTile), c0 = t * kTile;
-      for (int64_t r = 0; r < rows; r += kMaxRows) {
-        const int64_t m = std::min(kMaxRows, rows - r);
-        const int64_t p0 = run.start<false>(reinterpret_cast<const uint8_t*>(xp + r * ldx), 2 * ldx,
-                                            reinterpret_cast<const uint8_t*>(wt), pairs, m);
-        kTileFns<Out>[m](xp + r * ldx, ldx, wt, p0, pairs,
+      const uint16_t* wt = o.w + t * pairs * kPairStep;
+      const int64_t cols = std::min(kTile, o.n - t * kTile), c0 = t * kTile;
+      for (int64_t r = 0; r < o.rows; r += kMaxRows) {
+        const int64_t m = std::min(kMaxRows, o.rows - r);
+        const int64_t p0 = run.start<false>(reinterpret_cast<const uint8_t*>(o.x + r * ldx),
+                                            2 * ldx, reinterpret_cast<const uint8_t*>(wt), pairs, m);
+        kTileFns<Out>[m](o.x + r * ldx, ldx, wt, p0, pairs,
                          amx ? reinterpret_cast<const float*>(run.sums) : nullptr,
-                         bp ? bp + c0 : nullptr, base ? base + r * ldb + c0 : nullptr, ldb,
-                         yp + r * ldy + c0, ldy, cols);
+                         o.bias ? o.bias + c0 : nullptr, o.base ? o.base + r * o.ldb + c0 : nullptr,
+                         o.ldb, yp + r * o.ldy + c0, o.ldy, cols);
       }
     }
   });
@@ -421,39 +402,8 @@ void run_bf16(const uint16_t* xp, int64_t ldx, const uint16_t* wp, const float* 
 
 }  // namespace
 
-// x [M, K] bf16 (K even), packed (pack order above), bias [N padded to 32] fp32 or None, base
-// [M, N] bf16 or None (added, N contiguous), out [M, N] fp32 or bf16 (N contiguous) or None
-// -> out, or a new [M, N] bf16, = x @ W^T + bias + base (the sums rounded once, to out's dtype)
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                          const c10::optional<torch::Tensor>& bias,
-                          const c10::optional<torch::Tensor>& base,
-                          const c10::optional<torch::Tensor>& out) {
-  check_bf16(x, packed, n, bias);
-  const int64_t rows = x.size(0), pairs = x.size(1) / 2;
-  if (base) {
-    TORCH_CHECK(base->scalar_type() == torch::kBFloat16 && base->dim() == 2 &&
-                    base->size(0) == rows && base->size(1) == n && base->stride(1) == 1,
-                "linear_bf16: base must be bf16 [M, N] with N contiguous");
-  }
-  torch::Tensor y = out ? *out : torch::empty({rows, n}, x.options());
-  TORCH_CHECK(y.dim() == 2 && y.size(0) == rows && y.size(1) == n && y.stride(1) == 1 &&
-                  (y.scalar_type() == torch::kFloat32 || y.scalar_type() == torch::kBFloat16),
-              "linear_bf16: out must be a float32 or bf16 [M, N] with N contiguous");
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  const uint16_t* basep =
-      base ? reinterpret_cast<const uint16_t*>(base->data_ptr<at::BFloat16>()) : nullptr;
-  const int64_t ldb = base ? base->stride(0) : 0;
-  if (y.scalar_type() == torch::kFloat32) {
-    run_bf16(xp, x.stride(0), wp, bp, basep, ldb, rows, pairs, n, y.data_ptr<float>(),
-             y.stride(0));
-  } else {
-    auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-    run_bf16(xp, x.stride(0), wp, bp, basep, ldb, rows, pairs, n, yp, y.stride(0));
-  }
-  return y;
-}
+void bf16_product(const Bf16Operands& o, float* y) { run_bf16(o, y); }
+void bf16_product(const Bf16Operands& o, uint16_t* y) { run_bf16(o, y); }
 
 // Turns the tile unit on (where the CPU has AMX and the OS lends its state) or off; returns whether
 // it is on. Off until asked: models/cpu_kernels.py asks at load unless SPARKRELAY_CPU_AMX=0.

@@ -5,9 +5,11 @@ is redone when a source or the flags change.
 
 They are used where the CPU has the instructions (avx512f/bw/vl, avx512_bf16, avx512_vnni) unless
 SPARKRELAY_CPU_KERNELS=0; on a CPU with AMX their bf16 and int8 products run on
-the tile unit unless SPARKRELAY_CPU_AMX=0 (so 8 rows cost about what one does). Anywhere else, or when the build fails
-(no compiler, no ninja), the linears stay on oneDNN (kernels.PackedLinear), and the reason is
-logged once as a warning: a missing kernel costs speed, never a start. Set-up builds them:
+the tile unit unless SPARKRELAY_CPU_AMX=0 (so 8 rows cost about what one does). A CPU with AVX2 and
+FMA but not those gets the bf16 product alone, built apart (cpu_linear_avx2.cpp, `linears()`), so a
+bf16 model's decode reads bf16 weights there too. Anywhere else, or when a build fails (no compiler,
+no ninja), the linears stay on oneDNN (kernels.PackedLinear), and the reason is logged once as a
+warning: a missing kernel costs speed, never a start. Set-up builds them:
 `python -m sparkrelay.models.cpu_kernels` prints what it did. Design: docs/cpu_kernels.md.
 """
 
@@ -38,6 +40,7 @@ SOURCES = [
         "cpu_argmax.cpp",
         "cpu_draw.cpp",
         "cpu_elementwise.cpp",
+        "cpu_kernel_linear.cpp",
         "cpu_decode_layer.cpp",
         "cpu_markov.cpp",
         "bindings.cpp",
@@ -47,6 +50,10 @@ BUILD = Path(os.environ.get("SPARKRELAY_KERNEL_BUILD", CSRC.parents[1] / "build"
 NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp"]
 FLAGS += ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]  # used only where the CPU has them (use_amx)
+# the AVX2 build: the bf16 product and KernelLinear alone (csrc/cpu_kernels.h says what it sees)
+AVX2_SOURCES = [CSRC / n for n in ("cpu_linear_avx2.cpp", "cpu_kernel_linear.cpp", "bindings.cpp")]
+AVX2_NEEDED = ("avx2", "fma")
+AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-DSPARKRELAY_AVX2_ONLY"]
 ENV = "SPARKRELAY_CPU_KERNELS"
 AMX_ENV = "SPARKRELAY_CPU_AMX"
 TILE = 32  # output columns per packed tile (cpu_linear.cpp)
@@ -65,11 +72,11 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def _why_not() -> str:
-    """Why the kernels cannot be used here, or ""."""
+def _why_not(needed: tuple[str, ...] = NEEDED) -> str:
+    """Why a build that needs the CPU flags `needed` cannot be used here, or ""."""
     if os.environ.get(ENV, "1") == "0":
         return f"{ENV}=0"
-    missing = [f for f in NEEDED if f not in cpu_flags()]
+    missing = [f for f in needed if f not in cpu_flags()]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
     compiler = os.environ.get("CXX", "c++")
@@ -80,21 +87,24 @@ def _why_not() -> str:
     return ""
 
 
-def _build() -> ModuleType:
+def _build(
+    name: str = "sparkrelay_cpu_kernels", sources=SOURCES, flags=FLAGS, folder=None
+) -> ModuleType:
     from torch.utils.cpp_extension import load
 
-    BUILD.mkdir(parents=True, exist_ok=True)
-    with _build_lock(BUILD / "build.flock"):
+    folder = BUILD if folder is None else folder
+    folder.mkdir(parents=True, exist_ok=True)
+    with _build_lock(folder / "build.flock"):
         # torch's own lock file: only a builder killed inside load() leaves one, and torch would wait
         # on it forever; under our lock no other process is inside load(), so one found here is stale
-        (BUILD / "lock").unlink(missing_ok=True)
+        (folder / "lock").unlink(missing_ok=True)
         return load(
-            name="sparkrelay_cpu_kernels",
-            sources=[str(p) for p in SOURCES],
+            name=name,
+            sources=[str(p) for p in sources],
             extra_include_paths=[str(CSRC)],
-            extra_cflags=FLAGS,
+            extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
-            build_directory=str(BUILD),
+            build_directory=str(folder),
             verbose=False,
         )
 
@@ -111,21 +121,55 @@ def _build_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _attempt(needed: tuple[str, ...], **build) -> tuple[Optional[ModuleType], str]:
+    """(the built extension, "") where the CPU has `needed` and the build works, else (None, why)."""
+    why = _why_not(needed)
+    if why:
+        return None, why
+    try:
+        return _build(**build), ""
+    except Exception as e:  # a compile or load failure: the fallback serves
+        return None, f"building {CSRC.name}/ failed ({type(e).__name__}: {str(e)[-300:]})"
+
+
 def load() -> Optional[ModuleType]:
     """The built extension, or None (warned once with the reason and the fallback)."""
     if "module" not in _state:
-        why = _why_not()
-        module = None
-        if not why:
-            try:
-                module = _build()
-            except Exception as e:  # a compile or load failure: the fallback serves
-                why = f"building {CSRC.name}/ failed ({type(e).__name__}: {str(e)[-300:]})"
+        module, why = _attempt(NEEDED)
         if why:
-            logger.warning("CPU kernels off: %s; the linears use oneDNN (slower decoding)", why)
+            logger.warning("CPU kernels off: %s; %s", why, _fallback_note(why))
         _state["amx"] = bool(module) and module.use_amx(amx_wanted())
         _state["module"], _state["why"] = module, why
     return _state["module"]  # type: ignore[return-value]
+
+
+def _fallback_note(why: str) -> str:
+    """What serves the linears when the AVX-512 build is off for `why`."""
+    if why.startswith("this CPU lacks") and not [f for f in AVX2_NEEDED if f not in cpu_flags()]:
+        return "bf16 linears of a few rows use the AVX2 kernel where it builds, the rest oneDNN"
+    return "the linears use oneDNN (slower decoding)"
+
+
+def linears() -> Optional[ModuleType]:
+    """The extension whose KernelLinear takes a bf16 weight's few-row products: the AVX-512 build,
+    else the AVX2 build of the bf16 product alone (a CPU with avx2 and fma), else None (warned once,
+    with the reason). Why a second build: a bf16 model on such a CPU otherwise multiplies through
+    a float32 copy, reading twice the bytes per decode step."""
+    full = load()
+    if full is not None or _state["why"] == f"{ENV}=0":
+        return full
+    if "avx2" not in _state:
+        module, why = _attempt(
+            AVX2_NEEDED,
+            name="sparkrelay_cpu_kernels_avx2",
+            sources=AVX2_SOURCES,
+            flags=AVX2_FLAGS,
+            folder=BUILD / "avx2",
+        )
+        if why:
+            logger.warning("AVX2 bf16 kernel off: %s; the linears use oneDNN", why)
+        _state["avx2"], _state["avx2_why"] = module, why
+    return _state["avx2"]  # type: ignore[return-value]
 
 
 @contextmanager
@@ -133,13 +177,13 @@ def forced_off() -> Iterator[None]:
     """Inside, load() answers None, as with SPARKRELAY_CPU_KERNELS=0: an engine built and run inside
     takes the fallbacks. A benchmark interleaves it with an engine on the kernels in one process,
     where two processes run minutes apart on a shared machine measure the machine's load."""
-    load()
-    saved = _state["module"]
-    _state["module"] = None
+    linears()
+    saved = _state["module"], _state.get("avx2")
+    _state["module"] = _state["avx2"] = None
     try:
         yield
     finally:
-        _state["module"] = saved
+        _state["module"], _state["avx2"] = saved
 
 
 def amx_wanted() -> bool:
@@ -198,7 +242,13 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     module = load()
     if module is None:
-        print(f"CPU kernels: off ({why_off()}); the linears use oneDNN", flush=True)
+        avx2 = linears() is not None
+        note = (
+            "the AVX2 bf16 kernel serves a few rows, oneDNN the rest"
+            if avx2
+            else "the linears use oneDNN"
+        )
+        print(f"CPU kernels: off ({why_off()}); {note}", flush=True)
         return
     amx = "on" if amx_on() else "off"
     print(f"CPU kernels: built in {BUILD} (AVX-512 bf16 and int8; AMX {amx})", flush=True)

@@ -66,7 +66,9 @@ class MarkovHead(nn.Module):
             return None
         if u.dtype != torch.bfloat16 or w1.dtype != torch.bfloat16 or u.stride(-1) != 1:
             return None
-        ext = cpu_kernels.load()
+        ext = cpu_kernels.load()  # the AVX-512 build (W2 may be on the AVX2 one's kernel)
+        if ext is None:
+            return None
         return tuple(ext.markov_greedy(u, w1.detach(), kernel, vocab, anchors.long()))
 
     def mix(

@@ -7,11 +7,12 @@ that bandwidth. Of the CPU layouts measured (MKL's `x @ weight_t`, F.linear, MKL
 packed, inductor's CPP GEMM), oneDNN's packed one streams weights the fastest, in float32 and
 bfloat16, at one row and at several (figures: speed notes of docs/architecture.md).
 
-Where the CPU has AVX-512 bf16, a bfloat16 weight is an AvxLinear: sparkrelay's own kernel
-(models/cpu_kernels.py) for the few rows of a decode step, oneDNN for more. Elsewhere, and for
-float32, every large weight is reordered once into oneDNN's blocked layout (PackedLinear, an opaque
-mkldnn tensor that `_linear_pointwise` reads as it is, for any row count), but a bfloat16 one on a CPU
-whose oneDNN has no bfloat16 product (AVX2 only), which is widened once to float32 (WideLinear). A
+Where one of sparkrelay's kernels is built (models/cpu_kernels.py `linears()`: AVX-512 bf16, or
+AVX2 + FMA), a bfloat16 weight is an AvxLinear: that kernel for the few rows of a decode step, oneDNN
+for more. Elsewhere, and for float32, every large weight is reordered once into oneDNN's blocked
+layout (PackedLinear, an opaque mkldnn tensor that `_linear_pointwise` reads as it is, for any row
+count), but a bfloat16 one on a CPU whose oneDNN has no bfloat16 product (AVX2 only), which is
+widened once to float32 (WideLinear; inside an AvxLinear, for its many-row products). A
 small float32 weight (<
 PACK_MIN_FP32
 elements: the bundled tiny model's) keeps both layouts (SmallLinear, a few MB at most): one row goes
@@ -140,12 +141,15 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> to
 
 
 class AvxLinear(nn.Module):
-    """A frozen bfloat16 Linear on a CPU with AVX-512 bf16: up to KERNEL_ROWS rows (a decode step, a
-    DSpark verify) through sparkrelay's kernel on its own packed layout (models/cpu_kernels.py), more
-    rows (prefill) through oneDNN on its packed copy, which is faster there. Both layouts are kept:
-    twice the weight's memory for the fastest product at every row count. x [..., in] -> [..., out]."""
+    """A frozen bfloat16 Linear where one of sparkrelay's kernels is built: up to KERNEL_ROWS rows (a
+    decode step, a DSpark verify) through the kernel on its own packed layout (models/cpu_kernels.py),
+    more rows (prefill) through `wide` (oneDNN's packed copy, or WideLinear's float32 one where
+    oneDNN has no bf16), which is faster there. Both layouts are kept: the kernel's bytes beside
+    oneDNN's for the fastest product at every row count. x [..., in] -> [..., out]."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, module) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, module, wide: nn.Module
+    ) -> None:
         super().__init__()
         self._ext = module
         self.out_features, self.in_features = weight.shape
@@ -159,7 +163,7 @@ class AvxLinear(nn.Module):
         self.kernel = module.KernelLinear(
             self.tiles, self.out_features, self.in_features, self.tile_bias
         )
-        self.wide = PackedLinear(weight, bias)
+        self.wide = wide
 
     @property
     def weight(self) -> torch.Tensor:
@@ -202,8 +206,9 @@ def add_linear(
         kernel.add_into(x, base, out)
         return out
     out.copy_(base)
-    if isinstance(layer, WideLinear):  # its float32 product, rounded once in the sum
-        return out.add_(layer.product(x))
+    inner = layer.wide if isinstance(layer, AvxLinear) else layer
+    if isinstance(inner, WideLinear):  # its float32 product, rounded once in the sum
+        return out.add_(inner.product(x))
     return out.add_(layer.forward(x))
 
 
@@ -262,14 +267,12 @@ def frozen_kinds() -> tuple[type[nn.Module], ...]:
 
 def frozen_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
     """weight [out, in] (+ bias [out]) -> the fastest frozen layer for its dtype and device (module docstring)."""
-    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not onednn_bf16():
-        return WideLinear(weight, bias)
+    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
+        many = PackedLinear(weight, bias) if can_pack(weight) else WideLinear(weight, bias)
+        module = cpu_kernels.linears()
+        return many if module is None else AvxLinear(weight, bias, module, many)
     if not can_pack(weight):
         return TLinear(weight, bias)
-    if weight.dtype == torch.bfloat16:
-        module = cpu_kernels.load()
-        if module is not None:
-            return AvxLinear(weight, bias, module)
     small = weight.dtype == torch.float32 and weight.numel() < PACK_MIN_FP32
     return SmallLinear(weight, bias) if small else PackedLinear(weight, bias)
 

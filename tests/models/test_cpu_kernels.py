@@ -470,8 +470,8 @@ def test_the_environment_turns_them_off(cpu_kernels_off):
 
 def test_no_compiler_means_the_fallback(tmp_path):
     """PATH without a compiler and an empty build folder: one warning names the compiler and the
-    fallback, the bf16 linears are oneDNN's (a float32 copy where oneDNN has no bf16), and a
-    bfloat16 model generates."""
+    fallback (the AVX2 build's, on a CPU that has only AVX2), the bf16 linears are oneDNN's (a
+    float32 copy where oneDNN has no bf16), and a bfloat16 model generates."""
     bin_dir = tmp_path / "bin"  # empty: no c++, no ninja (this interpreter is called by its path)
     bin_dir.mkdir()
     script = textwrap.dedent(f"""
@@ -502,6 +502,10 @@ def test_no_compiler_means_the_fallback(tmp_path):
         assert "WHY no C++ compiler" in proc.stdout, proc.stdout
         assert proc.stderr.count("CPU kernels off: no C++ compiler") == 1, proc.stderr[-2000:]
         assert "the linears use oneDNN" in proc.stderr
+    elif all(
+        f in cpu_kernels.cpu_flags() for f in cpu_kernels.AVX2_NEEDED
+    ):  # the AVX2 build's turn
+        assert proc.stderr.count("AVX2 bf16 kernel off: no C++ compiler") == 1, proc.stderr[-2000:]
     assert "TOKENS 4" in proc.stdout
 
 

@@ -1,5 +1,6 @@
-"""The decode step's linears alone, against the machine's read bandwidth: sparkrelay's AVX-512 kernels
-(models/cpu_kernels.py) against their fallbacks, at real model shapes with random weights.
+"""The decode step's linears alone, against the machine's read bandwidth: sparkrelay's kernels
+(models/cpu_kernels.py `linears()`: the AVX-512 build, or the AVX2 one's bf16 product) against their
+fallbacks, at real model shapes with random weights.
 
     python -m sparkrelay.tools.bench.linears [--config models/configs/qwen3-0.6b ...] [--rows 1,8]
         [--repeats 7] [--out benchmarks/results/linears]
@@ -7,8 +8,10 @@
 One pass runs every layer's four products of a decode step in order (fused q/k/v, o, fused
 gate/up, down), each layer with its own weights, so nothing is left in cache from the last pass
 (0.6B in bf16: 0.9 GB of weights per pass). Variants: `bf16 kernel` (AvxLinear's kernel),
-`bf16 onednn` (PackedLinear: the fallback, SPARKRELAY_CPU_KERNELS=0), `int8 kernel` (Int8Linear's
-kernel) and `int8 aten` (torch's _weight_int8pack_mm: its fallback); on a CPU with AMX, also each
+`bf16 onednn` (the fallback, SPARKRELAY_CPU_KERNELS=0: PackedLinear, or on a CPU whose oneDNN has
+no bf16 the float32 copy of WideLinear, whose GB/s still counts the bf16 bytes), `int8 kernel`
+(Int8Linear's kernel; the AVX-512 build only) and `int8 aten` (torch's _weight_int8pack_mm: its
+fallback); on a CPU with AMX, also each
 kernel with its tile unit off (`no AMX`, SPARKRELAY_CPU_AMX=0). Each repeat times every
 (variant, rows) once, interleaved; min and median over the repeats. The read bandwidth
 (bandwidth.py) is measured before and after in the same run; a figure's fraction is of the higher.
@@ -27,7 +30,7 @@ from typing import Callable, Optional
 import torch
 
 from sparkrelay.models import cpu_kernels
-from sparkrelay.models.kernels import PackedLinear
+from sparkrelay.models.kernels import PackedLinear, WideLinear, onednn_bf16
 from sparkrelay.models.loader import read_config
 from sparkrelay.models.quant import quantize_per_channel
 from sparkrelay.tools.bench import bandwidth as bw
@@ -45,8 +48,15 @@ NO_AMX = ", no AMX"
 
 
 def variants() -> list[str]:
-    """The variants this CPU has: the `no AMX` ones only where the kernels use AMX."""
-    return [v for v in VARIANTS if cpu_kernels.amx_on() or not v.endswith(NO_AMX)]
+    """The variants this CPU has: the `no AMX` ones only where the kernels use AMX, `int8 kernel`
+    only in the AVX-512 build."""
+    int8 = cpu_kernels.load() is not None
+    return [
+        v
+        for v in VARIANTS
+        if (cpu_kernels.amx_on() or not v.endswith(NO_AMX))
+        and (int8 or not v.startswith("int8 kernel"))
+    ]
 
 
 def layer_shapes(shape: bw.Shape) -> list[tuple[int, int]]:
@@ -63,7 +73,8 @@ def build(shape: bw.Shape, ext) -> dict[str, list[tuple[Callable, int]]]:
     for _ in range(shape.layers):
         for n, k in layer_shapes(shape):
             w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
-            tiles, onednn = cpu_kernels.pack_bf16(w), PackedLinear(w, None)
+            tiles = cpu_kernels.pack_bf16(w)
+            onednn = PackedLinear(w, None) if onednn_bf16() else WideLinear(w, None)
             q, s = quantize_per_channel(w)
             qt, st = cpu_kernels.pack_int8(q), cpu_kernels.pad_to_tile(s)
             qsum, s16 = cpu_kernels.pad_to_tile(q.sum(1, dtype=torch.int32)), s.to(torch.bfloat16)
@@ -90,12 +101,15 @@ def time_pass(
     products: list[tuple[Callable, int]], xs: dict[int, torch.Tensor], variant: str, ext
 ) -> float:
     """Seconds of one pass; a `no AMX` variant runs with the kernels' tile unit off."""
-    ext.use_amx(cpu_kernels.amx_on() and not variant.endswith(NO_AMX))
+    amx = getattr(ext, "use_amx", None)  # the AVX2 build has no tile unit
+    if amx:
+        amx(cpu_kernels.amx_on() and not variant.endswith(NO_AMX))
     start = time.perf_counter()
     for fn, k in products:
         fn(xs[k])
     seconds = time.perf_counter() - start
-    ext.use_amx(cpu_kernels.amx_on())
+    if amx:
+        amx(cpu_kernels.amx_on())
     return seconds
 
 
@@ -171,6 +185,8 @@ def report(args, record: dict) -> None:
         f"({bwn['method']}); fractions are of {bwn['peak']:.1f}.",
         "One pass = every layer's fused q/k/v, o, fused gate/up and down (the LM head is left "
         f"out), {args.repeats} repeats interleaved; random weights; {torch.get_num_threads()} threads.",
+        f"Kernels: {record['kernel_build']}; bf16 onednn: {record['bf16_fallback']} (GB/s counts "
+        "2 bytes a weight either way).",
     ]
     bc.write_markdown(
         out / "linears.md",
@@ -205,7 +221,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--out", default="benchmarks/results/linears")
     args = p.parse_args(argv)
     bc.require_positive(p, args, ("repeats",))
-    ext = cpu_kernels.load()
+    ext = cpu_kernels.linears()
     if ext is None:
         raise SystemExit(f"the CPU kernels are off here: {cpu_kernels.why_off()}")
     configs = args.config or ["models/configs/qwen3-0.6b", "models/configs/qwen3-1.7b"]
@@ -227,6 +243,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             "method": before["method"],
         },
         "rows": [r for name, shape, s in rows for r in rows_of(name, shape, s, peak, args.rows)],
+        "kernel_build": ext.__name__,
+        "bf16_fallback": "PackedLinear" if onednn_bf16() else "WideLinear (float32 copy)",
     }
     report(args, record)
 
