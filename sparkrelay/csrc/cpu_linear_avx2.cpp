@@ -32,10 +32,10 @@ constexpr int64_t kPrefetch = 8;    // pairs ahead
 // groups per pass for M rows: M x G accumulators, one weight and one broadcast in registers
 constexpr int groups_for(int m) { return m <= 3 ? 4 : m <= 6 ? 2 : 1; }
 
-// sums [M][32] (+)= x [M, 2 pairs] (fp32, ldx apart) times groups [g0, g0 + G) of one tile
+// sums [M][32] = x [2 pairs][8] (a row group's activations, k-major) times groups [g0, g0 + G)
+// of one tile
 template <int M, int G>
-void pass(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, int g0,
-          float (*sums)[kPackedCols]) {
+void pass(const float* x, const uint16_t* w, int64_t pairs, int g0, float (*sums)[kPackedCols]) {
   __m256 acc[M][G];
   for (int m = 0; m < M; ++m)
     for (int g = 0; g < G; ++g) acc[m][g] = _mm256_setzero_ps();
@@ -51,9 +51,9 @@ void pass(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, int g0,
       const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
       const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
       for (int m = 0; m < M; ++m) {
-        const float* xm = x + m * ldx + 2 * p;
+        const float* xm = x + 2 * p * kMaxRows + m;
         acc[m][g] = _mm256_fmadd_ps(even, _mm256_broadcast_ss(xm), acc[m][g]);
-        acc[m][g] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(xm + 1), acc[m][g]);
+        acc[m][g] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(xm + kMaxRows), acc[m][g]);
       }
     }
   }
@@ -62,13 +62,12 @@ void pass(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs, int g0,
 }
 
 template <int M>
-void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t pairs,
-          float (*sums)[kPackedCols]) {
+void tile(const float* x, const uint16_t* w, int64_t pairs, float (*sums)[kPackedCols]) {
   constexpr int G = groups_for(M);
-  for (int g0 = 0; g0 < kGroups; g0 += G) pass<M, G>(x, ldx, w, pairs, g0, sums);
+  for (int g0 = 0; g0 < kGroups; g0 += G) pass<M, G>(x, w, pairs, g0, sums);
 }
 
-using TileFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, float (*)[kPackedCols]);
+using TileFn = void (*)(const float*, const uint16_t*, int64_t, float (*)[kPackedCols]);
 constexpr TileFn kTileFns[kMaxRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
                                            tile<5>, tile<6>, tile<7>, tile<8>};
 
@@ -103,11 +102,14 @@ void epilogue(float (*sums)[kPackedCols], int64_t m, int64_t cols, const float* 
 
 template <typename Out>
 void run_bf16(const Bf16Operands& o, Out* y) {
-  // the activations widened once: [rows, 2 pairs] fp32
-  std::vector<float> x(static_cast<size_t>(o.rows * 2 * o.pairs));
-  const int64_t k = 2 * o.pairs;
+  // the activations widened once, k-major per group of 8 rows: [groups][2 pairs][8] fp32, so a
+  // pair's broadcasts read one or two lines (row-major, rows K x 4 bytes apart alias in L1 at
+  // K = 1,024 and the kernel ran at a third of its speed)
+  const int64_t k = 2 * o.pairs, groups = (o.rows + kMaxRows - 1) / kMaxRows;
+  std::vector<float> x(static_cast<size_t>(groups * k * kMaxRows));
   for (int64_t r = 0; r < o.rows; ++r)
-    for (int64_t i = 0; i < k; ++i) x[r * k + i] = from_bf16(o.x[r * o.ldx + i]);
+    for (int64_t i = 0; i < k; ++i)
+      x[(r / kMaxRows * k + i) * kMaxRows + r % kMaxRows] = from_bf16(o.x[r * o.ldx + i]);
   const int64_t tiles = (o.n + kPackedCols - 1) / kPackedCols;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     alignas(32) float sums[kMaxRows][kPackedCols];
@@ -116,7 +118,7 @@ void run_bf16(const Bf16Operands& o, Out* y) {
       const int64_t c0 = t * kPackedCols, cols = std::min(kPackedCols, o.n - c0);
       for (int64_t r = 0; r < o.rows; r += kMaxRows) {  // a tile read for 8 rows serves the next
         const int64_t m = std::min(kMaxRows, o.rows - r);
-        kTileFns[m](x.data() + r * k, k, wt, o.pairs, sums);
+        kTileFns[m](x.data() + r * k, wt, o.pairs, sums);
         epilogue<Out>(sums, m, cols, o.bias ? o.bias + c0 : nullptr,
                       o.base ? o.base + r * o.ldb + c0 : nullptr, o.ldb, y + r * o.ldy + c0,
                       o.ldy);
