@@ -37,7 +37,7 @@ def test_header_names_the_command_host_cores_torch_commit_and_date():
     record = bc.provenance("sparkrelay.tools.bench.quality", ["--out", "a b", "--windows", "2"])
     # shell-quoted
     assert record["command"] == "python -m sparkrelay.tools.bench.quality --out 'a b' --windows 2"
-    assert record["commit"] == _head()
+    assert record["commit"].removesuffix("+changes") == _head()
     m = record["machine"]
     command, machine = bc.header_lines(record)
     assert command == f"`{record['command']}`"
@@ -68,10 +68,28 @@ def test_commit_is_unknown_outside_a_git_checkout(monkeypatch, error):
     assert bc.commit() == "unknown"
 
 
+@pytest.mark.parametrize(
+    "status, expected", [("", "abc1234"), (" M engine/engine.py\n", "abc1234+changes")]
+)
+def test_commit_says_when_the_package_differs_from_it(monkeypatch, status, expected):
+    """A figure measured on uncommitted code names its commit with "+changes"."""
+
+    def git(args, cwd):
+        assert cwd.name == "sparkrelay"
+        out = "abc1234\n" if args[0] == "rev-parse" else status
+        return subprocess.CompletedProcess(args, 0, stdout=out, stderr="")
+
+    monkeypatch.setattr(bc, "_git", git)
+    assert bc.commit() == expected
+
+
 def _starts_with_header(md: str, saved: dict, module: str) -> None:
     """The .md's first lines are the header of the run the JSON records (command and commit beside
     machine)."""
-    assert saved["command"].startswith(f"python -m {module} ") and saved["commit"] == _head()
+    assert (
+        saved["command"].startswith(f"python -m {module} ")
+        and saved["commit"].removesuffix("+changes") == _head()
+    )
     assert md.splitlines()[:2] == bc.header_lines(saved)
 
 

@@ -169,23 +169,23 @@ def machine_info() -> dict:
 
 
 def commit() -> str:
-    """`git rev-parse --short HEAD` of the checkout this package runs from; "unknown" outside a git
-    checkout. Asked from the package's folder, not the current one, so a tool started elsewhere
-    still names its code."""
+    """`git rev-parse --short HEAD` of the checkout this package runs from, with "+changes" when the
+    package's own files differ from it (a figure measured on uncommitted code says so); "unknown"
+    outside a git checkout. Asked from the package's folder, not the current one, so a tool started
+    elsewhere still names its code."""
+    here = Path(__file__).resolve().parents[2]  # sparkrelay/
     try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                capture_output=True,
-                text=True,
-                check=True,
-                cwd=Path(__file__).resolve().parent,
-                timeout=10,
-            ).stdout.strip()
-            or "unknown"
-        )
+        sha = _git(["rev-parse", "--short", "HEAD"], here).stdout.strip()
+        changed = _git(["status", "--porcelain", "--", "."], here).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    return (sha + ("+changes" if changed else "")) if sha else "unknown"
+
+
+def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["git", *args], capture_output=True, text=True, check=True, cwd=cwd, timeout=10
+    )
 
 
 def command(module: str, argv: Optional[Sequence[str]] = None) -> str:
