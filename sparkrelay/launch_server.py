@@ -33,7 +33,7 @@ other variables:
   ONEDNN_PRIMITIVE_CACHE_CAPACITY, LRU_CACHE_CAPACITY (default 64 each)
       oneDNN's kernel caches, one entry per input shape (sparkrelay/models/kernels.py)
   SPARKRELAY_CPU_KERNELS=0
-      bfloat16 linears on oneDNN instead of sparkrelay's AVX-512 kernels (docs/cpu_kernels.md);
+      bfloat16 linears on oneDNN instead of sparkrelay's AVX-512 (or AVX2) kernels (docs/cpu_kernels.md);
       SPARKRELAY_KERNEL_BUILD=DIR: where set-up builds them (default build/cpu_kernels);
       SPARKRELAY_CPU_AMX=0: the kernels' products on the vector path, not on AMX
 
