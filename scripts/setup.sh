@@ -76,6 +76,6 @@ fi
 # sparkrelay's AVX-512 decode kernels (sparkrelay/csrc/): compiled once into build/cpu_kernels/, again
 # when the source changes. Without a compiler, ninja or the CPU's instructions the linears use oneDNN
 # instead: a warning names why, nothing fails.
-step "7/7 CPU kernels (g++, ninja; about half a minute the first time) ..."
+step "7/7 CPU kernels (g++, ninja; a minute or two the first time) ..."
 python -m sparkrelay.models.cpu_kernels
 step "done in ${SECONDS} s: activate with \`. .venv/bin/activate\`"

@@ -1,50 +1,15 @@
 // The index of each row's largest value, as torch.argmax(x, -1) gives it (the first of equal
 // maxima; the first NaN when a row has one), for float32 and bfloat16 rows. torch's CPU argmax is
 // slow on a row of logits, bf16 most of all (figures: docs/cpu_kernels.md), and greedy decoding
-// and a DSpark round take several per step. Here a row is two vector passes over data still in
-// cache: its maximum, then the first lane equal to it.
+// and a DSpark round take several per step. One row's work is row_argmax (cpu_rows.cpp, or
+// cpu_rows_avx2.cpp in the AVX2 build); here the checks and the threads.
 
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
 
-#include <limits>
-
 namespace sparkrelay {
 namespace {
-
-// the first index of a NaN in row [n], or -1
-template <typename T>
-int64_t first_nan(const T* row, int64_t n) {
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const __mmask16 keep = first(n - i);
-    const __m512 v = load16(row + i, keep);
-    const __mmask16 nan = _mm512_mask_cmp_ps_mask(keep, v, v, _CMP_UNORD_Q);
-    if (nan) return i + __builtin_ctz(nan);
-  }
-  return -1;
-}
-
-template <typename T>
-int64_t row_argmax(const T* row, int64_t n) {
-  const __m512 low = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 top = low;
-  __mmask16 nan = 0;
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const __mmask16 keep = first(n - i);
-    const __m512 v = _mm512_mask_mov_ps(low, keep, load16(row + i, keep));
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    top = _mm512_max_ps(top, v);
-  }
-  if (nan) return first_nan(row, n);
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const __mmask16 keep = first(n - i);
-    const __mmask16 hit = _mm512_mask_cmp_ps_mask(keep, load16(row + i, keep), m, _CMP_EQ_OQ);
-    if (hit) return i + __builtin_ctz(hit);
-  }
-  return 0;  // every value -inf: torch answers the first index too
-}
 
 template <typename T>
 void rows_argmax(const T* x, int64_t rows, int64_t n, int64_t ld, int64_t* out) {

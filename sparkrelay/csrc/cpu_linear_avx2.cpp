@@ -19,7 +19,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "cpu_kernels.h"
+#include "cpu_simd.h"
 
 namespace sparkrelay {
 namespace {

@@ -54,7 +54,7 @@ def ban_(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[list[int]] 
 
 def _apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """In place: logits float32 [M, V], bitmask int32 [M, W]."""
-    ext = cpu_kernels.load() if logits.device.type == "cpu" else None
+    ext = cpu_kernels.portable() if logits.device.type == "cpu" else None
     if ext is not None:
         ext.apply_token_bitmask(logits, bitmask)
     else:

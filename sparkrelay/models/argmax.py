@@ -11,7 +11,7 @@ from sparkrelay.models import cpu_kernels
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x [..., V] float32 or bfloat16 -> int64 [...]; any other dtype or device goes to torch."""
-    ext = cpu_kernels.load() if x.device.type == "cpu" and x.numel() > 0 else None
+    ext = cpu_kernels.portable() if x.device.type == "cpu" and x.numel() > 0 else None
     if ext is None or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() == 0:
         return x.argmax(-1)
     rows = x.reshape(-1, x.shape[-1])

@@ -6,8 +6,9 @@ is redone when a source or the flags change.
 They are used where the CPU has the instructions (avx512f/bw/vl, avx512_bf16, avx512_vnni) unless
 SPARKRELAY_CPU_KERNELS=0; on a CPU with AMX their bf16 and int8 products run on
 the tile unit unless SPARKRELAY_CPU_AMX=0 (so 8 rows cost about what one does). A CPU with AVX2 and
-FMA but not those gets the bf16 product alone, built apart (cpu_linear_avx2.cpp, `linears()`), so a
-bf16 model's decode reads bf16 weights there too. Anywhere else, or when a build fails (no compiler,
+FMA but not those gets the bf16 product, the row kernels (argmax, draw, token bitmask) and the
+Markov head's greedy block, built apart (cpu_linear_avx2.cpp, cpu_rows_avx2.cpp; `portable()`), so a bf16 model's decode reads bf16
+weights there too. Anywhere else, or when a build fails (no compiler,
 no ninja), the linears stay on oneDNN (kernels.PackedLinear), and the reason is logged once as a
 warning: a missing kernel costs speed, never a start. Set-up builds them:
 `python -m sparkrelay.models.cpu_kernels` prints what it did. Design: docs/cpu_kernels.md.
@@ -39,6 +40,7 @@ SOURCES = [
         "cpu_mask.cpp",
         "cpu_argmax.cpp",
         "cpu_draw.cpp",
+        "cpu_rows.cpp",
         "cpu_elementwise.cpp",
         "cpu_kernel_linear.cpp",
         "cpu_decode_layer.cpp",
@@ -50,8 +52,21 @@ BUILD = Path(os.environ.get("SPARKRELAY_KERNEL_BUILD", CSRC.parents[1] / "build"
 NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp"]
 FLAGS += ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]  # used only where the CPU has them (use_amx)
-# the AVX2 build: the bf16 product and KernelLinear alone (csrc/cpu_kernels.h says what it sees)
-AVX2_SOURCES = [CSRC / n for n in ("cpu_linear_avx2.cpp", "cpu_kernel_linear.cpp", "bindings.cpp")]
+# the AVX2 build: the bf16 product, KernelLinear, the row kernels and the Markov head's greedy block
+# (csrc/cpu_kernels.h says what it sees)
+AVX2_SOURCES = [
+    CSRC / n
+    for n in (
+        "cpu_linear_avx2.cpp",
+        "cpu_rows_avx2.cpp",
+        "cpu_kernel_linear.cpp",
+        "cpu_argmax.cpp",
+        "cpu_draw.cpp",
+        "cpu_mask.cpp",
+        "cpu_markov.cpp",
+        "bindings.cpp",
+    )
+]
 AVX2_NEEDED = ("avx2", "fma")
 AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-DSPARKRELAY_AVX2_ONLY"]
 ENV = "SPARKRELAY_CPU_KERNELS"
@@ -146,15 +161,20 @@ def load() -> Optional[ModuleType]:
 def _fallback_note(why: str) -> str:
     """What serves the linears when the AVX-512 build is off for `why`."""
     if why.startswith("this CPU lacks") and not [f for f in AVX2_NEEDED if f not in cpu_flags()]:
-        return "bf16 linears of a few rows use the AVX2 kernel where it builds, the rest oneDNN"
+        return (
+            "bf16 linears of a few rows, argmax, draws and grammar masks use the AVX2 build where "
+            "it builds, the rest oneDNN and torch"
+        )
     return "the linears use oneDNN (slower decoding)"
 
 
-def linears() -> Optional[ModuleType]:
-    """The extension whose KernelLinear takes a bf16 weight's few-row products: the AVX-512 build,
-    else the AVX2 build of the bf16 product alone (a CPU with avx2 and fma), else None (warned once,
-    with the reason). Why a second build: a bf16 model on such a CPU otherwise multiplies through
-    a float32 copy, reading twice the bytes per decode step."""
+def portable() -> Optional[ModuleType]:
+    """The extension with the kernels both builds carry (the bf16 product behind KernelLinear, the
+    row argmax, the draw, the token bitmask, the Markov head's greedy block): the AVX-512 build, else the AVX2 build (a CPU with avx2
+    and fma), else None (warned once, with the reason). Why a second build: on such a CPU a bf16
+    model otherwise multiplies through a float32 copy, reading twice the bytes per decode step, and
+    torch's argmax and bitmask fill cost several times these kernels' in every grammar-constrained
+    or greedy DSpark round."""
     full = load()
     if full is not None or _state["why"] == f"{ENV}=0":
         return full
@@ -167,7 +187,7 @@ def linears() -> Optional[ModuleType]:
             folder=BUILD / "avx2",
         )
         if why:
-            logger.warning("AVX2 bf16 kernel off: %s; the linears use oneDNN", why)
+            logger.warning("AVX2 kernels off: %s; the linears use oneDNN, the rows torch", why)
         _state["avx2"], _state["avx2_why"] = module, why
     return _state["avx2"]  # type: ignore[return-value]
 
@@ -177,7 +197,7 @@ def forced_off() -> Iterator[None]:
     """Inside, load() answers None, as with SPARKRELAY_CPU_KERNELS=0: an engine built and run inside
     takes the fallbacks. A benchmark interleaves it with an engine on the kernels in one process,
     where two processes run minutes apart on a shared machine measure the machine's load."""
-    linears()
+    portable()
     saved = _state["module"], _state.get("avx2")
     _state["module"] = _state["avx2"] = None
     try:
@@ -242,9 +262,9 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     module = load()
     if module is None:
-        avx2 = linears() is not None
+        avx2 = portable() is not None
         note = (
-            "the AVX2 bf16 kernel serves a few rows, oneDNN the rest"
+            "the AVX2 build serves bf16 linears of a few rows and the row kernels, oneDNN the rest"
             if avx2
             else "the linears use oneDNN"
         )

@@ -44,7 +44,7 @@ def draw_rows(
     """weights [R, V] (>= 0, any scale; a row's probabilities or a residual) -> int64 [R], each
     index drawn with probability weight / row total."""
     u = row_uniforms(generators, shared, 1, torch.float64, weights.device).view(-1)  # [R]
-    ext = cpu_kernels.load() if weights.device.type == "cpu" else None
+    ext = cpu_kernels.portable() if weights.device.type == "cpu" else None
     if ext is not None and weights.dtype == torch.float32 and weights.stride(-1) == 1:
         return ext.draw_rows(weights, u)
     cdf = weights.to(torch.float64).cumsum(-1)  # [R, V]

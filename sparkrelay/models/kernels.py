@@ -7,7 +7,7 @@ that bandwidth. Of the CPU layouts measured (MKL's `x @ weight_t`, F.linear, MKL
 packed, inductor's CPP GEMM), oneDNN's packed one streams weights the fastest, in float32 and
 bfloat16, at one row and at several (figures: speed notes of docs/architecture.md).
 
-Where one of sparkrelay's kernels is built (models/cpu_kernels.py `linears()`: AVX-512 bf16, or
+Where one of sparkrelay's kernels is built (models/cpu_kernels.py `portable()`: AVX-512 bf16, or
 AVX2 + FMA), a bfloat16 weight is an AvxLinear: that kernel for the few rows of a decode step, oneDNN
 for more. Elsewhere, and for float32, every large weight is reordered once into oneDNN's blocked
 layout (PackedLinear, an opaque mkldnn tensor that `_linear_pointwise` reads as it is, for any row
@@ -269,7 +269,7 @@ def frozen_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.
     """weight [out, in] (+ bias [out]) -> the fastest frozen layer for its dtype and device (module docstring)."""
     if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
         many = PackedLinear(weight, bias) if can_pack(weight) else WideLinear(weight, bias)
-        module = cpu_kernels.linears()
+        module = cpu_kernels.portable()
         return many if module is None else AvxLinear(weight, bias, module, many)
     if not can_pack(weight):
         return TLinear(weight, bias)

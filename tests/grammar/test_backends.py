@@ -92,10 +92,10 @@ def test_matcher_follows_a_valid_answer(backend, tokenizer):
 @pytest.mark.parametrize("vocab", [1, 31, 33, 4099, 49155])
 @pytest.mark.parametrize("kernel", [True, False])
 def test_constrain_equals_the_reference(vocab, kernel, monkeypatch):
-    if kernel and cpu_kernels.load() is None:
+    if kernel and cpu_kernels.portable() is None:
         pytest.skip(f"CPU kernels off: {cpu_kernels.why_off()}")
     if not kernel:
-        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+        monkeypatch.setattr(cpu_kernels, "portable", lambda: None)
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randn(5, vocab, generator=g)
     words = torch.randint(-(2**31), 2**31 - 1, (5, bm.words(vocab)), generator=g, dtype=torch.int64)

@@ -1,4 +1,4 @@
-"""The AVX2 build of the bf16 product (csrc/cpu_linear_avx2.cpp, models/cpu_kernels.py `linears()`):
+"""The AVX2 build of the bf16 product (csrc/cpu_linear_avx2.cpp, models/cpu_kernels.py `portable()`):
 on a CPU with avx2 and fma but not AVX-512 bf16, set-up builds it and every bf16 weight becomes an
 AvxLinear over it; equal to a float64 reference within the output's rounding for every row count
 and shape class, with bias and base; dispatch by rows (the float32 copy above 8), by
@@ -51,10 +51,11 @@ def float64_bound(x, w, ref, out_dtype) -> torch.Tensor:
 
 @needs_avx2
 def test_set_up_built_the_avx2_kernel():
-    module = cpu_kernels.linears()
+    module = cpu_kernels.portable()
     assert module is not None, cpu_kernels._state.get("avx2_why")
     assert module.__name__ == "sparkrelay_cpu_kernels_avx2"
-    assert not hasattr(module, "markov_greedy")  # the bf16 product and KernelLinear alone
+    assert hasattr(module, "argmax_rows") and hasattr(module, "markov_greedy")
+    assert not hasattr(module, "linear_int8")  # the int8 product needs avx512_vnni
 
 
 @needs_avx2
@@ -65,7 +66,7 @@ def test_avx2_product_equals_float64_at_every_row_count(shape, out_dtype):
     """linear_bf16 with bias and base into out, rows 1 to 9 (9: two row groups)."""
     n, k = shape
     k += k % 2  # the product reads pairs (KernelLinear pads an odd K: the dispatch test)
-    ext = cpu_kernels.linears()
+    ext = cpu_kernels.portable()
     for rows in range(1, KERNEL_ROWS + 2):
         w, b, x = operands(n, k, rows, seed=rows)
         base = torch.randn(rows, n).to(torch.bfloat16)
@@ -104,7 +105,7 @@ def test_avx2_linear_dispatch(rows):
 @needs_avx2
 def test_avx2_kernel_off_by_environment_and_forced_off(cpu_kernels_off):
     w = torch.randn(64, 64).to(torch.bfloat16)
-    assert cpu_kernels.linears() is None
+    assert cpu_kernels.portable() is None
     assert not isinstance(frozen_linear(w), AvxLinear)
 
 
@@ -112,7 +113,7 @@ def test_avx2_kernel_off_by_environment_and_forced_off(cpu_kernels_off):
 def test_forced_off_restores_the_avx2_kernel():
     w = torch.randn(64, 64).to(torch.bfloat16)
     with cpu_kernels.forced_off():
-        assert cpu_kernels.linears() is None
+        assert cpu_kernels.portable() is None
         assert isinstance(frozen_linear(w), WideLinear)
     assert isinstance(frozen_linear(w), AvxLinear)
 

@@ -1,7 +1,7 @@
-"""models/draw.py: one draw per row by the inverse CDF, through the kernel (csrc/cpu_draw.cpp) and
-torch's float64 cumsum alike: the index whose running sum first exceeds u * total, never a zero
-weight (u at 0 and next to 1 included), weights of any scale, and the drawn frequencies those of
-the weights (chi-square)."""
+"""models/draw.py: one draw per row by the inverse CDF, through the kernel (csrc/cpu_draw.cpp, the
+AVX-512 or the AVX2 build) and torch's float64 cumsum alike: the index whose running sum first
+exceeds u * total, never a zero weight (u at 0 and next to 1 included), weights of any scale, and
+the drawn frequencies those of the weights (chi-square)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ import torch
 from sparkrelay.models import cpu_kernels
 from sparkrelay.models.draw import draw_rows, row_uniforms
 
-HAS_CPU = not [f for f in cpu_kernels.NEEDED if f not in cpu_kernels.cpu_flags()]
-needs_cpu = pytest.mark.skipif(not HAS_CPU, reason="this CPU lacks AVX-512 bf16")
+_FLAGS = cpu_kernels.cpu_flags()
+HAS_ROWS = any(
+    all(f in _FLAGS for f in need) for need in (cpu_kernels.NEEDED, cpu_kernels.AVX2_NEEDED)
+)
+needs_rows = pytest.mark.skipif(not HAS_ROWS, reason="this CPU has neither AVX-512 bf16 nor AVX2")
 
 
 def _reference(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -21,10 +24,10 @@ def _reference(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
 
 
-@needs_cpu
+@needs_rows
 @pytest.mark.parametrize("shape", [(1, 1), (3, 5), (8, 49152), (2, 49157), (4, 17)])
 def test_the_kernel_draws_the_first_index_past_u_times_the_total(shape):
-    ext = cpu_kernels.load()
+    ext = cpu_kernels.portable()  # the AVX-512 build, or the AVX2 one
     g = torch.Generator().manual_seed(0)
     w = torch.rand(shape, generator=g) ** 4  # uneven rows
     w[:, ::3] = 0.0  # zeros in between
@@ -48,8 +51,8 @@ def cpu_kernels_off_if(monkeypatch):
         if yes:
             monkeypatch.setenv(cpu_kernels.ENV, "0")
             monkeypatch.setattr(cpu_kernels, "_state", {})
-        elif not HAS_CPU:
-            pytest.skip("this CPU lacks AVX-512 bf16")
+        elif not HAS_ROWS:
+            pytest.skip("this CPU has neither AVX-512 bf16 nor AVX2")
 
     yield off
     monkeypatch.setattr(cpu_kernels, "_state", {})

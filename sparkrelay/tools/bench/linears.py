@@ -1,5 +1,5 @@
 """The decode step's linears alone, against the machine's read bandwidth: sparkrelay's kernels
-(models/cpu_kernels.py `linears()`: the AVX-512 build, or the AVX2 one's bf16 product) against their
+(models/cpu_kernels.py `portable()`: the AVX-512 build, or the AVX2 one's bf16 product) against their
 fallbacks, at real model shapes with random weights.
 
     python -m sparkrelay.tools.bench.linears [--config models/configs/qwen3-0.6b ...] [--rows 1,8]
@@ -221,7 +221,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--out", default="benchmarks/results/linears")
     args = p.parse_args(argv)
     bc.require_positive(p, args, ("repeats",))
-    ext = cpu_kernels.linears()
+    ext = cpu_kernels.portable()
     if ext is None:
         raise SystemExit(f"the CPU kernels are off here: {cpu_kernels.why_off()}")
     configs = args.config or ["models/configs/qwen3-0.6b", "models/configs/qwen3-1.7b"]
