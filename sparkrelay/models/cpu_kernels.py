@@ -7,9 +7,9 @@ They are used where the CPU has the instructions (avx512f/bw/vl, avx512_bf16, av
 SPARKRELAY_CPU_KERNELS=0; on a CPU with AMX their bf16 and int8 products run on
 the tile unit unless SPARKRELAY_CPU_AMX=0 (so 8 rows cost about what one does). A CPU with AVX2 and
 FMA but not those gets the bf16 product, the row kernels (argmax, draw, token bitmask) and the
-Markov head's greedy block, built apart (cpu_linear_avx2.cpp, cpu_rows_avx2.cpp; `portable()`), so a bf16 model's decode reads bf16
-weights there too. Anywhere else, or when a build fails (no compiler,
-no ninja), the linears stay on oneDNN (kernels.PackedLinear), and the reason is logged once as a
+Markov head's greedy block, built apart (cpu_linear_avx2.cpp, cpu_rows_avx2.cpp; `portable()`), so
+a bf16 model's decode reads bf16 weights there too. Anywhere else, or when a build fails (no
+compiler, no ninja), the linears stay on oneDNN (kernels.PackedLinear), and the reason is logged once as a
 warning: a missing kernel costs speed, never a start. Set-up builds them:
 `python -m sparkrelay.models.cpu_kernels` prints what it did. Design: docs/cpu_kernels.md.
 """
@@ -170,11 +170,11 @@ def _fallback_note(why: str) -> str:
 
 def portable() -> Optional[ModuleType]:
     """The extension with the kernels both builds carry (the bf16 product behind KernelLinear, the
-    row argmax, the draw, the token bitmask, the Markov head's greedy block): the AVX-512 build, else the AVX2 build (a CPU with avx2
-    and fma), else None (warned once, with the reason). Why a second build: on such a CPU a bf16
-    model otherwise multiplies through a float32 copy, reading twice the bytes per decode step, and
-    torch's argmax and bitmask fill cost several times these kernels' in every grammar-constrained
-    or greedy DSpark round."""
+    row argmax, the draw, the token bitmask, the Markov head's greedy block): the AVX-512 build,
+    else the AVX2 build (a CPU with avx2 and fma), else None (warned once, with the reason). Why a
+    second build: on such a CPU a bf16 model otherwise multiplies through a float32 copy, reading
+    twice the bytes per decode step, and torch's argmax and bitmask fill cost several times these
+    kernels' in every grammar-constrained or greedy DSpark round."""
     full = load()
     if full is not None or _state["why"] == f"{ENV}=0":
         return full
