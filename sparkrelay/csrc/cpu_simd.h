@@ -92,4 +92,22 @@ int64_t walk_past(const float* w, int64_t n, double target, BlockSum block_sum) 
   return 0;
 }
 
+// decode attention (cpu_attention.cpp's tasks over cpu_attention_heads.cpp or its AVX2 twin)
+constexpr int64_t kMaxHeadDim = 256;  // D at most (16 fp32 accumulators of 16 lanes)
+constexpr int64_t kChunkQueries = 4;  // queries of one sequence per task (K, V read once for them)
+constexpr int64_t kScoreLanes = 16;   // a score row's width, rounded up to a multiple of this
+struct Pools {                        // the layer's pools and how to find a key of one KV head
+  const uint16_t* k;
+  const uint16_t* v;
+  int64_t row;  // elements per slot: n_kv * D
+  int64_t d;
+};
+// one task: rows r < n (query q[r] [D] bf16, output out[r]) of the KV head whose values start at
+// element `head` of a slot, against keys 0..lens[r]-1 of slots [longest]; scratch: scores [n, width]
+// and totals [n]. A row's sums run in the same order whatever rows share its task, so a verify
+// row equals the decode row of the same query, bit for bit
+void attend_rows(const uint16_t* const* q, uint16_t* const* out, const int64_t* lens, int64_t n,
+                 const Pools& p, int64_t head, const int64_t* slots, int64_t longest, float scale,
+                 float* scores, int64_t width, float* totals);
+
 }  // namespace sparkrelay

@@ -295,7 +295,7 @@ def decode_kernel(q: torch.Tensor, k_pool: torch.Tensor, meta: AttnMeta):
         return None
     if torch.compiler.is_compiling():
         return None
-    return cpu_kernels.load()
+    return cpu_kernels.portable()  # the AVX-512 build or the AVX2 one
 
 
 def kernel_attention(

@@ -6,9 +6,10 @@ is redone when a source or the flags change.
 They are used where the CPU has the instructions (avx512f/bw/vl, avx512_bf16, avx512_vnni) unless
 SPARKRELAY_CPU_KERNELS=0; on a CPU with AMX their bf16 and int8 products run on
 the tile unit unless SPARKRELAY_CPU_AMX=0 (so 8 rows cost about what one does). A CPU with AVX2 and
-FMA but not those gets the bf16 product, the row kernels (argmax, draw, token bitmask) and the
-Markov head's greedy block, built apart (cpu_linear_avx2.cpp, cpu_rows_avx2.cpp; `portable()`), so
-a bf16 model's decode reads bf16 weights there too. Anywhere else, or when a build fails (no
+FMA but not those gets the bf16 product, the row kernels (argmax, draw, token bitmask), the Markov
+head's greedy block and the bf16 decode attention, built apart (cpu_linear_avx2.cpp,
+cpu_rows_avx2.cpp, cpu_attention_heads_avx2.cpp; `portable()`), so a bf16 model's decode reads bf16
+weights there too. Anywhere else, or when a build fails (no
 compiler, no ninja), the linears stay on oneDNN (kernels.PackedLinear), and the reason is logged once as a
 warning: a missing kernel costs speed, never a start. Set-up builds them:
 `python -m sparkrelay.models.cpu_kernels` prints what it did. Design: docs/cpu_kernels.md.
@@ -37,6 +38,7 @@ SOURCES = [
         "cpu_linear.cpp",
         "cpu_norm.cpp",
         "cpu_attention.cpp",
+        "cpu_attention_heads.cpp",
         "cpu_mask.cpp",
         "cpu_argmax.cpp",
         "cpu_draw.cpp",
@@ -45,6 +47,8 @@ SOURCES = [
         "cpu_kernel_linear.cpp",
         "cpu_decode_layer.cpp",
         "cpu_markov.cpp",
+        "cpu_attention.cpp",
+        "cpu_attention_heads_avx2.cpp",
         "bindings.cpp",
     )
 ]
@@ -52,8 +56,8 @@ BUILD = Path(os.environ.get("SPARKRELAY_KERNEL_BUILD", CSRC.parents[1] / "build"
 NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp"]
 FLAGS += ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]  # used only where the CPU has them (use_amx)
-# the AVX2 build: the bf16 product, KernelLinear, the row kernels and the Markov head's greedy block
-# (csrc/cpu_kernels.h says what it sees)
+# the AVX2 build: the bf16 product, KernelLinear, the row kernels, the Markov head's greedy block and
+# the decode attention (csrc/cpu_kernels.h says what it sees)
 AVX2_SOURCES = [
     CSRC / n
     for n in (
@@ -64,6 +68,8 @@ AVX2_SOURCES = [
         "cpu_draw.cpp",
         "cpu_mask.cpp",
         "cpu_markov.cpp",
+        "cpu_attention.cpp",
+        "cpu_attention_heads_avx2.cpp",
         "bindings.cpp",
     )
 ]
@@ -170,7 +176,8 @@ def _fallback_note(why: str) -> str:
 
 def portable() -> Optional[ModuleType]:
     """The extension with the kernels both builds carry (the bf16 product behind KernelLinear, the
-    row argmax, the draw, the token bitmask, the Markov head's greedy block): the AVX-512 build,
+    row argmax, the draw, the token bitmask, the Markov head's greedy block, the bf16 decode
+    attention): the AVX-512 build,
     else the AVX2 build (a CPU with avx2 and fma), else None (warned once, with the reason). Why a
     second build: on such a CPU a bf16 model otherwise multiplies through a float32 copy, reading
     twice the bytes per decode step, and torch's argmax and bitmask fill cost several times these

@@ -184,7 +184,7 @@ def test_rope_and_silu_mul_dispatch(monkeypatch):
     from sparkrelay.models import layers
 
     calls = []
-    real = cpu_kernels.load()
+    real = cpu_kernels.portable()
     spy = type(
         "Spy",
         (),
@@ -208,14 +208,14 @@ def test_rope_and_silu_mul_dispatch(monkeypatch):
     assert torch.equal(got[1], layers.silu_mul(gate_up))
 
 
-@needs_cpu
+@needs_rows
 @pytest.mark.parametrize(
     "shape", [(1, 16, 8, 128, 160), (3, 9, 3, 64, 37), (2, 4, 4, 34, 5), (1, 32, 4, 256, 700)]
 )  # (B, H, n_kv, D, Lk): GQA groups of 2, 3, 1, 8; D below, at and above a 32-wide chunk
 @torch.inference_mode()
 def test_decode_attention_kernel_equals_float64(shape):
     """Each query against its own visible keys, read in place from a shuffled pool, within the
-    output's bf16 rounding of the float64 softmax attention."""
+    output's bf16 rounding of the float64 softmax attention (the AVX-512 build or the AVX2 one)."""
     b, h, n_kv, d, lk = shape
     g = torch.Generator().manual_seed(sum(shape))
     q = torch.randn(b, h, d, generator=g).to(torch.bfloat16)
@@ -226,7 +226,7 @@ def test_decode_attention_kernel_equals_float64(shape):
     lengths[0] = lk
     seq = torch.arange(b).flip(0).contiguous()  # query i reads the slots of row b - 1 - i
     slots_of = slots.flip(0).contiguous()
-    out = cpu_kernels.load().decode_attention_bf16(
+    out = cpu_kernels.portable().decode_attention_bf16(
         q, k_pool, v_pool, slots_of, seq, lengths, d**-0.5
     )
     assert out.shape == q.shape and out.dtype == torch.bfloat16
@@ -241,8 +241,8 @@ def test_decode_attention_kernel_equals_float64(shape):
             assert bool((err <= 2.0**-8 * ref.abs() + 1e-3).all()), float(err.max())
 
 
-@needs_cpu
-@pytest.mark.parametrize("group, d", [(3, 64), (2, 128), (1, 34)])
+@needs_rows
+@pytest.mark.parametrize("group, d", [(3, 64), (2, 128), (1, 34), (4, 70)])
 @torch.inference_mode()
 def test_decode_attention_kernel_serves_blocks_exactly_as_single_queries(group, d):
     """Blocks of 1 to 9 queries per sequence (chunks of four and their remainders, causal through
@@ -257,7 +257,7 @@ def test_decode_attention_kernel_serves_blocks_exactly_as_single_queries(group, 
     seq = torch.tensor([b for b, n, _ in blocks for _ in range(n)])
     lengths = torch.tensor([last - n + 1 + i for _, n, last in blocks for i in range(n)])
     q = torch.randn(len(seq), h, d, generator=g).to(torch.bfloat16)
-    ext = cpu_kernels.load()
+    ext = cpu_kernels.portable()
     out = ext.decode_attention_bf16(q, k_pool, v_pool, slots, seq, lengths, d**-0.5)
     for t in range(len(seq)):
         alone = ext.decode_attention_bf16(
@@ -317,7 +317,7 @@ def test_argmax_falls_back_to_torch(cpu_kernels_off):
     assert torch.equal(argmax(torch.tensor([[1, 5, 5]])), torch.tensor([1]))
 
 
-@needs_cpu
+@needs_rows
 @pytest.mark.parametrize(
     "starts, ends",
     [([9, 13], [10, 14]), ([12], [13]), ([6], [13]), ([4, 9], [9, 10])],
@@ -337,13 +337,13 @@ def test_paged_attention_takes_the_kernel_and_matches_sdpa(monkeypatch, starts, 
     q, k, v = (torch.randn(t, n, 64, generator=g).to(torch.bfloat16) for n in (8, 2, 2))
     pools = [torch.randn(32, 2, 64, generator=g).to(torch.bfloat16) for _ in "kv"]
     calls = []
-    real = cpu_kernels.load()
+    real = cpu_kernels.portable()
     spy = type(
         "Spy",
         (),
         {"decode_attention_bf16": lambda *a: calls.append(1) or real.decode_attention_bf16(*a)},
     )
-    monkeypatch.setattr(attention.cpu_kernels, "load", lambda: spy)
+    monkeypatch.setattr(attention.cpu_kernels, "portable", lambda: spy)
     got = attention.paged_attention(q, k, v, pools[0].clone(), pools[1].clone(), meta, 0.125)
     assert len(calls) == (1 if meta.max_q <= attention.KERNEL_QUERIES else 0)
     if not calls:  # the kernel takes blocks too (causal through each query's length)
@@ -352,7 +352,7 @@ def test_paged_attention_takes_the_kernel_and_matches_sdpa(monkeypatch, starts, 
         got = real.decode_attention_bf16(
             q, k_pool, v_pool, meta.kv_index, meta.query_seq(), meta.query_lengths(), 0.125
         )
-    monkeypatch.setattr(attention.cpu_kernels, "load", lambda: None)
+    monkeypatch.setattr(attention.cpu_kernels, "portable", lambda: None)
     ref = attention.paged_attention(q, k, v, pools[0].clone(), pools[1].clone(), meta, 0.125)
     assert torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
