@@ -47,8 +47,6 @@ SOURCES = [
         "cpu_kernel_linear.cpp",
         "cpu_decode_layer.cpp",
         "cpu_markov.cpp",
-        "cpu_attention.cpp",
-        "cpu_attention_heads_avx2.cpp",
         "bindings.cpp",
     )
 ]

@@ -49,6 +49,16 @@ def float64_bound(x, w, ref, out_dtype) -> torch.Tensor:
     return rounding + 1e-6 * (x.double().abs() @ w.double().abs().t()) + 1e-6
 
 
+def test_each_build_compiles_its_own_sources_once():
+    """The two builds share the ISA-free entry points; each compiles its own inner loops (an AVX2
+    file in the AVX-512 build, or an AVX-512 one in the AVX2 build, would not compile or link)."""
+    for sources in (cpu_kernels.SOURCES, cpu_kernels.AVX2_SOURCES):
+        assert len(set(sources)) == len(sources) and all(p.exists() for p in sources)
+    assert not [p.name for p in cpu_kernels.SOURCES if p.stem.endswith("_avx2")]
+    avx2_only = {p.name for p in cpu_kernels.AVX2_SOURCES} - {p.name for p in cpu_kernels.SOURCES}
+    assert avx2_only == {"cpu_linear_avx2.cpp", "cpu_rows_avx2.cpp", "cpu_attention_heads_avx2.cpp"}
+
+
 @needs_avx2
 def test_set_up_built_the_avx2_kernel():
     module = cpu_kernels.portable()
