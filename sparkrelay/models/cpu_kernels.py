@@ -166,8 +166,8 @@ def _fallback_note(why: str) -> str:
     """What serves the linears when the AVX-512 build is off for `why`."""
     if why.startswith("this CPU lacks") and not [f for f in AVX2_NEEDED if f not in cpu_flags()]:
         return (
-            "bf16 linears of a few rows, argmax, draws and grammar masks use the AVX2 build where "
-            "it builds, the rest oneDNN and torch"
+            "the AVX2 build serves bf16 linears of a few rows, bf16 decode attention, argmax, draws, "
+            "grammar masks and the Markov head where it builds, oneDNN and torch the rest"
         )
     return "the linears use oneDNN (slower decoding)"
 
@@ -269,7 +269,8 @@ def main() -> None:
     if module is None:
         avx2 = portable() is not None
         note = (
-            "the AVX2 build serves bf16 linears of a few rows and the row kernels, oneDNN the rest"
+            "the AVX2 build serves bf16 linears of a few rows, bf16 decode attention and the row "
+            "kernels, oneDNN and torch the rest"
             if avx2
             else "the linears use oneDNN"
         )
