@@ -205,33 +205,40 @@ def kernel_pairs(model: str, drafter: str, repeats: int) -> list[dict]:
     return runs
 
 
-def kernels_report(out: Path, record: dict) -> None:
-    """Per backend and temperature: the median and the min over repeats of each run's median ms,
-    kernels on and off, and their ratio."""
-    rows, chart = [], {"kernels on": [], "kernels off": []}
-    groups = []
-    keys = sorted({(r["backend"], r["temperature"]) for r in record["runs"]})
-    for backend, temperature in keys:
-        cell = {}
+def _pair_cells(runs: list[dict]) -> list[tuple[str, float, tuple, tuple]]:
+    """Per (backend, temperature): (median, min) over repeats of each run's median ms, kernels on
+    and kernels off."""
+    cells = []
+    for backend, temperature in sorted({(r["backend"], r["temperature"]) for r in runs}):
+        pair = []
         for on in (True, False):
             ms = [
                 r["ms_median"]
-                for r in record["runs"]
+                for r in runs
                 if (r["backend"], r["temperature"], r["kernels"]) == (backend, temperature, on)
             ]
-            cell[on] = (statistics.median(ms), min(ms))
+            pair.append((statistics.median(ms), min(ms)))
+        cells.append((backend, temperature, *pair))
+    return cells
+
+
+def kernels_report(out: Path, record: dict) -> None:
+    """The table (median / min per configuration, kernels on and off, their ratio), JSON and PNG."""
+    rows, groups, chart = [], [], {"kernels on": [], "kernels off": []}
+    for backend, temperature, on, off in _pair_cells(record["runs"]):
+        sampling = "greedy" if temperature == 0 else f"T={temperature:g}"
         rows.append(
             [
                 backend,
-                "greedy" if temperature == 0 else f"T={temperature:g}",
-                f"{bc.fmt(cell[True][0], 2)} / {bc.fmt(cell[True][1], 2)}",
-                f"{bc.fmt(cell[False][0], 2)} / {bc.fmt(cell[False][1], 2)}",
-                bc.fmt(cell[False][0] / cell[True][0], 2),
+                sampling,
+                f"{bc.fmt(on[0], 2)} / {bc.fmt(on[1], 2)}",
+                f"{bc.fmt(off[0], 2)} / {bc.fmt(off[1], 2)}",
+                bc.fmt(off[0] / on[0], 2),
             ]
         )
-        groups.append(f"{backend.split()[0]}\n{rows[-1][1]}")
-        chart["kernels on"].append(cell[True][0])
-        chart["kernels off"].append(cell[False][0])
+        groups.append(f"{backend.split()[0]}\n{sampling}")
+        chart["kernels on"].append(on[0])
+        chart["kernels off"].append(off[0])
     table = bc.markdown_table(
         [
             "backend",
