@@ -1,6 +1,5 @@
 // The extension's Python functions (models/cpu_kernels.py loads them). The AVX2 build
-// (SPARKRELAY_AVX2_ONLY) exports the bf16 linear, KernelLinear, the row kernels (argmax, draw,
-// token bitmask), the Markov head's greedy block and the decode attention alone.
+// (SPARKRELAY_AVX2_ONLY) exports all but the int8 product and the AMX switch.
 #include "cpu_kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -35,10 +34,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention_bf16", &decode_attention_bf16,
         "q [T, H, D] against paged bf16 K/V pools [S, n_kv, D] through slots [B, Lk], the "
         "sequence seq [T] and visible keys lengths [T] of each query -> [T, H, D] bf16");
-#ifndef SPARKRELAY_AVX2_ONLY
-  m.def("use_amx", &use_amx, "turn the AMX path on or off; returns whether it is on");
-  m.def("linear_int8", &linear_int8,
-        "x [M, K] @ packed int8 weight (per-channel scales) -> [M, N] in x's dtype (+ bias)");
   m.def("rms_norm_bf16", &rms_norm_bf16,
         "x [T, G, D] bf16 (D contiguous), weight [G, D] bf16 -> RMSNorm(x) [T, G, D] bf16");
   m.def("silu_mul_bf16", &silu_mul_bf16,
@@ -54,5 +49,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecodeLayer::forward,
            "h [T, d], cos / sin [T, 1, D], the layer's K/V pools, slots [T], kv_index [B, Lk], "
            "seq [T], lengths [T] -> [T, d]; writes the fed tokens' K/V");
+#ifndef SPARKRELAY_AVX2_ONLY
+  m.def("use_amx", &use_amx, "turn the AMX path on or off; returns whether it is on");
+  m.def("linear_int8", &linear_int8,
+        "x [M, K] @ packed int8 weight (per-channel scales) -> [M, N] in x's dtype (+ bias)");
 #endif  // SPARKRELAY_AVX2_ONLY
 }

@@ -18,7 +18,6 @@
 namespace sparkrelay {
 namespace {
 
-constexpr int64_t kWide = 8;        // fp32 lanes per ymm register
 constexpr int64_t kValueDims = 64;  // dims of one row weighed per pass over the values
 constexpr int64_t kPrefetchKeys = 8;
 
@@ -48,33 +47,6 @@ inline void prefetch_head(const uint16_t* p, int64_t d) {
 inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-// e^x, 8 lanes: 2^n * p(f), x = n ln 2 + f (0 below -87, clamped at 88)
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147181f), x);
-  __m256 p = _mm256_set1_ps(kExpTaylor[0]);
-  for (int i = 1; i < kExpTerms; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpTaylor[i]));
-  const __m256i two_n = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-
-// v -> bf16 (nearest even, NaN quiet), the first `count` of 8 stored at dst
-inline void store_bf16(uint16_t* dst, __m256 v, int64_t count) {
-  const __m256i b = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  const __m256i up = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), odd);
-  __m256i r = _mm256_srli_epi32(up, 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-  alignas(16) uint16_t tmp[kWide];
-  _mm_store_si128(reinterpret_cast<__m128i*>(tmp), _mm256_castsi256_si128(packed));
-  std::memcpy(dst, tmp, sizeof(uint16_t) * count);
 }
 
 // scores[r][j] = scale * q_r . k_j for rows r < n (qf: [n, dp] fp32) and keys j < len, four keys

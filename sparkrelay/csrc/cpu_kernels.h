@@ -31,9 +31,8 @@ torch::Tensor decode_attention_bf16(const torch::Tensor& q, const torch::Tensor&
 torch::Tensor argmax_rows(const torch::Tensor& x);
 torch::Tensor draw_rows(const torch::Tensor& weights, const torch::Tensor& u);
 void apply_token_bitmask(torch::Tensor& logits, const torch::Tensor& bitmask);
-// cpu_norm.cpp
+// cpu_elementwise.cpp: a layer's element-wise steps (both builds)
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
-// cpu_elementwise.cpp
 torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up);
 torch::Tensor rope_bf16(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 
@@ -56,7 +55,7 @@ class KernelLinear {
   int64_t n_, k_;
 };
 
-// cpu_decode_layer.cpp
+// cpu_decode_layer.cpp (both builds)
 // a decoder layer's forward for a few bf16 rows, bit-equal to models/decoder.py's on the kernels
 class DecodeLayer {
  public:

@@ -1,10 +1,12 @@
-// One row's work for the row kernels on CPUs with AVX2 and FMA but not AVX-512 (the AVX2 build,
-// SPARKRELAY_AVX2_ONLY): cpu_rows.cpp's four functions over 8 fp32 lanes per ymm register. AVX2
-// has no lane-masked loads of 16-bit values, so a row's last n % 8 (or % 16) values go through
-// scalar code that gives the same answer.
+// One row's work for the row kernels and a layer's element-wise steps on CPUs with AVX2 and FMA
+// but not AVX-512 (the AVX2 build, SPARKRELAY_AVX2_ONLY): cpu_rows.cpp's functions over 8 fp32
+// lanes per ymm register (cpu_simd.h's helpers). AVX2 has no lane-masked loads of 16-bit values,
+// so a row's last n % 8 (or % 16) values go through scalar code or a zero-padded vector with the
+// same answer.
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -13,14 +15,7 @@
 namespace sparkrelay {
 namespace {
 
-constexpr int64_t kWide = 8;  // fp32 lanes per ymm register
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {  // bf16 -> fp32: the high half
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 inline float value(float v) { return v; }
 inline float value(uint16_t v) {
   const uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -36,6 +31,11 @@ inline float max_of(__m256 v) {
 inline double sum_of(__m256d v) {
   __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
   return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+inline float sum_of(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 inline __m256d widened_sum(const float* p) {  // 8 floats at p as 4 doubles of pairwise sums
   const __m256 v = _mm256_loadu_ps(p);
@@ -132,6 +132,60 @@ void row_ban(float* row, const int32_t* bits, int64_t vocab) {
   }
   for (int64_t j = body; j < vocab; ++j) {
     if (!((bytes[j / kWide] >> (j % kWide)) & 1)) row[j] = kNegInf;
+  }
+}
+
+
+// the layer's element-wise rows: 8 values a step, a row's last n % 8 through a zero-padded vector
+void row_norm(const uint16_t* x, const uint16_t* w, float eps, int64_t d, uint16_t* y) {
+  const int64_t body = d - d % kWide;
+  __m256 squares = _mm256_setzero_ps();
+  for (int64_t i = 0; i < body; i += kWide) {
+    const __m256 v = load8(x + i);
+    squares = _mm256_fmadd_ps(v, v, squares);
+  }
+  if (body < d) {
+    const __m256 v = load_tail8(x + body, d - body);
+    squares = _mm256_fmadd_ps(v, v, squares);
+  }
+  const float r = 1.f / std::sqrt(sum_of(squares) / static_cast<float>(d) + eps);
+  const __m256 scale = _mm256_set1_ps(r);
+  for (int64_t i = 0; i < body; i += kWide) {
+    // round the normalized value to bf16 before the weight, as the reference does
+    store8(y + i, _mm256_mul_ps(round8(_mm256_mul_ps(load8(x + i), scale)), load8(w + i)));
+  }
+  if (body < d) {
+    const __m256 n = round8(_mm256_mul_ps(load_tail8(x + body, d - body), scale));
+    store_bf16(y + body, _mm256_mul_ps(n, load_tail8(w + body, d - body)), d - body);
+  }
+}
+
+namespace {
+inline __m256 silu_mul8(__m256 g, __m256 u) {  // bf16(silu(g)) * u, silu(g) = g / (1 + e^-g)
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  return _mm256_mul_ps(round8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e))), u);
+}
+}  // namespace
+
+void row_silu_mul(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* y) {
+  const int64_t body = n - n % kWide;
+  for (int64_t i = 0; i < body; i += kWide) {
+    store8(y + i, silu_mul8(load8(gate + i), load8(up + i)));
+  }
+  if (body < n) {
+    const int64_t c = n - body;
+    store_bf16(y + body, silu_mul8(load_tail8(gate + body, c), load_tail8(up + body, c)), c);
+  }
+}
+
+void row_rope(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t d,
+              uint16_t* y) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; i += kWide) {
+    const int64_t j = i < half ? i + half : i - half;  // roll(x, D/2)[i] = x[i - D/2 mod D]
+    const __m256 a = round8(_mm256_mul_ps(load8(x + i), load8(cos + i)));
+    const __m256 b = round8(_mm256_mul_ps(load8(x + j), load8(sin + i)));
+    store8(y + i, _mm256_add_ps(a, b));
   }
 }
 

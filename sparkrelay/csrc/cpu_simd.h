@@ -1,5 +1,5 @@
 // What the ISA-level sources share, with nothing of torch (so that they compile in seconds): the
-// AVX-512 helpers, the packed bf16 product's operands and the row kernels' one-row functions. Each
+// AVX2 and AVX-512 helpers, the packed bf16 product's operands and the one-row functions. Each
 // build links one definition of each function (cpu_linear.cpp and cpu_rows.cpp for AVX-512,
 // cpu_linear_avx2.cpp and cpu_rows_avx2.cpp for AVX2); cpu_kernels.h adds the torch entry points.
 #pragma once
@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace sparkrelay {
 
@@ -15,6 +16,58 @@ namespace sparkrelay {
 // < 2e-7, coefficients from f^6 down to f^0 for Horner's rule
 constexpr int kExpTerms = 7;
 constexpr float kExpTaylor[kExpTerms] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+
+// AVX2 and FMA helpers (8 fp32 lanes per ymm register): the AVX2 build's ISA files use them
+constexpr int64_t kWide = 8;
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // bf16 -> fp32: the high half
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+// v's fp32 bit patterns rounded to bf16 (nearest even; a NaN becomes the quiet 0x7FC0), one per
+// 32-bit lane in the low half
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), odd);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(_mm256_srli_epi32(up, 16), _mm256_set1_epi32(0x7FC0), nan);
+}
+inline __m256 round8(__m256 v) {  // v rounded to bf16 and back: one torch bf16 op
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+}
+inline void store8(uint16_t* dst, __m256 v) {  // fp32 -> 8 bf16 at dst, nearest even
+  const __m256i bits = bf16_bits8(v);  // 8 x 32-bit -> 8 x 16-bit in the low 128 bits
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+}
+inline void store_bf16(uint16_t* dst, __m256 v, int64_t count) {  // the first `count` of 8 only
+  alignas(16) uint16_t tmp[kWide];
+  store8(tmp, v);
+  std::memcpy(dst, tmp, sizeof(uint16_t) * count);
+}
+// count < 8 bf16 values at p as fp32 lanes, zeros past them
+inline __m256 load_tail8(const uint16_t* p, int64_t count) {
+  alignas(16) uint16_t tmp[kWide] = {};
+  std::memcpy(tmp, p, sizeof(uint16_t) * count);
+  return load8(tmp);
+}
+// e^x, 8 lanes, as exp16 computes it: 2^n * p(f), x = n ln 2 + f, 0 below -87 and inf past
+// ~88.72; 2^n is applied as two exact halves so that n = 128 does not overflow the exponent field
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(89.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147181f), x);
+  __m256 p = _mm256_set1_ps(kExpTaylor[0]);
+  for (int i = 1; i < kExpTerms; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpTaylor[i]));
+  const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const __m256 b = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, a), b);
+}
 
 #ifndef SPARKRELAY_AVX2_ONLY
 constexpr int64_t kLanes = 16;  // fp32 values per zmm register
@@ -68,6 +121,12 @@ int64_t row_argmax(const float* row, int64_t n);     // torch.argmax's answer ov
 int64_t row_argmax(const uint16_t* row, int64_t n);  // the same over bf16 values
 int64_t row_draw(const float* w, int64_t n, double u);  // first index whose running sum > u * total
 void row_ban(float* row, const int32_t* bits, int64_t vocab);  // -inf where a token's bit is 0
+// a decoder layer's element-wise rows in bf16, each op rounded to bf16 as torch's ops are
+// (cpu_elementwise.cpp checks and splits the work)
+void row_norm(const uint16_t* x, const uint16_t* w, float eps, int64_t d, uint16_t* y);  // RMSNorm
+void row_silu_mul(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* y);     // SwiGLU
+void row_rope(const uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t d,  // D % 32 = 0
+              uint16_t* y);
 // row_draw's second pass, both builds: the first index of w [n] whose running sum (in double)
 // passes target, blocks of kBlock values skipped whole while their sum (`block_sum(i)`, +inf to
 // walk a block value by value) keeps the running sum at or below it; a zero weight is never the

@@ -1,15 +1,14 @@
 """sparkrelay's own CPU kernels (sparkrelay/csrc/): AVX-512 weight-only linears for the few rows of
-a decode step (cpu_linear.cpp) and a one-pass bf16 RMSNorm (cpu_norm.cpp), built once with
+a decode step (cpu_linear.cpp) and a layer's other steps in one pass each, built once with
 torch.utils.cpp_extension (g++ and ninja) and loaded from build/cpu_kernels/ after that; the build
 is redone when a source or the flags change.
 
 They are used where the CPU has the instructions (avx512f/bw/vl, avx512_bf16, avx512_vnni) unless
 SPARKRELAY_CPU_KERNELS=0; on a CPU with AMX their bf16 and int8 products run on
 the tile unit unless SPARKRELAY_CPU_AMX=0 (so 8 rows cost about what one does). A CPU with AVX2 and
-FMA but not those gets the bf16 product, the row kernels (argmax, draw, token bitmask), the Markov
-head's greedy block and the bf16 decode attention, built apart (cpu_linear_avx2.cpp,
+FMA but not those gets all but the int8 product and AMX, built apart (cpu_linear_avx2.cpp,
 cpu_rows_avx2.cpp, cpu_attention_heads_avx2.cpp; `portable()`), so a bf16 model's decode reads bf16
-weights there too. Anywhere else, or when a build fails (no
+weights and runs its layers in one call each there too. Anywhere else, or when a build fails (no
 compiler, no ninja), the linears stay on oneDNN (kernels.PackedLinear), and the reason is logged once as a
 warning: a missing kernel costs speed, never a start. Set-up builds them:
 `python -m sparkrelay.models.cpu_kernels` prints what it did. Design: docs/cpu_kernels.md.
@@ -36,7 +35,6 @@ SOURCES = [
     CSRC / name
     for name in (
         "cpu_linear.cpp",
-        "cpu_norm.cpp",
         "cpu_attention.cpp",
         "cpu_attention_heads.cpp",
         "cpu_mask.cpp",
@@ -52,10 +50,10 @@ SOURCES = [
 ]
 BUILD = Path(os.environ.get("SPARKRELAY_KERNEL_BUILD", CSRC.parents[1] / "build" / "cpu_kernels"))
 NEEDED = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-fopenmp"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+FLAGS += ["-mavx512vnni", "-fopenmp"]
 FLAGS += ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]  # used only where the CPU has them (use_amx)
-# the AVX2 build: the bf16 product, KernelLinear, the row kernels, the Markov head's greedy block and
-# the decode attention (csrc/cpu_kernels.h says what it sees)
+# the AVX2 build: all but the int8 product and AMX (csrc/cpu_kernels.h says what it sees)
 AVX2_SOURCES = [
     CSRC / n
     for n in (
@@ -68,10 +66,16 @@ AVX2_SOURCES = [
         "cpu_markov.cpp",
         "cpu_attention.cpp",
         "cpu_attention_heads_avx2.cpp",
+        "cpu_elementwise.cpp",
+        "cpu_decode_layer.cpp",
         "bindings.cpp",
     )
 ]
 AVX2_NEEDED = ("avx2", "fma")
+AVX2_NOTE = (
+    "the AVX2 build serves bf16 decoder layers of a few rows (linears, norms, RoPE, attention), "
+    "argmax, draws, grammar masks and the Markov head, oneDNN and torch the rest"
+)
 AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-DSPARKRELAY_AVX2_ONLY"]
 ENV = "SPARKRELAY_CPU_KERNELS"
 AMX_ENV = "SPARKRELAY_CPU_AMX"
@@ -165,17 +169,14 @@ def load() -> Optional[ModuleType]:
 def _fallback_note(why: str) -> str:
     """What serves the linears when the AVX-512 build is off for `why`."""
     if why.startswith("this CPU lacks") and not [f for f in AVX2_NEEDED if f not in cpu_flags()]:
-        return (
-            "the AVX2 build serves bf16 linears of a few rows, bf16 decode attention, argmax, draws, "
-            "grammar masks and the Markov head where it builds, oneDNN and torch the rest"
-        )
+        return AVX2_NOTE + " where it builds"
     return "the linears use oneDNN (slower decoding)"
 
 
 def portable() -> Optional[ModuleType]:
-    """The extension with the kernels both builds carry (the bf16 product behind KernelLinear, the
-    row argmax, the draw, the token bitmask, the Markov head's greedy block, the bf16 decode
-    attention): the AVX-512 build,
+    """The extension with the kernels both builds carry (all but the int8 product and AMX: the bf16
+    product behind KernelLinear, the row kernels, the Markov head's greedy block, the bf16 decode
+    attention, the layer's element-wise steps and its one-call forward): the AVX-512 build,
     else the AVX2 build (a CPU with avx2 and fma), else None (warned once, with the reason). Why a
     second build: on such a CPU a bf16 model otherwise multiplies through a float32 copy, reading
     twice the bytes per decode step, and torch's argmax and bitmask fill cost several times these
@@ -268,12 +269,7 @@ def main() -> None:
     module = load()
     if module is None:
         avx2 = portable() is not None
-        note = (
-            "the AVX2 build serves bf16 linears of a few rows, bf16 decode attention and the row "
-            "kernels, oneDNN and torch the rest"
-            if avx2
-            else "the linears use oneDNN"
-        )
+        note = AVX2_NOTE if avx2 else "the linears use oneDNN"
         print(f"CPU kernels: off ({why_off()}); {note}", flush=True)
         return
     amx = "on" if amx_on() else "off"

@@ -233,7 +233,7 @@ class DecoderLayer(nn.Module):
 def kernel_layer(layer: DecoderLayer):
     """csrc/cpu_decode_layer.cpp's DecodeLayer over `layer`'s weights, or None where a product is not
     on the kernels (float32, kernels off, not fused yet) or the heads do not suit the RoPE kernel."""
-    ext = cpu_kernels.load()
+    ext = cpu_kernels.portable()
     kernels = [getattr(p, "kernel", None) for p in layer.products()]
     attn, norms = layer.self_attn, (layer.input_layernorm, layer.post_attention_layernorm)
     if ext is None or None in kernels or attn.head_dim % 32 or attn.head_dim > 256:
@@ -378,7 +378,7 @@ def load_causal_lm(
     shapes (`load_format` "dummy": the same values in every stage and process)."""
     if torch.device(device).type == "cpu":
         # the kernels' build check (~0.5 s of ninja) at load, never inside a first request's TTFT
-        cpu_kernels.load()
+        cpu_kernels.portable()
     dummy = is_dummy(load_format)
     hf = dummy_config(path, SHAPE_FIELDS) if dummy else read_config(path, SHAPE_FIELDS)
     try:

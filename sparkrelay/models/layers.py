@@ -15,7 +15,7 @@ from sparkrelay.models.kernels import frozen_linear
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, G, D] normalized over D, scaled by weight [G, D] (G = 1: one weight for every row).
     float32: torch's fused kernel. bfloat16: normalized in float32, rounded, then scaled in bf16,
-    as transformers does; on CPU with the kernels, one pass (csrc/cpu_norm.cpp) instead of eight ops."""
+    as transformers does; on CPU with the kernels, one pass (csrc/cpu_elementwise.cpp) instead of eight ops."""
     if x.dtype == torch.float32:  # one fused kernel
         if weight.shape[0] == 1:
             return F.rms_norm(x, (x.shape[-1],), weight[0], eps)
@@ -30,7 +30,7 @@ def _bf16_kernels(*tensors: torch.Tensor):
     """The extension when every tensor is bfloat16 on CPU and no trace is running, else None."""
     if any(t.device.type != "cpu" or t.dtype != torch.bfloat16 for t in tensors):
         return None
-    return None if torch.compiler.is_compiling() else cpu_kernels.load()
+    return None if torch.compiler.is_compiling() else cpu_kernels.portable()
 
 
 def _heads_contiguous(x: torch.Tensor) -> bool:

@@ -106,7 +106,7 @@ def test_kernel_adds_base_into_out(shape, out_dtype, path):
         assert bool((buffer[:, 0] == 7).all() and (buffer[:, 2] == 7).all())
 
 
-@needs_cpu
+@needs_rows
 @pytest.mark.parametrize(
     "shape", [(1, 1, 1024), (7, 1, 576), (3, 24, 128), (5, 1, 33), (300, 1, 64)]
 )
@@ -119,12 +119,12 @@ def test_rms_norm_kernel_equals_torch_bf16_formula(shape):
     x = (3 * torch.randn(t, groups + 1, d, generator=g)).to(torch.bfloat16)[:, :groups]
     w = (1 + 0.1 * torch.randn(groups, d, generator=g)).to(torch.bfloat16)
     ref = w * F.rms_norm(x.float(), (d,), None, 1e-6).to(torch.bfloat16)
-    got = cpu_kernels.load().rms_norm_bf16(x, w, 1e-6)
+    got = cpu_kernels.portable().rms_norm_bf16(x, w, 1e-6)
     assert got.shape == (t, groups, d) and got.is_contiguous()
     assert torch.equal(got, ref)
 
 
-@needs_cpu
+@needs_rows
 @pytest.mark.parametrize("shape", [(1, 1536), (8, 3072), (300, 96), (5, 7)])
 @torch.inference_mode()
 def test_silu_mul_kernel_equals_torch(shape):
@@ -142,7 +142,7 @@ def test_silu_mul_kernel_equals_torch(shape):
     gate_up[0, : special.numel()] = special.to(torch.bfloat16)
     gate, up = gate_up.chunk(2, dim=-1)
     ref = F.silu(gate) * up
-    got = cpu_kernels.load().silu_mul_bf16(gate_up)
+    got = cpu_kernels.portable().silu_mul_bf16(gate_up)
     assert got.shape == (t, inter) and got.is_contiguous()
     assert torch.equal(got.isnan(), ref.isnan())
     step = 2.0**-7 * ref.float().abs().clamp_min(2.0**-126)
@@ -150,11 +150,11 @@ def test_silu_mul_kernel_equals_torch(shape):
     assert bool(close.all())
     big = (4 * torch.randn(100, 2000, generator=g)).to(torch.bfloat16)
     gb, ub = big.chunk(2, dim=-1)
-    differ = (cpu_kernels.load().silu_mul_bf16(big) != F.silu(gb) * ub).sum()
+    differ = (cpu_kernels.portable().silu_mul_bf16(big) != F.silu(gb) * ub).sum()
     assert int(differ) <= 10  # of 100,000
 
 
-@needs_cpu
+@needs_rows
 @pytest.mark.parametrize(
     "shape", [(1, 12, 64), (8, 24, 128), (100, 3, 64), (2, 1, 256), (3, 5, 32)]
 )
@@ -172,12 +172,12 @@ def test_rope_kernel_equals_torch_bit_for_bit(shape):
     cos, sin = rotary.table(torch.randint(0, 4096, (t,), generator=g), torch.bfloat16)
     ref = x * cos + torch.roll(x, d // 2, dims=-1) * sin
     for heads_of in (x, x.contiguous()):
-        got = cpu_kernels.load().rope_bf16(heads_of, cos, sin)
+        got = cpu_kernels.portable().rope_bf16(heads_of, cos, sin)
         assert got.shape == (t, heads, d) and got.is_contiguous()
         assert torch.equal(got, ref)
 
 
-@needs_cpu
+@needs_rows
 def test_rope_and_silu_mul_dispatch(monkeypatch):
     """apply_rope and silu_mul: the kernels for bf16 CPU tensors they can read (head dim a multiple
     of 32), torch's ops otherwise, with the same values."""
@@ -193,7 +193,7 @@ def test_rope_and_silu_mul_dispatch(monkeypatch):
             "silu_mul_bf16": lambda *a: calls.append("silu") or real.silu_mul_bf16(*a),
         },
     )
-    monkeypatch.setattr(layers.cpu_kernels, "load", lambda: spy)
+    monkeypatch.setattr(layers.cpu_kernels, "portable", lambda: spy)
     x, cos, sin = (torch.randn(2, 3, 64).to(torch.bfloat16) for _ in range(3))
     cos, sin = cos[:, :1], sin[:, :1]
     gate_up = torch.randn(2, 4, 96).to(torch.bfloat16)  # [R, B, 2 * inter]: any leading dims
@@ -203,7 +203,7 @@ def test_rope_and_silu_mul_dispatch(monkeypatch):
     layers.apply_rope(x[..., :48], cos[..., :48], sin[..., :48])  # D = 48: torch's ops
     layers.silu_mul(gate_up.float())
     assert calls == ["rope", "silu"]
-    monkeypatch.setattr(layers.cpu_kernels, "load", lambda: None)  # kernels off: torch's ops
+    monkeypatch.setattr(layers.cpu_kernels, "portable", lambda: None)  # kernels off: torch's ops
     assert torch.equal(got[0], layers.apply_rope(x, cos, sin))
     assert torch.equal(got[1], layers.silu_mul(gate_up))
 
@@ -357,7 +357,7 @@ def test_paged_attention_takes_the_kernel_and_matches_sdpa(monkeypatch, starts, 
     assert torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
-@needs_cpu
+@needs_rows
 def test_rms_norm_dispatch(monkeypatch):
     """layers.rms_norm: the kernel for bf16 CPU tensors, torch otherwise (float32, the env switch)."""
     from sparkrelay.models import layers
@@ -365,11 +365,11 @@ def test_rms_norm_dispatch(monkeypatch):
     x, w = torch.randn(2, 1, 64).to(torch.bfloat16), torch.ones(1, 64, dtype=torch.bfloat16)
     calls = []
     spy = type("Spy", (), {"rms_norm_bf16": lambda *a: calls.append(1) or x})
-    monkeypatch.setattr(layers.cpu_kernels, "load", lambda: spy)
+    monkeypatch.setattr(layers.cpu_kernels, "portable", lambda: spy)
     layers.rms_norm(x, w, 1e-6)
     layers.rms_norm(x.float(), w.float(), 1e-6)
     assert len(calls) == 1
-    monkeypatch.setattr(layers.cpu_kernels, "load", lambda: None)  # kernels off: torch's ops
+    monkeypatch.setattr(layers.cpu_kernels, "portable", lambda: None)  # kernels off: torch's ops
     ref = w * F.rms_norm(x.float(), (64,), None, 1e-6).to(torch.bfloat16)
     assert torch.equal(layers.rms_norm(x, w, 1e-6), ref)
 
@@ -553,16 +553,16 @@ def test_a_build_lock_left_by_a_killed_process_never_blocks_a_load(tmp_path):
         holder.kill()
 
 
-@needs_cpu
+@needs_rows
 def test_loading_a_model_loads_the_kernels():
     """A float32 model has no bf16 linear to pack, so before, its first request ran the build check
-    (~0.5 s of ninja) inside its TTFT; now loading the model does."""
+    (~0.5 s of ninja) inside its TTFT; now loading the model does (of either build)."""
     code = (
         "from sparkrelay.models import cpu_kernels as k\n"
         "from sparkrelay.models.decoder import load_causal_lm\n"
         "assert 'module' not in k._state\n"
         f"load_causal_lm({str(Path('models/tiny-qwen3').resolve())!r})\n"
-        "print('LOADED', k._state.get('module') is not None)"
+        "print('LOADED', (k._state.get('module') or k._state.get('avx2')) is not None)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "LOADED True" in proc.stdout, proc.stderr[-2000:]
