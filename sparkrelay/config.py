@@ -144,6 +144,14 @@ class SpecConfig:
         DRAFT_QUANTIZATIONS,
         str,
     )
+    speculative_disable_by_batch_size: Optional[int] = _f(
+        None,
+        "A decode step of at least this many requests runs without drafting (one token each, "
+        "the drafter's context still written, so drafting resumes when the batch shrinks), as "
+        "vLLM's speculative_disable_by_batch_size: for hosts where verifying many rows costs "
+        "more than drafting saves (e.g. bf16 on a CPU without AVX-512 bf16).",
+        ftype=int,
+    )
 
 
 @dataclass(frozen=True)
@@ -365,6 +373,10 @@ class Config:
                 )
             if sp.speculative_token_map is not None:
                 raise ConfigError("--speculative-token-map needs --speculative-algorithm DSPARK")
+            if sp.speculative_disable_by_batch_size is not None:
+                raise ConfigError(
+                    "--speculative-disable-by-batch-size needs --speculative-algorithm DSPARK"
+                )
             if sp.speculative_draft_model_path is not None and not prefill:
                 raise ConfigError(
                     "--speculative-draft-model-path needs --speculative-algorithm DSPARK"
@@ -389,6 +401,9 @@ class Config:
             )
         if sp.speculative_token_map is not None and not os.path.isfile(sp.speculative_token_map):
             raise ConfigError(f"--speculative-token-map {sp.speculative_token_map!r}: no such file")
+        n = sp.speculative_disable_by_batch_size
+        if n is not None and n < 1:
+            raise ConfigError(f"--speculative-disable-by-batch-size must be >= 1, got {n}")
         if not 0.0 <= sp.speculative_dspark_confidence_threshold < 1.0:
             raise ConfigError(
                 "--speculative-dspark-confidence-threshold must be in [0, 1), got "

@@ -212,7 +212,15 @@ def build_runner(
         return PipelineRunner(config, model, pool, needs), None
     if proposer is None:
         return ModelRunner(model, pool, device, seed), None
-    runner = SpecRunner(model, pool, device, seed, proposer=proposer, context_length=context)
+    runner = SpecRunner(
+        model,
+        pool,
+        device,
+        seed,
+        proposer=proposer,
+        context_length=context,
+        disable_by_batch_size=config.spec.speculative_disable_by_batch_size,
+    )
     return runner, SpecStats(proposer.max_drafts)
 
 

@@ -1,5 +1,5 @@
 """DSpark decoding: every forward writes the drafter's context; a decode step is one propose/verify
-round.
+round (or, for a batch of at least --speculative-disable-by-batch-size requests, a plain step).
 
 One round for R running requests (row r: anchor = its last token, at position p_r):
   propose  -> drafts d_1..d_n (n_r after caps and confidence truncation) from the drafter
@@ -28,12 +28,27 @@ from sparkrelay.spec.verify import verify
 
 
 class SpecRunner(ModelRunner):
-    def __init__(self, *args, proposer: DSparkProposer, context_length: int, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        proposer: DSparkProposer,
+        context_length: int,
+        disable_by_batch_size: Optional[int] = None,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.proposer = proposer
         self.taps = proposer.taps
         self.context_length = context_length
+        # --speculative-disable-by-batch-size: decode batches this large take plain steps
+        self.disable_by_batch_size = disable_by_batch_size
         self._fed: list = []
+
+    def drafts(self, batch: Batch) -> bool:
+        """Whether a decode batch runs a propose/verify round, else one plain step (its fed rows
+        still write the drafter's context in after_forward, so a later round has every position)."""
+        limit = self.disable_by_batch_size
+        return limit is None or len(batch.seqs) < limit
 
     def after_forward(self, meta: AttnMeta, out: StageOutput) -> None:
         # every fed row of a prefill is a committed prompt position: its features become draft
@@ -45,7 +60,7 @@ class SpecRunner(ModelRunner):
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> RunResult:
-        if batch.kind != "decode":
+        if batch.kind != "decode" or not self.drafts(batch):
             self._fed = [s.req for s in batch.seqs if s.start == 0]
             return super().run(batch)
         seqs = batch.seqs

@@ -6,7 +6,7 @@ import pytest
 
 from sparkrelay import LLM, SamplingParams
 from sparkrelay.models.dspark_checkpoint import write_random_checkpoint
-from testkit.models import BUNDLED, PROMPT_SOURCE, code_prompts
+from testkit.models import BUNDLED, BUNDLED_DRAFTER, PROMPT_SOURCE, code_prompts
 
 NUM_PROMPTS, NEW_TOKENS = 50, 32
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -155,3 +155,38 @@ def test_bad_drafter_is_refused_at_start_up(tmp_path):
         ConfigError, match=r"--speculative-draft-model-path .*target_layer_ids \[1, 7\]"
     ):
         spec_llm(folder)
+
+
+def test_disable_by_batch_size_steps_plainly_then_drafts_on_that_context(
+    reference, bundled_drafter_dir
+):
+    """--speculative-disable-by-batch-size 3: while three requests decode, plain steps (no round);
+    once the shortest one ends, the other two draft on the context the plain steps wrote. Greedy
+    tokens equal plain greedy, the rounds commit exactly the tokens after the plain steps, and they
+    accept as many a round as when the two drafted from their first token (a position the plain
+    steps left without context would cost acceptance)."""
+    prompts, expected = reference
+    short = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    llm = spec_llm(bundled_drafter_dir, speculative_disable_by_batch_size=3)
+    outs = [o["output_ids"] for o in llm.generate(prompts[:3], [short, GREEDY, GREEDY])]
+    assert outs == [expected[0][:16], expected[1], expected[2]]
+    stats = llm.engine.stats()
+    # the prefill gave each its first token, 15 plain steps the next ones: rounds did the rest
+    assert stats["spec_rounds"] * stats["spec_accept_length"] == 2 * (NEW_TOKENS - 16)
+    always = spec_llm(bundled_drafter_dir)
+    assert [o["output_ids"] for o in always.generate(prompts[1:3], GREEDY)] == expected[1:3]
+    assert stats["spec_accept_length"] >= 0.9 * always.engine.stats()["spec_accept_length"]
+    llm.engine.check()
+
+
+def test_disable_by_batch_size_is_checked_at_start_up():
+    from sparkrelay.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match="--speculative-disable-by-batch-size must be >= 1, got 0"
+    ):
+        spec_llm(BUNDLED_DRAFTER, speculative_disable_by_batch_size=0)
+    with pytest.raises(
+        ConfigError, match="--speculative-disable-by-batch-size needs --speculative-algorithm"
+    ):
+        LLM(str(BUNDLED), speculative_disable_by_batch_size=4)
