@@ -322,6 +322,8 @@ class Engine:
 
     def _postprocess(self, batch: Batch, result: RunResult) -> None:
         now = time.monotonic()
+        if self.spec_stats and batch.kind == "decode" and not result.rounds:
+            self.spec_stats.plain_steps += 1  # the runner stepped without drafting
         rounds = result.rounds or [None] * len(batch.seqs)
         for i, (seq, tokens, computed, rnd) in enumerate(
             zip(batch.seqs, result.tokens, result.computed, rounds)

@@ -111,6 +111,11 @@ class Metrics:
         self.spec_rounds = Gauge(
             p + "spec_verify_rounds", "Speculative verify rounds so far.", registry=r
         )
+        self.spec_plain_steps = Gauge(
+            p + "spec_plain_steps",
+            "Decode steps run without drafting (--speculative-disable-by-batch-size).",
+            registry=r,
+        )
         self.spec_accept_rate = Gauge(
             p + "spec_accept_rate",
             "Per draft position: rounds whose accepted prefix "
@@ -131,6 +136,7 @@ class Metrics:
             self.spec_rounds.set(stats["spec_rounds"])
             self.spec_accept_length.set(stats["spec_accept_length"])
             self.spec_verify_rate.set(stats["spec_verify_rate"])
+            self.spec_plain_steps.set(stats["spec_plain_steps"])
             for k, rate in enumerate(stats["spec_accept_rate_per_position"]):
                 self.spec_accept_rate.labels(position=str(k)).set(rate)
         return generate_latest(self.registry)

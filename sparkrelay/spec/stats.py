@@ -16,6 +16,7 @@ class SpecStats:
         self.proposed = 0
         self.proposed_at = [0] * max_drafts  # rounds that proposed slot k
         self.accepted_at = [0] * max_drafts  # rounds whose accepted prefix reached slot k
+        self.plain_steps = 0  # decode steps without drafting (--speculative-disable-by-batch-size)
 
     def record(self, proposed: int, committed: int, accepted: int) -> None:
         self.rounds += 1
@@ -30,6 +31,7 @@ class SpecStats:
         r = max(self.rounds, 1)
         return {
             "spec_rounds": self.rounds,
+            "spec_plain_steps": self.plain_steps,
             "spec_accept_length": self.committed / r,
             "spec_mean_proposal": self.proposed / r,
             "spec_verify_rate": self.committed / max(self.proposed + self.rounds, 1),

@@ -172,6 +172,7 @@ def test_disable_by_batch_size_steps_plainly_then_drafts_on_that_context(
     assert outs == [expected[0][:16], expected[1], expected[2]]
     stats = llm.engine.stats()
     # the prefill gave each its first token, 15 plain steps the next ones: rounds did the rest
+    assert stats["spec_plain_steps"] == 15
     assert stats["spec_rounds"] * stats["spec_accept_length"] == 2 * (NEW_TOKENS - 16)
     always = spec_llm(bundled_drafter_dir)
     assert [o["output_ids"] for o in always.generate(prompts[1:3], GREEDY)] == expected[1:3]
