@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from sparkrelay.host import HeapTrimmer, reuse_freed_memory
+from sparkrelay.host import USER_SETTINGS, HeapTrimmer, reuse_freed_memory
 
 
 def resident_mib() -> float:
@@ -44,7 +44,7 @@ def test_freed_memory_below_a_live_block_goes_back():
 
 
 CHURN = """
-import resource, sys, torch
+import mmap, resource, sys, torch
 import torch.nn.functional as F
 from sparkrelay.host import reuse_freed_memory
 if sys.argv[1] == "reuse":
@@ -59,8 +59,15 @@ def faults(rounds):
         z = y - h
         del h, a, b, y, z
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+def probe():  # does this kernel count minor faults at all? (some sandboxes report 0 always)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    m = mmap.mmap(-1, 1 << 20)
+    for i in range(0, 1 << 20, 4096):
+        m[i] = 1
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+counted = probe()
 faults(10)  # the heap grows to its working size (with the setting, sometimes over more than the first rounds)
-print(min(faults(20), faults(20)))  # then the steady state
+print(counted, min(faults(20), faults(20)))  # then the steady state
 """
 
 
@@ -71,22 +78,23 @@ def test_freed_activations_are_reused_without_page_faults(monkeypatch):
 
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     assert not reuse_freed_memory()  # the user's glibc settings win
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
-    }
-    run = lambda how: int(
-        subprocess.run(
-            [sys.executable, "-c", CHURN, how],
-            env=env,
-            capture_output=True,  # noqa: E731
-            text=True,
-            check=True,
+    clean = {k: v for k, v in os.environ.items() if k not in USER_SETTINGS}
+    # The control holds glibc's starting thresholds (128 KiB) fixed, so every 8 MiB block is fresh
+    # pages: left to move, glibc's mmap threshold rises past the block size after the first free,
+    # and whether the heap's free top is then trimmed each round depends on where small live
+    # blocks land, so the unpinned default faults 200,000 pages in one run and none in the next.
+    glibc_start = dict.fromkeys(USER_SETTINGS, "131072")
+
+    def run(how: str, env: dict) -> tuple[int, int]:
+        out = subprocess.run(
+            [sys.executable, "-c", CHURN, how], env=env, capture_output=True, text=True, check=True
         ).stdout
-    )
-    default, reused = run("default"), run("reuse")
-    assert reused * 10 < default, (
-        reused,
-        default,
-    )  # glibc's defaults fault those pages in again and again
+        counted, steady = map(int, out.split())
+        return counted, steady
+
+    (counted, control), (_, reused) = run("default", {**clean, **glibc_start}), run("reuse", clean)
+    # 256 fresh pages touched and none counted: the measure is missing, not the effect
+    if counted == 0:
+        pytest.skip("this kernel reports no minor page faults (getrusage ru_minflt stays 0)")
+    assert control > 20 * (48 << 20) // 4096 // 2, control  # the control does fault, every round
+    assert reused * 10 < control, (reused, control)
