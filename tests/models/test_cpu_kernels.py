@@ -246,7 +246,7 @@ def test_decode_attention_kernel_equals_float64(shape):
 @torch.inference_mode()
 def test_decode_attention_kernel_serves_blocks_exactly_as_single_queries(group, d):
     """Blocks of 1 to 9 queries per sequence (chunks of four and their remainders, causal through
-    each query's visible count, keys past a multiple of four): each row within bf16 rounding of
+    each query's visible count, keys past a multiple of eight): each row within bf16 rounding of
     float64, and bit-equal to the same query run alone (a DSpark verify row equals its decode row)."""
     g = torch.Generator().manual_seed(group * d)
     n_kv, lk = 2, 41
