@@ -5,8 +5,8 @@
 // lane in D order, eight keys' sums in flight per row, then each four keys' lanes through one hadd
 // tree; the values are weighed six rows and 16 dims at a time, each value widened once for the six.
 // Every row's sums run in the same order whatever rows share its task, as attend_rows promises.
-// Against one row and four keys at a time (4 sums in flight; each value widened again per row),
-// a verify block of 8 queries x 9 heads over 1,200 keys runs 2x faster on Zen 3 (docs/cpu_kernels.md).
+// Both replace one row and four keys at a time (4 sums in flight; each value widened again per
+// row), which left a verify block far from the FMA peak (figures: docs/cpu_kernels.md).
 
 #include <immintrin.h>
 

@@ -49,6 +49,26 @@ def make_random_qwen3(folder: Path, seed: int = 0, **overrides) -> Path:
     return folder
 
 
+def write_qwen3_config(folder: Path, **overrides) -> Path:
+    """A small Qwen3 config.json alone in `folder` (made), for tools that read a model's shapes
+    and build their own random weights."""
+    import json
+
+    fields = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "intermediate_size": 256,
+        "vocab_size": 512,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**fields, **overrides}))
+    return folder
+
+
 def code_prompts(tokenizer, n: int, seed_text: str) -> list[list[int]]:
     """n varied-length prompts (3 to 62 tokens) cut from a text."""
     ids = tokenizer.encode(seed_text)

@@ -7,26 +7,12 @@ import pytest
 
 from sparkrelay.models import cpu_kernels
 from sparkrelay.tools.bench import attention
+from testkit.models import write_qwen3_config
 
 
 @pytest.mark.skipif(cpu_kernels.portable() is None, reason="the CPU kernels are off here")
 def test_a_small_run_writes_consistent_files(tmp_path):
-    cfg = tmp_path / "cfg"
-    cfg.mkdir()
-    (cfg / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["Qwen3ForCausalLM"],
-                "hidden_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "head_dim": 64,
-                "intermediate_size": 256,
-                "vocab_size": 512,
-            }
-        )
-    )
+    cfg = write_qwen3_config(tmp_path / "cfg", num_attention_heads=4, num_key_value_heads=2)
     out = tmp_path / "out"
     argv = ["--config", str(cfg), "--contexts", "40,70", "--queries", "1,8", "--repeats", "2"]
     attention.main([*argv, "--calls", "2", "--out", str(out)])

@@ -7,26 +7,12 @@ import pytest
 
 from sparkrelay.models import cpu_kernels
 from sparkrelay.tools.bench import linears
+from testkit.models import write_qwen3_config
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels are off here")
 def test_a_small_run_writes_consistent_files(tmp_path):
-    cfg = tmp_path / "cfg"
-    cfg.mkdir()
-    (cfg / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["Qwen3ForCausalLM"],
-                "hidden_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "head_dim": 64,
-                "intermediate_size": 256,
-                "vocab_size": 512,
-            }
-        )
-    )
+    cfg = write_qwen3_config(tmp_path / "cfg")
     out = tmp_path / "out"
     linears.main(["--config", str(cfg), "--rows", "1,8", "--repeats", "1", "--out", str(out)])
     record = json.loads((out / "linears.json").read_text())

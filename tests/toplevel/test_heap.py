@@ -82,7 +82,7 @@ def test_freed_activations_are_reused_without_page_faults(monkeypatch):
     # The control holds glibc's starting thresholds (128 KiB) fixed, so every 8 MiB block is fresh
     # pages: left to move, glibc's mmap threshold rises past the block size after the first free,
     # and whether the heap's free top is then trimmed each round depends on where small live
-    # blocks land, so the unpinned default faults 200,000 pages in one run and none in the next.
+    # blocks land, so the unpinned default faults every round in one run and never in the next.
     glibc_start = dict.fromkeys(USER_SETTINGS, "131072")
 
     def run(how: str, env: dict) -> tuple[int, int]:
