@@ -93,6 +93,7 @@ def build_schema(
         transfer_backend=config.disagg.disaggregation_transfer_backend,
         model=model_identity(config.model.model_path),
         dtype=DTYPE_NAMES[dtype],
+        weights=config.model.torchao_config or "unquant",
         page_size=config.cache.page_size,
         num_layers=spec.num_layers,
         kv_heads=spec.num_kv_heads,

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-SCHEMA_VERSION = 7  # 2: the metadata row carries the first token's logprobs; 3: the transfer backend; 4: streamed;
+SCHEMA_VERSION = 8  # 2: the metadata row carries the first token's logprobs; 3: the transfer backend; 4: streamed;
 # 5: a decode's cached prefix (TRANSFER_INFO prefix: the prefill sends only the pieces from there); 6: the
-# grammar backend; 7: the drafter's weights (draft-kv)
+# grammar backend; 7: the drafter's weights (draft-kv); 8: the target's weights
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,9 @@ class HandoffSchema:
     )
     model: str  # identity: sha256 of the target's config.json (canonical) and weight sizes
     dtype: str  # KV and handoff dtype
+    # the target's linears, "unquant" or "int8wo" (--torchao-config): the prefill's KV and taps must
+    # be what the decode's own forward computes, or its tokens are neither side's greedy output
+    weights: str
     page_size: int
     num_layers: int
     kv_heads: int
@@ -96,6 +99,7 @@ COMPARED = (
     "transfer_backend",
     "model",
     "dtype",
+    "weights",
     "page_size",
     "num_layers",
     "kv_heads",

@@ -35,6 +35,7 @@ def schema(
         "zmq",
         "m",
         "float32",
+        "unquant",
         16,
         8,
         2,

@@ -79,3 +79,15 @@ def test_flag_checks_and_the_draft_kv_schema(bundled_drafter_dir):
     assert compare(sides["prefill"], sides["decode"]) == [
         "draft_weights: prefill='unquant' decode='int8wo'"
     ]
+    # the target's own weights: a prefill quantized with --torchao-config, a decode not
+    quantized = build_schema(
+        base.replace(disaggregation_mode="prefill", torchao_config="int8wo"),
+        spec,
+        torch.float32,
+        DisaggEnv.read(),
+    ).to_dict()
+    plain = build_schema(
+        base.replace(disaggregation_mode="decode"), spec, torch.float32, DisaggEnv.read()
+    ).to_dict()
+    assert (quantized["weights"], plain["weights"]) == ("int8wo", "unquant")
+    assert compare(quantized, plain) == ["weights: prefill='int8wo' decode='unquant'"]

@@ -285,6 +285,7 @@ def test_tail_last_row_field_is_checked_by_the_decode():
         "zmq",
         "m",
         "float32",
+        "unquant",
         16,
         8,
         2,
