@@ -4,6 +4,8 @@ by the target through the offline engine, resumable like the plain answers."""
 import json
 import re
 
+import pytest
+
 from sparkrelay.tools.train import chat_data
 
 MODEL = "models/tiny-qwen3"
@@ -56,3 +58,29 @@ def test_variant_answers_are_written_once_and_resumed(tmp_path):
     # the torn row is dropped and only the two missing problems are answered again
     key = lambda r: (r["i"], r["v"], tuple(r["prompt_ids"]))  # noqa: E731
     assert sorted(map(key, again)) == sorted(map(key, rows))
+
+
+def test_synthetic_prompts_are_distinct_reproducible_and_mix_every_kind():
+    from sparkrelay.tools.train.chat_prompts import TEMPLATES, all_prompts, synthetic_prompts
+
+    every = [text for _, text in all_prompts()]
+    assert len(set(every)) == len(every) > 800
+    first = synthetic_prompts(200)
+    assert first == synthetic_prompts(200) and first != synthetic_prompts(200, seed=1)
+    assert synthetic_prompts(50) == first[:50]  # a larger run extends a smaller one
+    assert len(set(first)) == 200
+    kinds = {kind for kind, _ in TEMPLATES}
+    stems = {k: [tpl.split("{t}")[0] for kind, tpl in TEMPLATES if kind == k] for k in kinds}
+    seen = {k for k, heads in stems.items() for p in first[:20] for h in heads if p.startswith(h)}
+    assert seen == kinds
+
+
+def test_synthetic_answers_are_their_own_file_and_refuse_the_eval_split(tmp_path):
+    argv = ["--target", MODEL, "--out", str(tmp_path), "--max-new", "3", "--synthetic", "5"]
+    path = chat_data.generate(chat_data.build_parser().parse_args(argv + ["--mode", "sample"]))
+    assert path.name == "sample_synthetic.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sorted(r["i"] for r in rows) == list(range(5)) and {r["set"] for r in rows} == {"chat"}
+    assert all(len(r["answer_ids"]) == 3 for r in rows)
+    with pytest.raises(SystemExit):
+        chat_data.main(argv + ["--split", "eval"])

@@ -20,6 +20,10 @@ trains on them.
 with a "v" field): the prompt with every integer redrawn at its digit count (`number_variant`), so a
 word problem keeps its wording and gets new arithmetic. More problems of a set's kind is more data
 where the drafter overfits the training split; they come from training prompts only.
+
+`--synthetic N` answers N general chat prompts of tools/train/chat_prompts.py instead
+(OUT/MODE_synthetic.jsonl, set "chat"): writing, role play, explanations, advice and small programs,
+the kinds of request the sets' training splits hold few of.
 """
 
 from __future__ import annotations
@@ -95,16 +99,22 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def output_path(args: argparse.Namespace) -> Path:
-    """Where the rows go: eval_MODE.jsonl, MODE_variants.jsonl or MODE.jsonl under --out."""
+    """Where the rows go: eval_MODE.jsonl, MODE_variants.jsonl, MODE_synthetic.jsonl or MODE.jsonl
+    under --out."""
     if args.split == "eval":
         return Path(args.out) / f"eval_{args.mode}.jsonl"
-    return Path(args.out) / (
-        f"{args.mode}_variants.jsonl" if args.variants else f"{args.mode}.jsonl"
-    )
+    suffix = "_variants" if args.variants else "_synthetic" if args.synthetic else ""
+    return Path(args.out) / f"{args.mode}{suffix}.jsonl"
 
 
 def todo_prompts(args: argparse.Namespace, done: set) -> list[tuple[str, int, int, str]]:
-    """(set, i, v, text) still to answer: the split's prompts (v = 0) or their number variants."""
+    """(set, i, v, text) still to answer: the split's prompts (v = 0), their number variants or the
+    synthetic chat prompts."""
+    if args.synthetic:
+        from sparkrelay.tools.train.chat_prompts import synthetic_prompts
+
+        items = [("chat", i, 0, text) for i, text in enumerate(synthetic_prompts(args.synthetic))]
+        return [p for p in items if p[:3] not in done]
     prompts = split_prompts(args.prompts, tuple(args.sets), args.split, args.per_set)
     if args.variants:
         items = variant_prompts(prompts, args.variants)
@@ -193,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="answer K number variants of each training prompt instead (MODE_variants.jsonl)",
     )
+    p.add_argument(
+        "--synthetic",
+        type=int,
+        default=0,
+        help="answer N general chat prompts of chat_prompts.py instead (MODE_synthetic.jsonl)",
+    )
     return p
 
 
@@ -201,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.variants and args.split != "train":
         parser.error("--variants makes new prompts from the training split only (--split train)")
+    if args.synthetic and (args.variants or args.split != "train"):
+        parser.error("--synthetic is its own training data: not with --variants or --split eval")
     generate(args)
 
 
