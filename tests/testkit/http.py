@@ -35,7 +35,8 @@ def _tokenizer_source() -> Path:
     )
 
 
-def build_tiny_model(out_dir: Path) -> Path:
+def build_tiny_model(out_dir: Path, max_positions: int = 1024) -> Path:
+    """A 2-layer random Qwen3 (seed 0) with the bundled tokenizer, written to out_dir."""
     import torch
     import transformers
 
@@ -49,7 +50,7 @@ def build_tiny_model(out_dir: Path) -> Path:
         num_key_value_heads=1,
         head_dim=32,
         tie_word_embeddings=True,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_positions,
     )
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(out_dir)
     src = _tokenizer_source()

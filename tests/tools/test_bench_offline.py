@@ -4,47 +4,17 @@ expected rows."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from sparkrelay.tools.bench import common as bc
-
-REPO = Path(__file__).resolve().parents[2]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def _tokenizer_dir() -> Path:
-    for d in (REPO / "models" / "tiny-qwen3", REPO / ".cache" / "train_tiny_target" / "tokenizer"):
-        if all((d / f).exists() for f in TOKENIZER_FILES):
-            return d
-    pytest.skip("no tokenizer files in models/tiny-qwen3 or .cache/train_tiny_target/tokenizer")
+from testkit.http import build_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    import torch
-    import transformers
-
-    out = tmp_path_factory.mktemp("bench-model")
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        vocab_size=4096,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-    )
-    transformers.Qwen3ForCausalLM(cfg).save_pretrained(out)
-    src = _tokenizer_dir()
-    for f in TOKENIZER_FILES:
-        shutil.copy(src / f, out / f)
-    return out
+    return build_tiny_model(tmp_path_factory.mktemp("bench-model"), max_positions=512)
 
 
 def test_bench_offline_writes_table_plot_and_json(tiny_model, tmp_path, capsys):

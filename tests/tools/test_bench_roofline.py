@@ -12,9 +12,8 @@ import pytest
 from sparkrelay.tools.bench import bandwidth as bw
 from sparkrelay.tools.bench import common as bc
 from sparkrelay.tools.bench import roofline_report as report
+from testkit.http import build_tiny_model
 
-REPO = Path(__file__).resolve().parents[2]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 QWEN3_06B = {
     "hidden_size": 1024,
     "num_hidden_layers": 28,
@@ -131,28 +130,10 @@ def test_engine_flags_pass_through_and_the_kv_capacity_fits_the_workload():
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
-    import torch
-    import transformers
-
     from sparkrelay.models.dspark_checkpoint import write_random_checkpoint
 
     out = tmp_path_factory.mktemp("roofline-model")
-    target, draft = out / "tiny", out / "tiny-dspark"
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        vocab_size=4096,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-    )
-    transformers.Qwen3ForCausalLM(cfg).save_pretrained(target)
-    for f in TOKENIZER_FILES:
-        shutil.copy(REPO / "models" / "tiny-qwen3" / f, target / f)
+    target, draft = build_tiny_model(out / "tiny", max_positions=512), out / "tiny-dspark"
     write_random_checkpoint(draft, target, target_layer_ids=[-1, 0])
     return target, draft
 
