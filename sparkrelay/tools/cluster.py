@@ -340,42 +340,19 @@ def start_router(
     extra: Optional[list[str]] = None,
 ) -> Server:
     port = free_port()
-    if kind == "sglang":
-        argv = [
-            sys.executable,
-            "-m",
-            "sglang_router.launch_router",
-            "--pd-disaggregation",
-            "--prefill",
-            prefill_url,
-            str(boot),
-            "--decode",
-            decode_url,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(free_port()),
-        ]
-    else:
-        argv = [
-            sys.executable,
-            "-m",
-            "sparkrelay.launch_router",
-            "--pd-disaggregation",
-            "--prefill",
-            prefill_url,
-            str(boot),
-            "--decode",
-            decode_url,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ]
+    module = "sglang_router.launch_router" if kind == "sglang" else "sparkrelay.launch_router"
+    argv = [
+        sys.executable,
+        "-m",
+        module,
+        "--pd-disaggregation",
+        "--prefill",
+        prefill_url,
+        str(boot),
+    ]
+    argv += ["--decode", decode_url, "--host", "127.0.0.1", "--port", str(port)]
+    if kind == "sglang":  # its metrics server binds 0.0.0.0 and a fixed port otherwise
+        argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     return start(f"router-{kind}", argv + list(extra or []), port, log_dir)
 
 

@@ -106,3 +106,18 @@ def broken_verify(draft_ids, num_drafts, draft_probs, target_probs, greedy, gene
 def test_the_test_catches_a_broken_rule():
     chi1, _ = chi_square_two_tokens(broken_verify)
     assert chi1 > chi2_critical(3), chi1
+
+
+def test_spec_stats_take_returns_the_counts_since_the_last_take():
+    from sparkrelay.spec.stats import SpecStats
+
+    s = SpecStats(3)
+    s.record(proposed=3, committed=3, accepted=2)
+    s.record(proposed=2, committed=1, accepted=0)
+    first = s.take()
+    assert first["spec_rounds"] == 2 and first["spec_accept_length"] == 2.0
+    assert first["spec_accept_rate_per_position"] == [0.5, 0.5, 0.0]
+    s.record(proposed=1, committed=2, accepted=1)
+    second = s.take()
+    assert second["spec_rounds"] == 1 and second["spec_accept_rate_per_position"] == [1.0, 0.0, 0.0]
+    assert s.summary()["spec_rounds"] == 0

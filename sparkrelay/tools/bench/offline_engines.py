@@ -50,13 +50,8 @@ class SparkrelayRunner:
 
     def spec_stats(self) -> Optional[dict]:
         """Acceptance figures since the last call (None without speculative decoding)."""
-        engine = self.llm.engine
-        if engine.spec_stats is None:
-            return None
-        summary = engine.spec_stats.summary()
-        # start a fresh count
-        engine.spec_stats = type(engine.spec_stats)(engine.spec_stats.max_drafts)
-        return summary
+        stats = self.llm.engine.spec_stats
+        return None if stats is None else stats.take()
 
 
 def load_sparkrelay(args: argparse.Namespace) -> Runner:

@@ -176,12 +176,8 @@ class SparkrelayEngine:
 
     def spec_summary(self) -> Optional[dict]:
         """Acceptance since the last call (a fresh count starts), None without DSpark."""
-        engine = self.llm.engine
-        if engine.spec_stats is None:
-            return None
-        summary = engine.spec_stats.summary()
-        engine.spec_stats = type(engine.spec_stats)(engine.spec_stats.max_drafts)
-        return summary
+        stats = self.llm.engine.spec_stats
+        return None if stats is None else stats.take()
 
 
 def outer_linears(model) -> list:
