@@ -231,6 +231,42 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         description="Online serving benchmark (TTFT, ITL, TPOT, throughput, acceptance "
         "length) against an SGLang-native or OpenAI-compatible server.",
     )
+    _server_args(p)
+    _workload_args(p)
+    _pacing_args(p)
+    args = p.parse_args(argv)
+    bc.require_positive(
+        p,
+        args,
+        (
+            "num_prompts",
+            "random_input_len",
+            "random_output_len",
+            "max_new_tokens",
+            "max_concurrency",
+            "multiturn_turns",
+            "shared_prefix_len",
+        ),
+    )
+    if args.dataset == "multiturn" and (args.backend != "sglang" or args.dataset_path):
+        p.error(
+            "--dataset multiturn needs --backend sglang (each turn extends the previous one's token ids) and "
+            "no --dataset-path"
+        )
+    if (
+        not args.request_rate > 0
+        or not args.request_timeout > 0
+        or args.temperature < 0
+        or args.warmup_requests < 0
+    ):
+        p.error(
+            "--request-rate and --request-timeout must be > 0, --temperature and --warmup-requests >= 0"
+        )
+    return args
+
+
+def _server_args(p: argparse.ArgumentParser) -> None:
+    """Where the server is and how to talk to it."""
     p.add_argument("--backend", default="sglang", choices=sorted(BACKENDS))
     p.add_argument(
         "--base-url",
@@ -243,6 +279,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         "--model", default=None, help="Model name sent to OpenAI routes (default: GET /v1/models)."
     )
     p.add_argument("--api-key", default=None, help="Sent as `Authorization: Bearer KEY`.")
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    """The prompts and their lengths."""
     p.add_argument(
         "--tokenizer",
         default=None,
@@ -291,6 +331,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         action="store_true",
         help="Let requests stop at EOS (default: ignore_eos).",
     )
+
+
+def _pacing_args(p: argparse.ArgumentParser) -> None:
+    """Sampling, request rate and concurrency, timeouts, and where the figures go."""
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument(
         "--request-rate",
@@ -317,35 +361,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         help="Write figures and per-request records (JSON), .md, .png.",
     )
     p.add_argument("--disable-tqdm", action="store_true")
-    args = p.parse_args(argv)
-    bc.require_positive(
-        p,
-        args,
-        (
-            "num_prompts",
-            "random_input_len",
-            "random_output_len",
-            "max_new_tokens",
-            "max_concurrency",
-            "multiturn_turns",
-            "shared_prefix_len",
-        ),
-    )
-    if args.dataset == "multiturn" and (args.backend != "sglang" or args.dataset_path):
-        p.error(
-            "--dataset multiturn needs --backend sglang (each turn extends the previous one's token ids) and "
-            "no --dataset-path"
-        )
-    if (
-        not args.request_rate > 0
-        or not args.request_timeout > 0
-        or args.temperature < 0
-        or args.warmup_requests < 0
-    ):
-        p.error(
-            "--request-rate and --request-timeout must be > 0, --temperature and --warmup-requests >= 0"
-        )
-    return args
 
 
 def clean(obj: Any) -> Any:
