@@ -205,7 +205,7 @@ def ratios(rows: list[dict], key: str) -> dict[str, dict[int, float]]:
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m sparkrelay.tools.bench.prefix_cache", description=__doc__.split("\n")[0]
     )
@@ -219,32 +219,39 @@ def main(argv: Optional[list[str]] = None) -> int:
     bc.require_positive(
         ap, args, ("conversations", "turns", "shared_prefix_len", "user_len", "output_len")
     )
-    record, rows, problems, records = (
-        bc.provenance("sparkrelay.tools.bench.prefix_cache", argv),
-        [],
-        [],
-        {},
-    )
+    return args
+
+
+def run_all(args: argparse.Namespace) -> tuple[list[dict], list[str], dict]:
+    """Every deployment with the cache and without: (per-turn rows, problems against the
+    reference, per-request records)."""
+    rows, problems, records = [], [], {}
     with tempfile.TemporaryDirectory(prefix="bench-prefix-") as tmp:
         for deployment, mode in DEPLOYMENTS.items():
             records[deployment] = {}
             # "no cache" first: the aggregated one is the reference
             for cache, flags in reversed(CACHE.items()):
-                records[deployment][cache] = run_one(
-                    args, f"{deployment} {cache}", mode, flags, Path(tmp)
-                )
-                rows += turn_rows(deployment, cache, records[deployment][cache], args.turns)
-                problems += compare(
-                    deployment,
-                    cache,
-                    records[deployment][cache],
-                    records[REFERENCE[0]][REFERENCE[1]],
-                )
+                got = run_one(args, f"{deployment} {cache}", mode, flags, Path(tmp))
+                records[deployment][cache] = got
+                rows += turn_rows(deployment, cache, got, args.turns)
+                problems += compare(deployment, cache, got, records[REFERENCE[0]][REFERENCE[1]])
                 print(f"{deployment}, {cache}: done", file=sys.stderr)
-    speedup, bytes_down = (
-        ratios(rows, "ttft_ms"),
-        ratios([r for r in rows if r["deployment"] != REFERENCE[0]], "handoff_kib"),
+    return rows, problems, records
+
+
+def per_turn(label: str, ratios_by_deployment: dict) -> str:
+    return f"{label}: " + "; ".join(
+        f"{d}: " + ", ".join(f"turn {t} {x:.2f}x" for t, x in v.items())
+        for d, v in ratios_by_deployment.items()
     )
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    record = bc.provenance("sparkrelay.tools.bench.prefix_cache", argv)
+    rows, problems, records = run_all(args)
+    speedup = ratios(rows, "ttft_ms")
+    bytes_down = ratios([r for r in rows if r["deployment"] != REFERENCE[0]], "handoff_kib")
     verdict = (
         "Verdict: PASS (every run gave the aggregated uncached tokens, aggregated, hidden and draft-kv its "
         "per-request acceptance, with the cache and without; every later turn found its history cached)"
@@ -256,50 +263,47 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"Bundled pair (`{MODEL}` + `{DRAFTER}`), float32, cpu; {args.conversations} conversations x "
         f"{args.turns} turns, a shared system part of {args.shared_prefix_len} tokens, {args.user_len}-token user "
         f"messages, {args.output_len} new tokens per turn, greedy, one request at a time.",
-        "TTFT without the cache / with it, per turn: "
-        + "; ".join(
-            f"{d}: " + ", ".join(f"turn {t} {x:.2f}x" for t, x in v.items())
-            for d, v in speedup.items()
-        ),
-        "Handoff bytes per request without the cache / with it, per turn: "
-        + "; ".join(
-            f"{d}: " + ", ".join(f"turn {t} {x:.2f}x" for t, x in v.items())
-            for d, v in bytes_down.items()
-        ),
+        per_turn("TTFT without the cache / with it, per turn", speedup),
+        per_turn("Handoff bytes per request without the cache / with it, per turn", bytes_down),
     ]
-    text = table(rows)
+    summary = {"ttft_speedup": speedup, "handoff_bytes_down": bytes_down, "problems": problems}
+    files = write_files(args, record, head, rows, [verdict], summary | {"records": records})
+    print("\n".join(head) + "\n\n" + table(rows) + f"\n\n{verdict}\nwrote {files}")
+    return 0 if not problems else 1
+
+
+def write_files(
+    args: argparse.Namespace,
+    record: dict,
+    head: list[str],
+    rows: list[dict],
+    tail: list[str],
+    extra: dict,
+) -> str:
+    """The table (.md), everything (.json) and the TTFT bars (.png) under --out; -> their names."""
     out = Path(args.out)
     md = bc.write_markdown(
-        out / f"{NAME}.md", "Prefix (radix) cache, multi-turn", head, text, [verdict]
+        out / f"{NAME}.md", "Prefix (radix) cache, multi-turn", head, table(rows), tail
     )
     js = bc.write_json(
-        out / f"{NAME}.json",
-        {
-            "settings": vars(args),
-            **record,
-            "rows": rows,
-            "ttft_speedup": speedup,
-            "handoff_bytes_down": bytes_down,
-            "problems": problems,
-            "records": records,
-        },
+        out / f"{NAME}.json", {"settings": vars(args), **record, "rows": rows, **extra}
     )
+    series = {
+        f"{r['deployment']}, {r['cache']}": [
+            x["ttft_ms"]
+            for x in rows
+            if x["deployment"] == r["deployment"] and x["cache"] == r["cache"]
+        ]
+        for r in rows
+    }
     png = bc.bar_chart(
         out / f"{NAME}.png",
         [f"turn {t + 1}" for t in range(args.turns)],
-        {
-            f"{r['deployment']}, {r['cache']}": [
-                x["ttft_ms"]
-                for x in rows
-                if x["deployment"] == r["deployment"] and x["cache"] == r["cache"]
-            ]
-            for r in rows
-        },
+        series,
         "Mean TTFT per turn",
         "ms",
     )
-    print("\n".join(head) + "\n\n" + text + f"\n\n{verdict}\nwrote {md}, {js}, {png}")
-    return 0 if not problems else 1
+    return f"{md}, {js}, {png}"
 
 
 if __name__ == "__main__":
