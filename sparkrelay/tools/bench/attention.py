@@ -155,18 +155,15 @@ def report(out: Path, record: dict) -> None:
         out / "attention.md", "Decode attention", bc.header_lines(record), table, notes
     )
     bc.write_json(out / "attention.json", record)
-    try:
-        groups = [
-            f"{r['config']} L{r['context']} x{r['queries']}"
-            for r in record["rows"]
-            if r["variant"] == VARIANTS[0]
-        ]
-        series = {
-            v: [r["us_median"] for r in record["rows"] if r["variant"] == v] for v in VARIANTS
-        }
-        bc.bar_chart(out / "attention.png", groups, series, "decode attention, median us", "us")
-    except ImportError:
-        pass
+    bc.variant_chart(
+        out / "attention.png",
+        record["rows"],
+        VARIANTS,
+        lambda r: f"{r['config']} L{r['context']} x{r['queries']}",
+        "us_median",
+        "decode attention, median us",
+        "us",
+    )
     print(table, *notes, sep="\n")
 
 

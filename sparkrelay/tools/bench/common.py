@@ -338,6 +338,25 @@ def write_json(path: Path | str, obj: Any) -> Path:
     return path
 
 
+def variant_chart(
+    path: Path | str,
+    rows: list[dict],
+    variants: Sequence[str],
+    label: Callable[[dict], str],
+    value: str,
+    title: str,
+    unit: str,
+) -> None:
+    """Bars of `value` per case (the rows of the first variant, named by `label`) and one series per
+    variant; nothing when matplotlib is missing (the table and JSON carry the figures)."""
+    groups = [label(r) for r in rows if r["variant"] == variants[0]]
+    series = {v: [r[value] for r in rows if r["variant"] == v] for v in variants}
+    try:
+        bar_chart(path, groups, series, title, unit)
+    except ImportError:
+        pass
+
+
 def bar_chart(
     path: Path | str,
     groups: Sequence[str],

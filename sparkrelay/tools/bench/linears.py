@@ -196,18 +196,15 @@ def report(args, record: dict) -> None:
         notes,
     )
     bc.write_json(out / "linears.json", record)
-    try:
-        groups = [
-            f"{r['config']} x{r['rows']}" for r in record["rows"] if r["variant"] == VARIANTS[0]
-        ]
-        series = {
-            v: [r["gb_s_median"] for r in record["rows"] if r["variant"] == v] for v in variants()
-        }
-        bc.bar_chart(
-            out / "linears.png", groups, series, "decode linears, median weight GB/s", "GB/s"
-        )
-    except ImportError:
-        pass
+    bc.variant_chart(
+        out / "linears.png",
+        record["rows"],
+        variants(),
+        lambda r: f"{r['config']} x{r['rows']}",
+        "gb_s_median",
+        "decode linears, median weight GB/s",
+        "GB/s",
+    )
     print(table, *notes, sep="\n")
 
 
