@@ -12,9 +12,7 @@ fewer than `kernel_rows()` rows: a decode step, a DSpark verify or draft block o
 prefill chunk (on the tile unit where the CPU has AMX). Above, dequantizing the weight for the call
 (a temporary) and F.linear is faster. Without the kernel, torch's int8 product runs below
 DEQUANT_ROWS rows: it reads half the bytes of bfloat16 and wins at one row, but its cost grows fast
-with the rows (56 rows of a drafter's linears: 2.6 ms in bfloat16, 53 ms in float32, against 0.3 ms
-through the kernel).
-Figures: docs/cpu_kernels.md, Dispatch. The LM head's fast copy is quantized too (a decode step
+with the rows (figures: docs/cpu_kernels.md, Dispatch). The LM head's fast copy is quantized too (a decode step
 reads it whole: at 0.6B it is a quarter of the weights), with one scale per vocabulary row; the
 embedding table stays in the model dtype (a lookup reads one row).
 """
